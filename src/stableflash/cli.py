@@ -24,8 +24,8 @@ def _cmd_probe(args: argparse.Namespace) -> int:
 
     cfg = ProbeConfig(
         seq_len=args.seq_len, heads=args.heads, head_dim=args.head_dim, batch=args.batch,
-        ties=args.ties, block_size=args.block_size, beta=args.beta, eps=args.eps,
-        seed=args.seed, low=args.format,
+        groups=args.groups, ties=args.ties, block_size=args.block_size, max_logit=args.max_logit,
+        beta=args.beta, eps=args.eps, seed=args.seed, low=args.format,
     )
     result = run_probe(cfg, progress=not args.json and not args.quiet)
     if args.out is not None:
@@ -81,7 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heads", type=int, default=8, help="attention heads (default: 8)")
     p.add_argument("--head-dim", type=int, default=64, help="head dimension (default: 64)")
     p.add_argument("--batch", type=int, default=4, help="sequences (default: 4)")
+    p.add_argument("--groups", type=int, default=8,
+                   help="groups of rows per head, each with its own tied keys (default: 8)")
     p.add_argument("--ties", type=int, default=2, help="equal maxima per row in the tied inputs (default: 2)")
+    p.add_argument("--max-logit", type=float, default=14.0,
+                   help="score of the tied maxima; other scores are near 0 (default: 14)")
     p.add_argument("--block-size", type=int, default=64, help="key block size of the tiled kernel (default: 64)")
     p.add_argument("--beta", type=float, default=2.0, help="beta of the stabilized rules (default: 2.0)")
     p.add_argument("--eps", type=float, default=1e-3, help="tie tolerance epsilon (default: 1e-3)")

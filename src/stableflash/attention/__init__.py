@@ -1,0 +1,6 @@
+"""Attention backends behind one entry point, ``flash_attention``."""
+from stableflash.attention.api import BACKENDS, flash_attention
+from stableflash.attention.policy import PRESETS, PrecisionPolicy, resolve_policy
+from stableflash.attention.shift import RULES, ShiftRule
+
+__all__ = ["flash_attention", "BACKENDS", "PrecisionPolicy", "PRESETS", "resolve_policy", "ShiftRule", "RULES"]

@@ -1,0 +1,139 @@
+"""``flash_attention``: the one public entry to every attention backend.
+
+It validates its arguments at the boundary (so a mistake is a clear ValueError/TypeError that
+names the argument, never a crash deep inside a kernel) and dispatches to a backend.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+from stableflash.attention import emulated, reference
+from stableflash.attention.policy import PRESETS, PrecisionPolicy, resolve_policy
+from stableflash.attention.shift import ShiftRule
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "triton", "emulated", "reference", "sdpa")
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+MAX_HEAD_DIM = 256
+_warned: set[str] = set()
+
+
+def _check_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must have 4 dimensions (batch, heads, seq, head_dim); "
+                             f"got shape {tuple(t.shape)}")
+        if t.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"{name} has dtype {t.dtype}; accepted: float16, bfloat16, float32, float64")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share one dtype; got q={q.dtype}, k={k.dtype}, v={v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device; got q={q.device}, k={k.device}, v={v.device}")
+    for dim, what in ((0, "batch"), (1, "heads")):
+        if not (q.shape[dim] == k.shape[dim] == v.shape[dim]):
+            raise ValueError(f"q, k, v must have the same {what} (dim {dim}); got q={tuple(q.shape)}, "
+                             f"k={tuple(k.shape)}, v={tuple(v.shape)}")
+    if k.shape[2] != v.shape[2]:
+        raise ValueError(f"k and v must have the same sequence length (dim 2); got k={tuple(k.shape)}, "
+                         f"v={tuple(v.shape)}")
+    if not (q.shape[3] == k.shape[3] == v.shape[3]):
+        raise ValueError(f"q, k, v must have the same head_dim (dim 3); got q={tuple(q.shape)}, "
+                         f"k={tuple(k.shape)}, v={tuple(v.shape)}")
+    d = q.shape[3]
+    if not 1 <= d <= MAX_HEAD_DIM:
+        raise ValueError(f"head_dim={d} is unsupported; accepted: 1 to {MAX_HEAD_DIM}")
+    if min(q.shape[2], k.shape[2]) < 1:
+        raise ValueError(f"sequence lengths must be >= 1; got q seq={q.shape[2]}, k seq={k.shape[2]}")
+
+
+def _check_options(causal, scale, block_q, block_k) -> float | None:
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal={causal!r} must be a bool")
+    if scale is not None:
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+            raise ValueError(f"scale={scale!r} is invalid; accepted: None (1/sqrt(head_dim)) or a finite number > 0")
+        scale = float(scale)
+    for name, b in (("block_q", block_q), ("block_k", block_k)):
+        if isinstance(b, bool) or not isinstance(b, int) or b < 1:
+            raise ValueError(f"{name}={b!r} is invalid; accepted: a positive int")
+    return scale
+
+
+def _pick_auto(rule: ShiftRule, policy) -> str:
+    if not rule.stabilized and policy is None:
+        return "sdpa"
+    reason = ("a precision policy was given" if policy is not None else
+              f"the stabilized softmax (rule {rule.kind!r}) was asked for")
+    key = f"auto-emulated:{reason}"
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(f"backend='auto' chose 'emulated' (the PyTorch tiled emulation, correct but slow) "
+                      f"because {reason} and no fused stabilized kernel is available here; pass "
+                      "stabilize=False to use torch SDPA", stacklevel=3)
+    return "emulated"
+
+
+def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
+                    scale: float | None = None, stabilize: bool | str | ShiftRule = True, beta: float = 2.0,
+                    eps: float = 1e-3, backend: str = "auto",
+                    policy: PrecisionPolicy | str | None = None, block_q: int = 64,
+                    block_k: int = 64) -> torch.Tensor:
+    """softmax(QKᵀ·scale)·V with a stabilized row maximum, in the layout of torch's SDPA.
+
+    q: (batch, heads, seq_q, head_dim); k, v: (batch, heads, seq_k, head_dim); one floating dtype
+    and device. ``causal`` hides key j from query i when j > i (as SDPA's ``is_causal``).
+
+    stabilize: True → our rule (covers rm = 0 and cannot underflow ℓ); "paper" → the paper's
+    Algorithm 3; False → the standard row max. ``beta`` (> 1) and ``eps`` (≥ 0) parametrise the
+    stabilized rules. Exact in real arithmetic whatever the choice.
+
+    backend: "auto" (fastest available that honours the arguments, and says which), "emulated"
+    (tiled FlashAttention-2 in PyTorch under ``policy``), "reference" (float64, returned in the
+    input dtype), "sdpa" (torch's scaled_dot_product_attention; cannot be stabilized), "triton"
+    (not available yet). policy: a PrecisionPolicy or preset name (emulated and triton only);
+    None means what a real kernel does for the input dtype. block_q/block_k: tile sizes of the
+    emulated backend.
+    """
+    _check_tensors(q, k, v)
+    scale = _check_options(causal, scale, block_q, block_k)
+    rule = ShiftRule.from_arg(stabilize, beta, eps)
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is unknown; accepted: {', '.join(BACKENDS)}")
+    if policy is not None and not isinstance(policy, (str, PrecisionPolicy)):
+        raise TypeError(f"policy={policy!r} is invalid; accepted: None, a PrecisionPolicy, or one of "
+                        f"{', '.join(PRESETS)}")
+    if isinstance(policy, str) and policy not in PRESETS:
+        raise ValueError(f"policy={policy!r} is not a preset; accepted: {', '.join(PRESETS)} or a PrecisionPolicy")
+    if backend == "auto":
+        backend = _pick_auto(rule, policy)
+        log.info("flash_attention: backend='auto' picked %r", backend)
+    if policy is not None and backend in ("reference", "sdpa"):
+        raise ValueError(f"policy={policy!r} is honoured only by backend='emulated' or 'triton'; "
+                         f"got backend={backend!r}")
+    scale_val = q.shape[-1] ** -0.5 if scale is None else scale
+
+    if backend == "triton":
+        raise ValueError("backend='triton' is not available in this version; accepted now: "
+                         "'auto', 'emulated', 'reference', 'sdpa'")
+    if backend == "sdpa":
+        if rule.stabilized:
+            raise ValueError(f"backend='sdpa' cannot apply the stabilized softmax (stabilize={stabilize!r}); "
+                             "pass stabilize=False, or use backend='emulated'")
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale_val)
+    if backend == "reference":
+        return reference.attention(q, k, v, causal=causal, scale=scale_val, rule=rule).to(q.dtype)
+    resolved = resolve_policy(policy, q.dtype)
+    bad = [h for h in resolved.hp_heads if h >= q.shape[1]]
+    if bad:
+        raise ValueError(f"policy.hp_heads={resolved.hp_heads} names heads {bad}, but q has "
+                         f"{q.shape[1]} heads; accepted: 0 to {q.shape[1] - 1}")
+    return emulated.emulated_attention(q, k, v, causal=causal, scale=scale_val, policy=resolved,
+                                       rule=rule, block_q=block_q, block_k=block_k)

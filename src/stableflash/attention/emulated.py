@@ -1,0 +1,220 @@
+"""Tiled FlashAttention-2 in PyTorch with every rounding point under a PrecisionPolicy.
+
+This is the analysis instrument: Algorithms 1 (forward) and 2 (backward) of the paper's appendix,
+written block by block as the fused kernels do, vectorised over batch and heads, with the
+row-maximum rule from ``shift`` and each intermediate rounded where the policy says. Its speed
+is not the point; its arithmetic is.
+
+Each query row's arithmetic depends only on the key blocks, so ``block_q`` changes memory use
+and nothing else (a test checks this bit for bit); ``block_k`` changes where the running
+maximum and the accumulator are updated, and therefore the rounding.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+
+from stableflash.attention.policy import PrecisionPolicy
+from stableflash.attention.reference import causal_mask
+from stableflash.attention.shift import ShiftRule, next_shift
+from stableflash.numerics import round_to, ulp
+
+Rounder = Callable[[torch.Tensor], torch.Tensor]
+HP_POINTS = ("p_bar", "acc", "row_sum", "out")
+
+
+@dataclass
+class ForwardResult:
+    """Everything the forward pass produced, in the compute dtype.
+
+    out: O as stored (rounded to policy.out), (B, H, Nq, d); lse: L = m + log ℓ, (B, H, Nq);
+    acc: the final unnormalised Ō, (B, H, Nq, d); row_sum: the final ℓ; shift: the final m;
+    pbar_ones: per row, how many P̄ = 1 terms (after rounding to policy.p_bar) enter the final Ō
+    with weight exactly 1, i.e. were not rescaled by a later increase of m. Several such terms
+    are what the paper's rounding bias needs.
+    """
+
+    out: torch.Tensor
+    lse: torch.Tensor
+    acc: torch.Tensor
+    row_sum: torch.Tensor
+    shift: torch.Tensor
+    pbar_ones: torch.Tensor
+
+
+def _rounder(policy: PrecisionPolicy, field: str, n_heads: int, device: torch.device) -> Rounder:
+    """The rounding function of one policy field; identity where it equals the compute format."""
+    fmt, mode = policy.point(field)
+    if fmt.name == policy.compute:
+        return lambda x: x
+    hp = [h for h in policy.hp_heads if h < n_heads] if field in HP_POINTS else []
+    if not hp:
+        return lambda x: round_to(x, fmt, mode)
+    keep = torch.zeros(n_heads, dtype=torch.bool, device=device)
+    keep[hp] = True
+
+    def round_except_hp_heads(x: torch.Tensor) -> torch.Tensor:
+        mask = keep.view(1, n_heads, *([1] * (x.dim() - 2)))
+        return torch.where(mask, x, round_to(x, fmt, mode))
+
+    return round_except_hp_heads
+
+
+def _tiles(n_q: int, n_k: int, block_q: int, block_k: int, causal: bool,
+           keys_outer: bool) -> Iterator[tuple[slice, slice, bool]]:
+    """(query slice, key slice, needs_mask) for every tile that holds a visible entry.
+
+    Queries outer (forward, Algorithm 1) or keys outer (backward, Algorithm 2). Tiles entirely
+    above the causal diagonal are skipped, as the kernels do.
+    """
+    q_starts = range(0, n_q, block_q)
+    k_starts = range(0, n_k, block_k)
+    pairs = ((i, j) for j in k_starts for i in q_starts) if keys_outer else \
+            ((i, j) for i in q_starts for j in k_starts)
+    for i0, j0 in pairs:
+        i1, j1 = min(i0 + block_q, n_q), min(j0 + block_k, n_k)
+        if causal and j0 > i1 - 1:
+            continue
+        yield slice(i0, i1), slice(j0, j1), causal and j1 - 1 > i0
+
+
+class _Rounders:
+    def __init__(self, policy: PrecisionPolicy, n_heads: int, device: torch.device):
+        for field in ("inputs", "scores", "p_bar", "acc", "row_sum", "out", "bwd"):
+            setattr(self, field, _rounder(policy, field, n_heads, device))
+        fmt, _ = policy.point("scores")
+        self.shift = (lambda m: m) if fmt.name == policy.compute else (lambda m: _round_up(m, fmt))
+
+
+def _round_up(m: torch.Tensor, fmt) -> torch.Tensor:
+    """m rounded toward +inf into ``fmt``: a kernel that keeps scores in fmt keeps m there too,
+    and rounding up keeps every entry of a stabilized row below its shift."""
+    down = round_to(m, fmt, "rtz")
+    return torch.where(down < m, down + ulp(down, fmt).to(m.dtype), down)
+
+
+def _block_scores(r: _Rounders, q_i: torch.Tensor, k_j: torch.Tensor, scale: float,
+                  mask: torch.Tensor | None) -> torch.Tensor:
+    s = r.scores(torch.matmul(q_i, k_j.transpose(-1, -2)) * scale)
+    return s if mask is None else s.masked_fill(mask, -math.inf)
+
+
+def emulated_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float,
+                     policy: PrecisionPolicy, rule: ShiftRule, block_q: int = 64,
+                     block_k: int = 64) -> ForwardResult:
+    """Algorithm 1 (with Algorithm 3's rule when ``rule`` is stabilized), rounding per ``policy``."""
+    B, H, n_q, d = q.shape
+    n_k = k.shape[2]
+    dtype, dev = policy.compute_dtype, q.device
+    r = _Rounders(policy, H, dev)
+    if rule.kind == "ours":
+        rule = rule.capped_for(policy.point("p_bar")[0].min_normal)
+    q, k, v = (r.inputs(t.to(dtype)) for t in (q, k, v))
+    full_mask = causal_mask(n_q, n_k, dev) if causal else None
+
+    out = torch.empty(B, H, n_q, d, dtype=dtype, device=dev)
+    acc_all = torch.empty_like(out)
+    lse, row_sum, shift = (torch.empty(B, H, n_q, dtype=dtype, device=dev) for _ in range(3))
+    ones = torch.zeros(B, H, n_q, dtype=torch.int64, device=dev)
+
+    state: dict[int, tuple[torch.Tensor, ...]] = {}
+    for rows, cols, needs_mask in _tiles(n_q, n_k, block_q, block_k, causal, keys_outer=False):
+        if rows.start not in state:                       # line 5: initialise O, ℓ, m for this block
+            n = rows.stop - rows.start
+            neg_inf = torch.full((B, H, n), -math.inf, dtype=dtype, device=dev)
+            state[rows.start] = (torch.zeros(B, H, n, d, dtype=dtype, device=dev),
+                                 torch.zeros(B, H, n, dtype=dtype, device=dev), neg_inf, neg_inf.clone())
+        acc, ell, m, rmax = state[rows.start]
+        mask = full_mask[rows, cols] if needs_mask else None
+        s = _block_scores(r, q[:, :, rows], k[:, :, cols], scale, mask)
+        m_new, rmax = next_shift(s, m, rmax, rule)        # row max (or the stabilized shift)
+        m_new = r.shift(m_new)
+        p = torch.exp(r.scores(s - m_new.unsqueeze(-1)))  # P̄ = exp(S − m)
+        alpha = torch.exp(m - m_new)                      # rescale what came before
+        ell = r.row_sum(alpha * ell + p.sum(dim=-1))
+        p_low = r.p_bar(p)
+        kept = torch.where(m_new > m, 0, ones[:, :, rows])    # earlier ones were rescaled by alpha < 1
+        ones[:, :, rows] = kept + (p_low == 1).sum(dim=-1)
+        acc = r.acc(alpha.unsqueeze(-1) * acc + torch.matmul(p_low, v[:, :, cols]))
+        state[rows.start] = (acc, ell, m_new, rmax)
+        if cols.stop >= (min(n_k, rows.stop) if causal else n_k):   # last key block of these rows
+            out[:, :, rows] = r.out(acc / ell.unsqueeze(-1))
+            lse[:, :, rows] = m_new + torch.log(ell)
+            acc_all[:, :, rows], row_sum[:, :, rows], shift[:, :, rows] = acc, ell, m_new
+            del state[rows.start]
+    return ForwardResult(out, lse, acc_all, row_sum, shift, ones)
+
+
+def emulated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                   do: torch.Tensor, *, causal: bool, scale: float, policy: PrecisionPolicy,
+                   block_q: int = 64, block_k: int = 64) -> torch.Tensor:
+    """δ per the policy's source; q, k, v, do already rounded and in the compute dtype."""
+    if policy.delta == "dO·O":
+        return (do * out).sum(dim=-1)
+    r = _Rounders(policy, q.shape[1], q.device)
+    full_mask = causal_mask(q.shape[2], k.shape[2], q.device) if causal else None
+    acc = torch.zeros_like(out) if policy.delta == "recompute_fp32" else torch.zeros_like(lse)
+    for rows, cols, needs_mask in _tiles(q.shape[2], k.shape[2], block_q, block_k, causal, keys_outer=True):
+        mask = full_mask[rows, cols] if needs_mask else None
+        p = torch.exp(_block_scores(r, q[:, :, rows], k[:, :, cols], scale, mask) - lse[:, :, rows].unsqueeze(-1))
+        if policy.delta == "dP·P":
+            dp = torch.matmul(do[:, :, rows], v[:, :, cols].transpose(-1, -2))
+            acc[:, :, rows] += (p * dp).sum(dim=-1)
+        else:                                             # O = PV again, unrounded
+            acc[:, :, rows] += torch.matmul(p, v[:, :, cols])
+    return acc if policy.delta == "dP·P" else (do * acc).sum(dim=-1)
+
+
+def emulated_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                      do: torch.Tensor, *, causal: bool, scale: float, policy: PrecisionPolicy,
+                      block_q: int = 64, block_k: int = 64) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Algorithm 2: (dQ, dK, dV) in the compute dtype. ``out`` and ``lse`` come from the forward."""
+    dtype = policy.compute_dtype
+    r = _Rounders(policy, q.shape[1], q.device)
+    q, k, v, do = (r.inputs(t.to(dtype)) for t in (q, k, v, do))
+    delta = emulated_delta(q, k, v, out, lse, do, causal=causal, scale=scale, policy=policy,
+                           block_q=block_q, block_k=block_k)
+    full_mask = causal_mask(q.shape[2], k.shape[2], q.device) if causal else None
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for rows, cols, needs_mask in _tiles(q.shape[2], k.shape[2], block_q, block_k, causal, keys_outer=True):
+        mask = full_mask[rows, cols] if needs_mask else None
+        q_i, k_j, v_j, do_i = q[:, :, rows], k[:, :, cols], v[:, :, cols], do[:, :, rows]
+        p = torch.exp(_block_scores(r, q_i, k_j, scale, mask) - lse[:, :, rows].unsqueeze(-1))
+        dv[:, :, cols] += torch.matmul(r.bwd(p).transpose(-1, -2), do_i)
+        dp = torch.matmul(do_i, v_j.transpose(-1, -2))
+        ds = r.bwd(p * (dp - delta[:, :, rows].unsqueeze(-1)))
+        dq[:, :, rows] += torch.matmul(ds, k_j) * scale
+        dk[:, :, cols] += torch.matmul(ds.transpose(-1, -2), q_i) * scale
+    return dq, dk, dv
+
+
+class EmulatedAttention(torch.autograd.Function):
+    """Autograd wrapper: forward and backward both emulated under the same policy."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, scale, policy, rule, block_q, block_k):
+        with torch.autocast(q.device.type, enabled=False):
+            res = emulated_forward(q, k, v, causal=causal, scale=scale, policy=policy, rule=rule,
+                                   block_q=block_q, block_k=block_k)
+        ctx.save_for_backward(q, k, v, res.out, res.lse)
+        ctx.args = (causal, scale, policy, block_q, block_k)
+        return res.out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, out, lse = ctx.saved_tensors
+        causal, scale, policy, block_q, block_k = ctx.args
+        with torch.autocast(q.device.type, enabled=False):
+            dq, dk, dv = emulated_backward(q, k, v, out, lse, do, causal=causal, scale=scale,
+                                           policy=policy, block_q=block_q, block_k=block_k)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None
+
+
+def emulated_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float,
+                       policy: PrecisionPolicy, rule: ShiftRule, block_q: int = 64,
+                       block_k: int = 64) -> torch.Tensor:
+    """The emulated backend (inputs already validated by ``api.flash_attention``)."""
+    return EmulatedAttention.apply(q, k, v, causal, scale, policy, rule, block_q, block_k)

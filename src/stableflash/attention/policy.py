@@ -1,0 +1,141 @@
+"""PrecisionPolicy: every rounding point of flash attention as a named, configurable field.
+
+Each experiment of the paper's Section 3.2 is a policy, not a code edit. A rounding point is a
+format name, optionally with a rounding mode after a colon: ``"bf16"``, ``"fp16:rtz"``,
+``"e8m4:stochastic"``. Arithmetic between rounding points happens in ``compute`` (fp32, as on
+the GPU, or fp64 for exactness checks).
+
+| field    | what is rounded                                   | fa2  | paper | fp32 |
+|----------|---------------------------------------------------|------|-------|------|
+| inputs   | Q, K, V and dO on entry                           | low  | low   | fp32 |
+| scores   | S = QKᵀ·scale, and S − m before exp               | fp32 | low   | fp32 |
+| p_bar    | P̄ before the P̄V product                           | low  | low   | fp32 |
+| acc      | the Ō accumulator, after every key block          | fp32 | low   | fp32 |
+| row_sum  | ℓ, after every key block                          | fp32 | low   | fp32 |
+| out      | O as stored (and used for δ = rowsum(dO∘O))       | low  | low   | fp32 |
+| bwd      | P and dS before the backward matmuls              | low  | low   | fp32 |
+| delta    | δ source: "dO·O", "dP·P" or "recompute_fp32"      | dO·O | dO·O  | dO·O |
+| hp_heads | heads whose p_bar, acc, row_sum, out use compute  | ()   | ()    | ()   |
+
+``low`` is bf16 unless the preset is built for another format (fp16 inputs, or an explicit
+``PrecisionPolicy.preset("paper", low="fp16")``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+import torch
+
+from stableflash.numerics import ROUNDING_MODES, FloatFormat, get_format
+
+PRESETS = ("fa2", "paper", "fp32", "fp64")
+DELTA_SOURCES = ("dO·O", "dP·P", "recompute_fp32")
+_DELTA_ALIASES = {"dO·O": "dO·O", "dO*O": "dO·O", "do_o": "dO·O", "dP·P": "dP·P", "dP*P": "dP·P",
+                  "dp_p": "dP·P", "recompute_fp32": "recompute_fp32", "recompute": "recompute_fp32"}
+ROUNDING_POINTS = ("inputs", "scores", "p_bar", "acc", "row_sum", "out", "bwd")
+COMPUTE_FORMATS = ("fp32", "fp64")
+
+
+def parse_point(spec: str, field: str = "rounding point") -> tuple[FloatFormat, str]:
+    """``"bf16"`` → (bf16, "rne"); ``"bf16:stochastic"`` → (bf16, "stochastic")."""
+    if not isinstance(spec, str):
+        raise TypeError(f"{field}={spec!r} is not a string; accepted: a format name with an "
+                        f"optional ':mode', e.g. 'bf16' or 'bf16:stochastic'")
+    name, _, mode = spec.partition(":")
+    mode = mode or "rne"
+    if mode not in ROUNDING_MODES:
+        raise ValueError(f"{field}={spec!r} has rounding mode {mode!r}; accepted: {', '.join(ROUNDING_MODES)}")
+    try:
+        fmt = get_format(name)
+    except ValueError as exc:
+        raise ValueError(f"{field}={spec!r}: {exc}") from None
+    return fmt, mode
+
+
+@dataclass(frozen=True)
+class PrecisionPolicy:
+    """Where flash attention rounds, and to what. See the module docstring for the fields."""
+
+    inputs: str = "bf16"
+    scores: str = "fp32"
+    p_bar: str = "bf16"
+    acc: str = "fp32"
+    row_sum: str = "fp32"
+    out: str = "bf16"
+    bwd: str = "bf16"
+    delta: str = "dO·O"
+    hp_heads: tuple[int, ...] = ()
+    compute: str = "fp32"
+    name: str = "custom"
+
+    def __post_init__(self) -> None:
+        if self.compute not in COMPUTE_FORMATS:
+            raise ValueError(f"compute={self.compute!r} is invalid; accepted: {', '.join(COMPUTE_FORMATS)}")
+        wide = get_format(self.compute)
+        for point in ROUNDING_POINTS:
+            fmt, _ = parse_point(getattr(self, point), point)
+            if fmt.exp_bits > wide.exp_bits or fmt.man_bits > wide.man_bits:
+                raise ValueError(f"{point}={getattr(self, point)!r} is wider than compute={self.compute!r}; "
+                                 f"accepted: formats that fit in {self.compute}, or compute='fp64'")
+        if self.delta not in _DELTA_ALIASES:
+            raise ValueError(f"delta={self.delta!r} is invalid; accepted: {', '.join(DELTA_SOURCES)}")
+        object.__setattr__(self, "delta", _DELTA_ALIASES[self.delta])
+        heads = tuple(self.hp_heads)
+        if not all(isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in heads):
+            raise ValueError(f"hp_heads={self.hp_heads!r} is invalid; accepted: non-negative head indices")
+        object.__setattr__(self, "hp_heads", tuple(sorted(set(heads))))
+
+    @classmethod
+    def preset(cls, name: str, low: str | FloatFormat = "bf16") -> "PrecisionPolicy":
+        """One of ``PRESETS``, with ``low`` as the low-precision format (fa2 and paper only)."""
+        low_name = get_format(low).name
+        if name == "fa2":
+            return cls(inputs=low_name, scores="fp32", p_bar=low_name, acc="fp32", row_sum="fp32",
+                       out=low_name, bwd=low_name, name="fa2")
+        if name == "paper":
+            return cls(inputs=low_name, scores=low_name, p_bar=low_name, acc=low_name, row_sum=low_name,
+                       out=low_name, bwd=low_name, name="paper")
+        if name in ("fp32", "fp64"):
+            return cls(**{p: name for p in ROUNDING_POINTS}, compute=name, name=name)
+        raise ValueError(f"policy={name!r} is not a preset; accepted: {', '.join(PRESETS)} "
+                         "or a PrecisionPolicy")
+
+    def replace(self, **changes) -> "PrecisionPolicy":
+        """A copy with some fields changed (validated again); named after the base preset."""
+        changes.setdefault("name", f"{self.name}*" if changes else self.name)
+        return replace(self, **changes)
+
+    def point(self, field: str) -> tuple[FloatFormat, str]:
+        """(format, rounding mode) of one rounding point."""
+        return parse_point(getattr(self, field), field)
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return torch.float64 if self.compute == "fp64" else torch.float32
+
+    def describe(self) -> str:
+        parts = [f"{f.name}={getattr(self, f.name)}" for f in fields(self)
+                 if f.name not in ("name",) and getattr(self, f.name) != ()]
+        return f"{self.name}({', '.join(parts)})"
+
+
+def resolve_policy(policy: "PrecisionPolicy | str | None", dtype: torch.dtype) -> PrecisionPolicy:
+    """The policy a backend uses for inputs of ``dtype``.
+
+    None means what a real kernel does for that dtype: "fa2" at bf16 or fp16, and "fp32"/"fp64"
+    for float32/float64 inputs. A preset name is built with ``low`` = fp16 for fp16 inputs and
+    bf16 otherwise.
+    """
+    low = "fp16" if dtype == torch.float16 else "bf16"
+    if policy is None:
+        if dtype == torch.float32:
+            return PrecisionPolicy.preset("fp32")
+        if dtype == torch.float64:
+            return PrecisionPolicy.preset("fp64")
+        return PrecisionPolicy.preset("fa2", low)
+    if isinstance(policy, PrecisionPolicy):
+        return policy
+    if isinstance(policy, str):
+        return PrecisionPolicy.preset(policy, low)
+    raise TypeError(f"policy={policy!r} is invalid; accepted: None, a PrecisionPolicy, or one of "
+                    f"{', '.join(PRESETS)}")

@@ -1,0 +1,141 @@
+"""The row-maximum rule: which value m each softmax row subtracts before exponentiating.
+
+Flash attention computes P̄ = exp(S − m) block by block with a running maximum m and rescales
+what it has accumulated whenever m grows. Softmax is shift-invariant, so any m gives the same
+attention in real arithmetic; the choice only changes the rounding. Three rules live here, and
+every backend calls `next_shift`, so they all apply the same arithmetic:
+
+``standard``
+    m = running max of S: the largest entry of each row gets P̄ = 1 exactly. With several equal
+    maxima, several P̄ = 1 terms enter P̄V, which is what makes its low-precision rounding biased
+    (the paper's Section 3.3).
+
+``paper``
+    Algorithm 3 of the paper, per key block: rm = rowmax(S), rs = #{j : rm − S_j ≤ ε}. Where rs > 1,
+    m = β·rm if rm > 0 and m = 0 if rm < 0; otherwise m = rm. It leaves three cases open: rm = 0
+    exactly (m = 0, so P̄ = 1 still), |rm| so small that exp((1 − β)·rm) rounds back to 1 in the
+    low-precision format, and large |rm|, where exp(−(β − 1)·rm) (or exp(rm) for rm < 0)
+    underflows, ℓ becomes 0 and O = 0/0 = NaN (the authors advise lowering β by hand). It also
+    misses maxima that are equal but fall in different key blocks.
+
+``ours``
+    Same detection, plus a tie between this block's maximum and the maximum of earlier blocks.
+    Where a tie is found, m = rm + d with d = (β − 1)·|rm| folded into [min_shift, max_shift],
+    for any sign of rm including 0:
+
+    - d < min_shift = ln(8/7) is raised to min_shift, so the tied entries get P̄ = 7/8: below 1
+      in every format with ≥ 2 mantissa bits, and exactly representable there, so the rounding
+      of P̄ itself adds no scale bias (what a fixed offset of another size would do);
+    - d > max_shift = ln(8/7) + 12·ln 2 is folded back into (max_shift − ln 2, max_shift] by
+      subtracting its excess modulo ln 2, so P̄ = exp(−d) stays a normal number (≥ 7/8·2⁻¹²) in
+      bf16, fp16 and fp32, ℓ ≥ P̄ can never underflow, and P̄ still varies with rm instead of
+      sitting on one constant.
+
+    Between the clamps it is the paper's rule for rm > 0 (m = β·rm), and for rm < 0 with β = 2.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+
+RULES = ("standard", "paper", "ours")
+
+LN_2 = math.log(2.0)
+LN_8_7 = math.log(8.0 / 7.0)
+DEFAULT_MIN_SHIFT = LN_8_7
+DEFAULT_MAX_SHIFT = LN_8_7 + 12.0 * math.log(2.0)
+
+
+@dataclass(frozen=True)
+class ShiftRule:
+    """A row-maximum rule: ``kind`` in ``RULES`` and its parameters (validated on creation)."""
+
+    kind: str = "ours"
+    beta: float = 2.0
+    eps: float = 1e-3
+    min_shift: float = DEFAULT_MIN_SHIFT
+    max_shift: float = DEFAULT_MAX_SHIFT
+
+    def __post_init__(self) -> None:
+        if self.kind not in RULES:
+            raise ValueError(f"ShiftRule kind={self.kind!r} is not a rule; accepted: {', '.join(RULES)}")
+        if not (isinstance(self.beta, (int, float)) and math.isfinite(self.beta) and self.beta > 1):
+            raise ValueError(f"beta={self.beta!r} is invalid; accepted: a finite number > 1 (the paper uses 2 to 8)")
+        if not (isinstance(self.eps, (int, float)) and math.isfinite(self.eps) and self.eps >= 0):
+            raise ValueError(f"eps={self.eps!r} is invalid; accepted: a finite number >= 0 (the paper uses 1e-3)")
+        if not (0 < self.min_shift <= self.max_shift and math.isfinite(self.max_shift)):
+            raise ValueError(
+                f"min_shift={self.min_shift!r}, max_shift={self.max_shift!r} are invalid; "
+                "accepted: 0 < min_shift <= max_shift < inf")
+
+    @property
+    def stabilized(self) -> bool:
+        return self.kind != "standard"
+
+    @classmethod
+    def from_arg(cls, stabilize: bool | str | "ShiftRule", beta: float = 2.0, eps: float = 1e-3) -> "ShiftRule":
+        """The rule named by ``flash_attention``'s ``stabilize`` argument.
+
+        True → "ours" (the default), False → "standard", or a rule name, or a ShiftRule.
+        """
+        if isinstance(stabilize, ShiftRule):
+            return stabilize
+        if stabilize is True:
+            return cls("ours", beta, eps)
+        if stabilize is False or stabilize is None:
+            return cls("standard", beta, eps)
+        if isinstance(stabilize, str) and stabilize in RULES:
+            return cls(stabilize, beta, eps)
+        raise ValueError(f"stabilize={stabilize!r} is invalid; accepted: True (our rule), False "
+                         f"(standard), a ShiftRule, or one of {', '.join(repr(r) for r in RULES)}")
+
+    def capped_for(self, min_normal: float) -> "ShiftRule":
+        """This rule with max_shift lowered so that exp(−max_shift) stays ≥ ``min_normal``.
+
+        For formats with a narrow exponent range (fp8 e4m3: min normal 2⁻⁶) the default cap would
+        push the tied entries' P̄ into the subnormals.
+        """
+        k = max(0, math.floor(math.log2(7.0 / (8.0 * min_normal))))  # 7/8·2⁻ᵏ ≥ min_normal
+        cap = LN_8_7 + k * math.log(2.0)
+        if cap >= self.max_shift:
+            return self
+        return replace(self, max_shift=max(cap, self.min_shift))
+
+
+def next_shift(s: torch.Tensor, m_prev: torch.Tensor, r_prev: torch.Tensor,
+               rule: ShiftRule) -> tuple[torch.Tensor, torch.Tensor]:
+    """One key block's update of the running shift.
+
+    s: scores of the block, shape (..., rows, cols), masked entries −inf.
+    m_prev: the shift used so far, (..., rows); −inf before the first block.
+    r_prev: the true running maximum of S so far, (..., rows); −inf before the first block.
+    Returns (m_new, r_new); m_new ≥ m_prev and m_new ≥ max(s) always.
+    """
+    rm = s.amax(dim=-1)
+    r_new = torch.maximum(r_prev, rm)
+    m = rm
+    if rule.kind != "standard":
+        valid = torch.isfinite(rm)
+        ties = ((rm.unsqueeze(-1) - s) <= rule.eps).sum(dim=-1) > 1
+        if rule.kind == "paper":
+            m = torch.where(ties & (rm > 0), rule.beta * rm, m)
+            m = torch.where(ties & (rm < 0), torch.zeros_like(rm), m)
+        else:
+            ties = ties | (valid & torch.isfinite(r_prev) & ((rm - r_prev).abs() <= rule.eps))
+            d = _fold((rule.beta - 1.0) * rm.abs(), rule.min_shift, rule.max_shift)
+            m = torch.where(ties & valid, rm + d, m)
+    return torch.maximum(m_prev, m), r_new
+
+
+def _fold(d: torch.Tensor, lo: float, hi: float) -> torch.Tensor:
+    """d raised to ``lo`` from below, and above ``hi`` folded into (hi − ln 2, hi]."""
+    excess = torch.remainder(d - hi, LN_2)
+    return torch.where(d > hi, hi - excess, d).clamp_min(lo)
+
+
+def row_shift(s: torch.Tensor, rule: ShiftRule) -> torch.Tensor:
+    """The shift of each row when all its keys form one block (block size = sequence length)."""
+    init = torch.full(s.shape[:-1], -math.inf, dtype=s.dtype, device=s.device)
+    return next_shift(s, init, init, rule)[0]

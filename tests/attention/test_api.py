@@ -1,0 +1,145 @@
+"""flash_attention: dispatch, and a clear error for every bad input."""
+import warnings
+
+import pytest
+import torch
+
+import stableflash as sf
+from stableflash.attention import PrecisionPolicy, reference
+from stableflash.attention.policy import resolve_policy
+from tests.conftest import qkv, rel_err
+
+
+@pytest.mark.parametrize("backend", ["reference", "emulated"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_backends_agree_with_float64(gen, backend, causal):
+    q, k, v = qkv(gen, 2, 3, 37, 32)
+    want = reference.attention(q, k, v, causal=causal)
+    got = sf.flash_attention(q, k, v, causal=causal, backend=backend)
+    assert got.dtype == q.dtype and got.shape == q.shape
+    assert rel_err(got, want) <= 1e-5
+
+
+def test_sdpa_backend_unstabilized(gen):
+    q, k, v = qkv(gen, 2, 3, 37, 32)
+    got = sf.flash_attention(q, k, v, causal=True, backend="sdpa", stabilize=False)
+    assert rel_err(got, reference.attention(q, k, v, causal=True)) <= 1e-5
+
+
+def test_scale_argument_is_used(gen):
+    q, k, v = qkv(gen, 1, 2, 20, 16)
+    want = reference.attention(q, k, v, scale=0.05)
+    for backend in ("reference", "emulated"):
+        assert rel_err(sf.flash_attention(q, k, v, scale=0.05, backend=backend), want) <= 1e-5
+    assert rel_err(sf.flash_attention(q, k, v, scale=0.05, backend="sdpa", stabilize=False), want) <= 1e-5
+
+
+def test_auto_uses_sdpa_when_not_stabilized(gen, recwarn):
+    q, k, v = qkv(gen, 1, 2, 20, 16)
+    out = sf.flash_attention(q, k, v, stabilize=False)
+    assert torch.equal(out, torch.nn.functional.scaled_dot_product_attention(q, k, v))
+    assert not [w for w in recwarn if "backend='auto'" in str(w.message)]
+
+
+def test_auto_says_when_it_falls_back_to_the_emulation(gen, monkeypatch):
+    from stableflash.attention import api
+    monkeypatch.setattr(api, "_warned", set())
+    q, k, v = qkv(gen, 1, 2, 20, 16)
+    with pytest.warns(UserWarning, match="chose 'emulated'"):
+        out = sf.flash_attention(q, k, v)
+    assert rel_err(out, reference.attention(q, k, v)) <= 1e-5
+
+
+def test_policy_presets_resolve_by_dtype():
+    assert resolve_policy(None, torch.bfloat16) == PrecisionPolicy.preset("fa2")
+    assert resolve_policy(None, torch.float16).p_bar == "fp16"
+    assert resolve_policy(None, torch.float32).name == "fp32"
+    assert resolve_policy("paper", torch.float16).acc == "fp16"
+    paper = PrecisionPolicy.preset("paper")
+    assert (paper.scores, paper.p_bar, paper.acc, paper.row_sum, paper.out) == ("bf16",) * 5
+    fa2 = PrecisionPolicy.preset("fa2")
+    assert (fa2.scores, fa2.p_bar, fa2.acc, fa2.row_sum, fa2.out) == ("fp32", "bf16", "fp32", "fp32", "bf16")
+    assert PrecisionPolicy.preset("fa2", low="e5m2").p_bar == "fp8_e5m2"
+
+
+def _bad(gen):
+    return qkv(gen, 2, 3, 8, 16)
+
+
+BAD_TENSORS = [
+    (lambda q, k, v: (q[0], k, v), ValueError, r"q must have 4 dimensions .*got shape \(3, 8, 16\)"),
+    (lambda q, k, v: (q, k[:1], v[:1]), ValueError, r"same batch .*k=\(1, 3, 8, 16\)"),
+    (lambda q, k, v: (q, k[:, :2], v), ValueError, r"same heads .*k=\(2, 2, 8, 16\)"),
+    (lambda q, k, v: (q, k[..., :8], v[..., :8]), ValueError, r"same head_dim .*k=\(2, 3, 8, 8\)"),
+    (lambda q, k, v: (q, k, v[:, :, :5]), ValueError, r"k and v must have the same sequence length"),
+    (lambda q, k, v: (q, k.double(), v), TypeError, r"one dtype; got q=torch.float32, k=torch.float64"),
+    (lambda q, k, v: (q.to(torch.int32), k, v), TypeError, r"q has dtype torch.int32; accepted: float16"),
+    (lambda q, k, v: (q, k.to("meta"), v), ValueError, r"one device; got q=cpu, k=meta"),
+    (lambda q, k, v: (torch.zeros(1, 1, 4, 300), torch.zeros(1, 1, 4, 300), torch.zeros(1, 1, 4, 300)),
+     ValueError, r"head_dim=300 is unsupported; accepted: 1 to 256"),
+    (lambda q, k, v: (q.numpy(), k, v), TypeError, r"q must be a torch.Tensor; got ndarray"),
+    (lambda q, k, v: (q[:, :, :0], k, v), ValueError, r"sequence lengths must be >= 1"),
+]
+
+
+@pytest.mark.parametrize("make,exc,match", BAD_TENSORS)
+def test_bad_tensors_raise_clear_errors(gen, make, exc, match):
+    with pytest.raises(exc, match=match):
+        sf.flash_attention(*make(*_bad(gen)), backend="emulated")
+
+
+BAD_OPTIONS = [
+    ({"beta": 1.0}, ValueError, r"beta=1.0 is invalid; accepted: a finite number > 1"),
+    ({"beta": -2}, ValueError, r"beta=-2 is invalid"),
+    ({"eps": -0.1}, ValueError, r"eps=-0.1 is invalid; accepted: a finite number >= 0"),
+    ({"policy": "bf16-ish"}, ValueError, r"policy='bf16-ish' is not a preset; accepted: fa2, paper, fp32, fp64"),
+    ({"policy": 3}, TypeError, r"policy=3 is invalid"),
+    ({"backend": "cuda"}, ValueError, r"backend='cuda' is unknown; accepted: auto, triton, emulated"),
+    ({"backend": "sdpa"}, ValueError, r"backend='sdpa' cannot apply the stabilized softmax"),
+    ({"backend": "sdpa", "stabilize": False, "policy": "fa2"}, ValueError, r"honoured only by backend='emulated'"),
+    ({"backend": "reference", "policy": "paper"}, ValueError, r"honoured only by backend='emulated'"),
+    ({"backend": "triton"}, ValueError, r"backend='triton' is not available"),
+    ({"stabilize": "maybe"}, ValueError, r"stabilize='maybe' is invalid; accepted: True"),
+    ({"scale": 0.0}, ValueError, r"scale=0.0 is invalid; accepted: None"),
+    ({"scale": float("inf")}, ValueError, r"scale=inf is invalid"),
+    ({"causal": 1}, TypeError, r"causal=1 must be a bool"),
+    ({"block_k": 0}, ValueError, r"block_k=0 is invalid; accepted: a positive int"),
+    ({"policy": PrecisionPolicy.preset("paper").replace(hp_heads=(1, 5))}, ValueError,
+     r"hp_heads=\(1, 5\) names heads \[5\], but q has 3 heads"),
+]
+
+
+@pytest.mark.parametrize("kwargs,exc,match", BAD_OPTIONS)
+def test_bad_options_raise_clear_errors(gen, kwargs, exc, match):
+    kwargs = {"backend": "emulated", **kwargs}
+    with pytest.raises(exc, match=match):
+        sf.flash_attention(*_bad(gen), **kwargs)
+
+
+BAD_POLICIES = [
+    ({"p_bar": "bf17"}, ValueError, r"p_bar='bf17'"),
+    ({"out": "bf16:up"}, ValueError, r"out='bf16:up' has rounding mode 'up'; accepted: rne, rtz, stochastic"),
+    ({"acc": "fp64"}, ValueError, r"acc='fp64' is wider than compute='fp32'"),
+    ({"delta": "dO.O"}, ValueError, r"delta='dO.O' is invalid; accepted: dO·O, dP·P, recompute_fp32"),
+    ({"hp_heads": (-1,)}, ValueError, r"hp_heads=\(-1,\) is invalid"),
+    ({"compute": "fp16"}, ValueError, r"compute='fp16' is invalid; accepted: fp32, fp64"),
+    ({"scores": 16}, TypeError, r"scores=16 is not a string"),
+]
+
+
+@pytest.mark.parametrize("kwargs,exc,match", BAD_POLICIES)
+def test_bad_policy_fields_raise_clear_errors(kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        PrecisionPolicy(**kwargs)
+
+
+def test_unknown_preset_is_named():
+    with pytest.raises(ValueError, match=r"policy='fa3' is not a preset"):
+        PrecisionPolicy.preset("fa3")
+
+
+def test_no_warning_for_explicit_backends(gen):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sf.flash_attention(*_bad(gen), backend="emulated")
+        sf.flash_attention(*_bad(gen), backend="reference")

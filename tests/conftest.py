@@ -1,0 +1,29 @@
+"""Shared test helpers. Every test draws fresh random inputs from a seeded generator."""
+import pytest
+import torch
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor, floor: float = 0.0) -> float:
+    """max |actual − expected| / max(max |expected|, floor), in float64.
+
+    ``floor`` is for references that vanish in exact arithmetic (dQ and dK of a one-token
+    sequence): then the error is measured against the inputs' natural scale instead.
+    """
+    a, e = actual.double(), expected.double()
+    denom = max(e.abs().max().item(), floor)
+    return (a - e).abs().max().item() / (denom if denom > 0 else 1.0)
+
+
+@pytest.fixture
+def gen(request) -> torch.Generator:
+    """A generator seeded from the test's name, so each test has its own reproducible draw."""
+    seed = sum(map(ord, request.node.name)) * 7919 % (2**31)
+    return torch.Generator().manual_seed(seed)
+
+
+def qkv(gen, b, h, n, d, n_k=None, dtype=torch.float32, scale=1.0):
+    n_k = n if n_k is None else n_k
+    q = torch.randn(b, h, n, d, generator=gen) * scale
+    k = torch.randn(b, h, n_k, d, generator=gen) * scale
+    v = torch.randn(b, h, n_k, d, generator=gen)
+    return q.to(dtype), k.to(dtype), v.to(dtype)
