@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -27,7 +28,7 @@ def _cmd_probe(args: argparse.Namespace) -> int:
         groups=args.groups, ties=args.ties, block_size=args.block_size, max_logit=args.max_logit,
         beta=args.beta, eps=args.eps, seed=args.seed, low=args.format,
     )
-    result = run_probe(cfg, progress=not args.json and not args.quiet)
+    result = run_probe(cfg, progress=not args.json and not args.quiet, ablate=args.ablate)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2))
@@ -91,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eps", type=float, default=1e-3, help="tie tolerance epsilon (default: 1e-3)")
     p.add_argument("--format", default="bf16", help="low-precision format of the kernel (default: bf16)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+    p.add_argument("--ablate", action="store_true",
+                   help="also run the tied inputs under the 'paper' policy with single rounding points "
+                        "raised to fp32 (row_sum, acc, both, scores, p_bar)")
     p.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
     p.add_argument("--out", type=Path, default=None, help="also write the JSON results to this file")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
@@ -107,6 +111,9 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except (ValueError, TypeError) as exc:
         parser.exit(2, f"stableflash {args.command}: error: {exc}\n")
+    except BrokenPipeError:                # e.g. `stableflash probe | head`: stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":

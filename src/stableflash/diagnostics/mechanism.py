@@ -173,20 +173,33 @@ def measure(inputs: dict[str, torch.Tensor], policy: PrecisionPolicy, rule: Shif
     }
 
 
-def run_probe(cfg: ProbeConfig = ProbeConfig(), progress: bool = False) -> dict:
-    """Every (policy, rule, input) combination; returns a JSON-serialisable dict."""
+# "paper" policy variants with single rounding points raised to fp32: where does the bias live?
+ABLATIONS = {"paper": {}, "paper, row_sum fp32": {"row_sum": "fp32"}, "paper, acc fp32": {"acc": "fp32"},
+             "paper, acc+row_sum fp32": {"acc": "fp32", "row_sum": "fp32"},
+             "paper, scores fp32": {"scores": "fp32"}, "paper, p_bar fp32": {"p_bar": "fp32"}}
+
+
+def run_probe(cfg: ProbeConfig = ProbeConfig(), progress: bool = False, ablate: bool = False) -> dict:
+    """Every (policy, rule, input) combination; returns a JSON-serialisable dict.
+
+    With ``ablate``, also the tied inputs under each variant of ``ABLATIONS`` (key "ablation").
+    """
     from tqdm.auto import tqdm
 
     start = time.perf_counter()
     g = torch.Generator().manual_seed(cfg.seed)
     inputs = {kind: make_inputs(cfg, kind, g) for kind in INPUTS}
+    policies = {name: PrecisionPolicy.preset(name, low=cfg.low) for name in POLICIES}
     combos = [(p, r, i) for p in POLICIES for r in RULE_KINDS for i in INPUTS]
+    if ablate:
+        base = PrecisionPolicy.preset("paper", low=cfg.low)
+        policies.update({name: base.replace(**change) for name, change in ABLATIONS.items() if change})
+        combos += [(p, r, "tied") for p in ABLATIONS if p != "paper" for r in RULE_KINDS]
     rows = []
     for pol_name, rule_kind, kind in tqdm(combos, desc="probe", disable=not progress, leave=False):
-        policy = PrecisionPolicy.preset(pol_name, low=cfg.low)
         rule = ShiftRule(rule_kind, cfg.beta, cfg.eps)
         rows.append({"policy": pol_name, "rule": rule_kind, "inputs": kind,
-                     **measure(inputs[kind], policy, rule, cfg)})
+                     **measure(inputs[kind], policies[pol_name], rule, cfg)})
     return {
         "config": asdict(cfg),
         "rows": rows,
@@ -221,7 +234,7 @@ def format_table(result: dict) -> str:
     console = Console(width=140, record=True, force_terminal=False)
     with console.capture() as cap:
         console.print(table)
-        console.print("Errors are measured on V's negative features against float64; t = mean δ error "
-                      "in standard errors (|t| > 5: a clear bias). "
-                      f"Finished in {result['seconds']} s.")
+        console.print("Ō and O errors: mean signed error on V's negative features against float64, in ulps "
+                      "of the output format.\nt: the mean δ error in standard errors over independent row "
+                      f"groups (|t| > 5: a clear bias). Finished in {result['seconds']} s.")
     return cap.get()
