@@ -1,6 +1,15 @@
 """Shared test helpers. Every test draws fresh random inputs from a seeded generator."""
+import os
+
 import pytest
 import torch
+
+# Without a GPU, the Triton kernels run in Triton's CPU interpreter; Triton reads this variable
+# when the kernels are defined, so it must be set before stableflash.attention.triton is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def rel_err(actual: torch.Tensor, expected: torch.Tensor, floor: float = 0.0) -> float:

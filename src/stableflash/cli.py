@@ -5,6 +5,7 @@ import argparse
 import json
 import logging
 import os
+import shlex
 import sys
 from pathlib import Path
 
@@ -38,6 +39,33 @@ def _cmd_probe(args: argparse.Namespace) -> int:
         print(format_table(result))
         if args.out is not None:
             print(f"\nJSON written to {args.out}")
+    return 0
+
+
+def _shape(text: str) -> tuple[int, int, int, int]:
+    parts = text.split(",")
+    if len(parts) != 4 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"shape {text!r} is invalid; accepted: B,H,N,d (four positive ints)")
+    return tuple(int(p) for p in parts)
+
+
+def _cmd_bench_attention(args: argparse.Namespace) -> int:
+    from stableflash.bench.attention import BenchConfig, format_table, run_bench
+
+    cfg = BenchConfig(shapes=tuple(args.shape) if args.shape else BenchConfig.shapes,
+                      providers=tuple(args.providers) if args.providers else BenchConfig.providers,
+                      causal=not args.no_causal, dtype=args.dtype, modes=tuple(args.modes))
+    result = run_bench(cfg, progress=not args.json)
+    result["command"] = "stableflash " + shlex.join(args.argv)
+    out = args.out
+    if out.suffix != ".json":
+        gpu = (result["env"]["gpu"] or "cpu").replace(" ", "-")
+        out = out / f"attention-{gpu}-{result['env']['date'][:19].replace(':', '')}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(json.dumps(result, indent=2) if args.json else format_table(result))
+    if not args.json:
+        print(f"JSON written to {out}")
     return 0
 
 
@@ -99,12 +127,36 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=None, help="also write the JSON results to this file")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_probe)
+
+    bench = sub.add_parser("bench", help="benchmarks (GPU)", description="Benchmarks; each writes JSON results.")
+    bench_sub = bench.add_subparsers(dest="bench", metavar="WHAT")
+    bench_sub.required = True
+    p = bench_sub.add_parser(
+        "attention",
+        help="time our Triton kernels against SDPA (flash, cuDNN, efficient) and FlexAttention",
+        description="Check every provider against float64, then time forward and forward+backward "
+                    "(median of triton.testing.do_bench) for our kernel (stabilized, standard, paper's "
+                    "rule) and torch's peers in the same run; print TFLOP/s and ratios; write JSON.",
+    )
+    p.add_argument("--shape", type=_shape, action="append",
+                   help="B,H,N,d (repeatable; default: 32,12,1024,64 8,16,4096,64 4,16,8192,128)")
+    from stableflash.bench.attention import PROVIDERS
+    p.add_argument("--providers", nargs="+", choices=PROVIDERS, help="subset of providers (default: all)")
+    p.add_argument("--modes", nargs="+", choices=("fwd", "fwd+bwd"), default=["fwd", "fwd+bwd"])
+    p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
+    p.add_argument("--no-causal", action="store_true", help="non-causal attention (default: causal)")
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results"),
+                   help="JSON file, or a folder for a named file (default: benchmarks/results)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    p.set_defaults(func=_cmd_bench_attention)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
+    args.argv = argv
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:

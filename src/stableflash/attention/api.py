@@ -37,10 +37,13 @@ def _check_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise TypeError(f"q, k, v must share one dtype; got q={q.dtype}, k={k.dtype}, v={v.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device; got q={q.device}, k={k.device}, v={v.device}")
-    for dim, what in ((0, "batch"), (1, "heads")):
-        if not (q.shape[dim] == k.shape[dim] == v.shape[dim]):
-            raise ValueError(f"q, k, v must have the same {what} (dim {dim}); got q={tuple(q.shape)}, "
-                             f"k={tuple(k.shape)}, v={tuple(v.shape)}")
+    if not (q.shape[0] == k.shape[0] == v.shape[0]):
+        raise ValueError(f"q, k, v must have the same batch (dim 0); got q={tuple(q.shape)}, "
+                         f"k={tuple(k.shape)}, v={tuple(v.shape)}")
+    if k.shape[1] != v.shape[1] or q.shape[1] % k.shape[1]:
+        raise ValueError(f"k and v must have the same heads (dim 1), and q's heads must be a multiple of "
+                         f"them (grouped-query attention); got q={tuple(q.shape)}, k={tuple(k.shape)}, "
+                         f"v={tuple(v.shape)}")
     if k.shape[2] != v.shape[2]:
         raise ValueError(f"k and v must have the same sequence length (dim 2); got k={tuple(k.shape)}, "
                          f"v={tuple(v.shape)}")
@@ -67,18 +70,51 @@ def _check_options(causal, scale, block_q, block_k) -> float | None:
     return scale
 
 
-def _pick_auto(rule: ShiftRule, policy) -> str:
+def _triton_module():
+    """The Triton backend, or None when Triton is not installed."""
+    try:
+        from stableflash.attention import triton as tri
+    except ImportError:
+        return None
+    return tri
+
+
+def _triton_reason(q: torch.Tensor, k: torch.Tensor, policy: PrecisionPolicy) -> str | None:
+    """Why the Triton backend cannot take these inputs, or None if it can."""
+    tri = _triton_module()
+    if tri is None:
+        return "Triton is not installed"
+    if q.device.type != "cuda":
+        return f"the tensors are on {q.device}, not CUDA"
+    try:
+        tri.check_inputs(q, k)
+        tri.launch.kernel_mode(policy, q.dtype)
+    except (TypeError, ValueError) as exc:
+        return str(exc)
+    return None
+
+
+def _pick_auto(q: torch.Tensor, k: torch.Tensor, rule: ShiftRule, policy) -> str:
     if not rule.stabilized and policy is None:
         return "sdpa"
+    why_not = _triton_reason(q, k, resolve_policy(policy, q.dtype))
+    if why_not is None:
+        return "triton"
     reason = ("a precision policy was given" if policy is not None else
               f"the stabilized softmax (rule {rule.kind!r}) was asked for")
-    key = f"auto-emulated:{reason}"
+    key = f"auto-emulated:{reason}:{why_not}"
     if key not in _warned:
         _warned.add(key)
         warnings.warn(f"backend='auto' chose 'emulated' (the PyTorch tiled emulation, correct but slow) "
-                      f"because {reason} and no fused stabilized kernel is available here; pass "
+                      f"because {reason} and the fused Triton kernel cannot run here ({why_not}); pass "
                       "stabilize=False to use torch SDPA", stacklevel=3)
     return "emulated"
+
+
+def _expand_kv(q: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """K or V repeated over the query heads that share it (grouped-query attention)."""
+    group = q.shape[1] // t.shape[1]
+    return t if group == 1 else t.repeat_interleave(group, dim=1)
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
@@ -98,9 +134,11 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     backend: "auto" (fastest available that honours the arguments, and says which), "emulated"
     (tiled FlashAttention-2 in PyTorch under ``policy``), "reference" (float64, returned in the
     input dtype), "sdpa" (torch's scaled_dot_product_attention; cannot be stabilized), "triton"
-    (not available yet). policy: a PrecisionPolicy or preset name (emulated and triton only);
-    None means what a real kernel does for the input dtype. block_q/block_k: tile sizes of the
-    emulated backend.
+    (the fused kernels: CUDA, float16/bfloat16, head_dim 16-256; policies "fa2" and "paper").
+    policy: a PrecisionPolicy or preset name (emulated and triton only); None means what a real
+    kernel does for the input dtype. block_q/block_k: tile sizes of the emulated backend (the
+    Triton kernels choose theirs by autotuning). k and v may have fewer heads than q, as long as
+    they divide q's (grouped-query attention).
     """
     _check_tensors(q, k, v)
     scale = _check_options(causal, scale, block_q, block_k)
@@ -113,27 +151,32 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     if isinstance(policy, str) and policy not in PRESETS:
         raise ValueError(f"policy={policy!r} is not a preset; accepted: {', '.join(PRESETS)} or a PrecisionPolicy")
     if backend == "auto":
-        backend = _pick_auto(rule, policy)
+        backend = _pick_auto(q, k, rule, policy)
         log.info("flash_attention: backend='auto' picked %r", backend)
     if policy is not None and backend in ("reference", "sdpa"):
         raise ValueError(f"policy={policy!r} is honoured only by backend='emulated' or 'triton'; "
                          f"got backend={backend!r}")
     scale_val = q.shape[-1] ** -0.5 if scale is None else scale
 
-    if backend == "triton":
-        raise ValueError("backend='triton' is not available in this version; accepted now: "
-                         "'auto', 'emulated', 'reference', 'sdpa'")
     if backend == "sdpa":
         if rule.stabilized:
             raise ValueError(f"backend='sdpa' cannot apply the stabilized softmax (stabilize={stabilize!r}); "
-                             "pass stabilize=False, or use backend='emulated'")
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale_val)
+                             "pass stabilize=False, or use backend='triton' or 'emulated'")
+        return F.scaled_dot_product_attention(q, _expand_kv(q, k), _expand_kv(q, v), is_causal=causal,
+                                              scale=scale_val)
     if backend == "reference":
-        return reference.attention(q, k, v, causal=causal, scale=scale_val, rule=rule).to(q.dtype)
+        return reference.attention(q, _expand_kv(q, k), _expand_kv(q, v), causal=causal, scale=scale_val,
+                                   rule=rule).to(q.dtype)
     resolved = resolve_policy(policy, q.dtype)
     bad = [h for h in resolved.hp_heads if h >= q.shape[1]]
     if bad:
         raise ValueError(f"policy.hp_heads={resolved.hp_heads} names heads {bad}, but q has "
                          f"{q.shape[1]} heads; accepted: 0 to {q.shape[1] - 1}")
-    return emulated.emulated_attention(q, k, v, causal=causal, scale=scale_val, policy=resolved,
-                                       rule=rule, block_q=block_q, block_k=block_k)
+    if backend == "triton":
+        tri = _triton_module()
+        if tri is None:
+            raise ValueError("backend='triton' needs the triton package (pip install 'stableflash[triton]')")
+        tri.check_inputs(q, k)
+        return tri.triton_attention(q, k, v, causal=causal, scale=scale_val, rule=rule, policy=resolved)
+    return emulated.emulated_attention(q, _expand_kv(q, k), _expand_kv(q, v), causal=causal, scale=scale_val,
+                                       policy=resolved, rule=rule, block_q=block_q, block_k=block_k)

@@ -1,0 +1,72 @@
+"""Triton helpers shared by the kernels: the row-maximum rule (``attention/shift.py``), bf16
+rounding, and the matrix product.
+
+The kernels keep scores in log2 units (S·log2 e, so that exp becomes exp2). The rules are linear
+in S, so the same code serves both unit systems: the launcher passes ε, the shift bounds and the
+fold period in the units the kernel works in (period ln 2 in natural units is 1 in log2 units).
+"""
+import triton
+import triton.language as tl
+
+STANDARD, PAPER, OURS = 0, 1, 2
+
+
+@triton.jit
+def next_shift(s, m_prev, r_prev, STAB: tl.constexpr, beta, eps, lo, hi, period):
+    """One key block's update of the running shift m and running maximum r (shapes (BLOCK_M,)).
+
+    s: (BLOCK_M, BLOCK_N) scores, −inf where masked. STAB: STANDARD, PAPER (Algorithm 3) or OURS.
+    """
+    rm = tl.max(s, 1)
+    r_new = tl.maximum(r_prev, rm)
+    if STAB == STANDARD:
+        m = rm
+    else:
+        ties = tl.sum(((rm[:, None] - s) <= eps).to(tl.int32), 1) > 1
+        if STAB == PAPER:
+            m = tl.where(ties & (rm > 0), beta * rm, rm)
+            m = tl.where(ties & (rm < 0), 0.0, m)
+        else:
+            ties = ties | (tl.abs(rm - r_prev) <= eps)          # equal to an earlier block's max
+            d = (beta - 1.0) * tl.abs(rm)
+            excess = d - hi
+            folded = hi - (excess - tl.floor(excess / period) * period)
+            d = tl.maximum(tl.where(d > hi, folded, d), lo)
+            m = tl.where(ties, rm + d, rm)
+    return tl.maximum(m_prev, m), r_new
+
+
+@triton.jit
+def round_up_bf16(x):
+    """x (fp32) rounded toward +inf to the nearest bfloat16 value, returned as fp32."""
+    bits = x.to(tl.int32, bitcast=True)
+    down = (bits & -65536).to(tl.float32, bitcast=True)      # toward zero: drop the low 16 bits
+    up = ((bits & -65536) + 65536).to(tl.float32, bitcast=True)
+    return tl.where(down < x, up, down)
+
+
+@triton.jit
+def cast(x, dtype: tl.constexpr, INTERP: tl.constexpr):
+    """x (fp32) rounded to nearest-even in ``dtype``. The CPU interpreter truncates fp32 → bf16
+    instead of rounding; INTERP rounds the bits first, so the interpreter computes what the GPU does."""
+    if INTERP and dtype == tl.bfloat16:
+        bits = x.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+        x = bits.to(tl.float32, bitcast=True)
+    return x.to(dtype)
+
+
+@triton.jit
+def to_bf16(x, INTERP: tl.constexpr):
+    """x (fp32) rounded to nearest-even bfloat16, returned as fp32."""
+    return cast(x, tl.bfloat16, INTERP).to(tl.float32)
+
+
+@triton.jit
+def mma(a, b, INTERP: tl.constexpr):
+    """a @ b with fp32 accumulation. INTERP multiplies in fp32 ("ieee"): the Triton CPU
+    interpreter's bf16 dot is wrong; bf16 and fp16 products are exact in fp32, so the result is
+    what the tensor cores compute, up to the order of the fp32 additions."""
+    if INTERP:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b)

@@ -1,0 +1,104 @@
+"""FlashAttention-2 forward (Algorithm 1) in Triton, with the stabilized row maximum.
+
+One program computes BLOCK_M query rows of one (batch, head): it walks the key blocks, updating
+the running shift m (``rule.next_shift``), the row sum ℓ and the accumulator Ō, and writes
+O = Ō/ℓ and the log-sum-exp L = m + log ℓ (natural log, fp32) for the backward pass.
+
+Two arithmetic modes, chosen at compile time:
+- EMU = 0 ("fa2"): scores in fp32 and log2 units, P̄ rounded to the input dtype for P̄V, ℓ and Ō
+  in fp32 — what fused kernels do.
+- EMU = 1 ("paper", bf16 only): the authors' emulation, matching the emulated backend's "paper"
+  policy — S, the shift and S − m in bf16 (natural units), and ℓ and Ō rounded to bf16 after every
+  key block.
+"""
+import triton
+import triton.language as tl
+
+from stableflash.attention.triton.common import cast, mma, next_shift, round_up_bf16, to_bf16
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _fwd_blocks(acc, l_i, m_i, r_i, q, K, V, stride_kn, stride_vn, offs_m, offs_d, start, stop, n_k,
+                scale, beta, eps, lo, hi, period,
+                BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
+                STAB: tl.constexpr, EMU: tl.constexpr, INTERP: tl.constexpr):
+    """Lines 6-11 of Algorithm 1 for key blocks [start, stop)."""
+    offs_n = tl.arange(0, BLOCK_N)
+    for start_n in range(start, stop, BLOCK_N):
+        cols = start_n + offs_n
+        if MASKED:
+            k = tl.load(K + cols[None, :] * stride_kn + offs_d[:, None], mask=cols[None, :] < n_k, other=0.0)
+            v = tl.load(V + cols[:, None] * stride_vn + offs_d[None, :], mask=cols[:, None] < n_k, other=0.0)
+        else:
+            k = tl.load(K + cols[None, :] * stride_kn + offs_d[:, None])
+            v = tl.load(V + cols[:, None] * stride_vn + offs_d[None, :])
+        s = mma(q, k, INTERP) * scale                      # log2 units (fa2) or natural units in bf16 (paper)
+        if EMU:
+            s = to_bf16(s, INTERP)
+        if MASKED:
+            keep = cols[None, :] < n_k
+            if CAUSAL:
+                keep = keep & (cols[None, :] <= offs_m[:, None])
+            s = tl.where(keep, s, float("-inf"))
+        m_new, r_i = next_shift(s, m_i, r_i, STAB, beta, eps, lo, hi, period)
+        if EMU:
+            m_new = round_up_bf16(m_new)
+            p = tl.exp2(to_bf16(s - m_new[:, None], INTERP) * 1.4426950408889634)
+            alpha = tl.exp2((m_i - m_new) * 1.4426950408889634)
+            l_i = to_bf16(l_i * alpha + tl.sum(p, 1), INTERP)
+            acc = to_bf16(acc * alpha[:, None] + mma(cast(p, v.dtype, INTERP), v, INTERP), INTERP)
+        else:
+            p = tl.exp2(s - m_new[:, None])
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + mma(cast(p, v.dtype, INTERP), v, INTERP)
+        m_i = m_new
+    return acc, l_i, m_i, r_i
+
+
+@triton.jit
+def attn_fwd_kernel(Q, K, V, O, LSE,
+                    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+                    stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om,
+                    n_heads, group, n_q, n_k, scale, beta, eps, lo, hi, period,
+                    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    CAUSAL: tl.constexpr, STAB: tl.constexpr, EMU: tl.constexpr, INTERP: tl.constexpr):
+    start_m = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1)
+    b, h = bh // n_heads, bh % n_heads
+    hk = h // group
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    Q += b * stride_qb + h * stride_qh
+    K += b * stride_kb + hk * stride_kh
+    V += b * stride_vb + hk * stride_vh
+    q = tl.load(Q + offs_m[:, None] * stride_qm + offs_d[None, :], mask=offs_m[:, None] < n_q, other=0.0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    r_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+
+    # keys [0, full) need no mask; [full, stop) hold the causal diagonal and the ragged tail
+    stop = tl.minimum(n_k, start_m + BLOCK_M) if CAUSAL else n_k
+    full = (n_k // BLOCK_N) * BLOCK_N
+    if CAUSAL:
+        full = tl.minimum(full, (start_m // BLOCK_N) * BLOCK_N)
+    acc, l_i, m_i, r_i = _fwd_blocks(acc, l_i, m_i, r_i, q, K, V, stride_kn, stride_vn, offs_m, offs_d,
+                                     0, full, n_k, scale, beta, eps, lo, hi, period,
+                                     BLOCK_N, CAUSAL, False, STAB, EMU, INTERP)
+    acc, l_i, m_i, r_i = _fwd_blocks(acc, l_i, m_i, r_i, q, K, V, stride_kn, stride_vn, offs_m, offs_d,
+                                     full, stop, n_k, scale, beta, eps, lo, hi, period,
+                                     BLOCK_N, CAUSAL, True, STAB, EMU, INTERP)
+    if EMU:
+        o = acc / l_i[:, None]
+        lse = m_i + tl.log(l_i)
+    else:
+        o = acc / l_i[:, None]
+        lse = (m_i + tl.log2(l_i)) * 0.6931471805599453
+    O += b * stride_ob + h * stride_oh
+    tl.store(O + offs_m[:, None] * stride_om + offs_d[None, :], cast(o, O.dtype.element_ty, INTERP),
+             mask=offs_m[:, None] < n_q)
+    tl.store(LSE + bh * n_q + offs_m, lse, mask=offs_m < n_q)

@@ -1,0 +1,154 @@
+"""Launchers for the Triton kernels, registered as ``torch.library`` custom ops with autograd.
+
+``stableflash::attn_fwd`` and ``stableflash::attn_bwd`` are opaque to torch.compile (it traces
+through them with their fake implementations, no graph break), and the autograd formula calls
+the backward op. Inputs whose last dimension is not contiguous are copied first.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+from triton.runtime.interpreter import InterpretedFunction
+
+from stableflash.attention.triton.backward import (attn_bwd_dkdv_kernel, attn_bwd_dq_kernel,
+                                                   delta_dot_kernel, delta_pass_kernel)
+from stableflash.attention.triton.forward import attn_fwd_kernel
+
+LOG2E = 1.0 / math.log(2.0)
+HEAD_DIMS = (16, 32, 64, 128, 256)
+DTYPES = (torch.float16, torch.bfloat16)
+DELTA_SOURCES = {"dO·O": 0, "dP·P": 1, "recompute_fp32": 2}
+RULE_CODES = {"standard": 0, "paper": 1, "ours": 2}
+
+
+def interpreting() -> bool:
+    """True when Triton runs its CPU interpreter (TRITON_INTERPRET=1 when the kernels were defined)."""
+    return isinstance(attn_fwd_kernel, InterpretedFunction)
+
+
+def _cfg(bm: int, bn: int, warps: int, stages: int) -> triton.Config:
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages)
+
+
+def _fits(configs, named_args, **kwargs):
+    """At head_dim 256, drop tiles whose shared-memory footprint cannot fit on the chip."""
+    d = kwargs.get("HEAD_DIM", named_args.get("HEAD_DIM"))
+    kept = [c for c in configs if d < 256 or c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 64 * 64]
+    return kept or configs[-1:]
+
+
+FWD_CONFIGS = [_cfg(128, 64, 4, 3), _cfg(128, 64, 8, 3), _cfg(128, 128, 8, 3), _cfg(128, 32, 4, 4),
+               _cfg(64, 64, 4, 3), _cfg(128, 64, 4, 4), _cfg(64, 32, 4, 2)]
+DKDV_CONFIGS = [_cfg(32, 128, 4, 3), _cfg(64, 128, 8, 3), _cfg(32, 128, 8, 2), _cfg(64, 64, 4, 3),
+                _cfg(32, 64, 4, 3), _cfg(16, 64, 4, 2)]
+DQ_CONFIGS = [_cfg(128, 32, 4, 3), _cfg(128, 64, 8, 3), _cfg(64, 64, 4, 3), _cfg(128, 32, 8, 2),
+              _cfg(64, 32, 4, 3), _cfg(64, 16, 4, 2)]
+_KEY = ["n_q", "n_k", "HEAD_DIM", "CAUSAL"]
+_prune = {"early_config_prune": _fits}
+_fwd_tuned = triton.autotune(FWD_CONFIGS, key=_KEY + ["STAB", "EMU"], prune_configs_by=_prune)(attn_fwd_kernel)
+_dkdv_tuned = triton.autotune(DKDV_CONFIGS, key=_KEY + ["EMU"], prune_configs_by=_prune)(attn_bwd_dkdv_kernel)
+_dq_tuned = triton.autotune(DQ_CONFIGS, key=_KEY + ["EMU"], prune_configs_by=_prune)(attn_bwd_dq_kernel)
+# under the interpreter: one small tile, so that short test sequences still span several blocks
+_INTERP = {"BLOCK_M": 32, "BLOCK_N": 16}
+
+
+def _launch(tuned, raw, grid, *args, **meta):
+    if interpreting():
+        raw[grid(_INTERP)](*args, **meta, **_INTERP, INTERP=True)
+    else:
+        tuned[grid](*args, **meta, INTERP=False)
+
+
+def _units(emu: bool, scale: float, eps: float, lo: float, hi: float) -> tuple[float, ...]:
+    """Kernel arguments in the kernel's units: log2 (fa2) or natural (paper emulation)."""
+    if emu:
+        return scale, eps, lo, hi, math.log(2.0)
+    return scale * LOG2E, eps * LOG2E, lo * LOG2E, hi * LOG2E, 1.0
+
+
+def _strides(t: torch.Tensor) -> tuple[int, int, int]:
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+@torch.library.custom_op("stableflash::attn_fwd", mutates_args=())
+def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, rule: int,
+             beta: float, eps: float, min_shift: float, max_shift: float, emu: bool,
+             delta_src: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(O, LSE): O like q, LSE (B, H, Nq) fp32 in natural log. ``delta_src`` is for the backward."""
+    q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
+    B, H, n_q, d = q.shape
+    n_k = k.shape[2]
+    o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(B, H, n_q, dtype=torch.float32, device=q.device)
+    scale_u, eps_u, lo, hi, period = _units(emu, scale, eps, min_shift, max_shift)
+    grid = lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]), B * H)  # noqa: E731
+    _launch(_fwd_tuned, attn_fwd_kernel, grid, q, k, v, o, lse, *_strides(q), *_strides(k), *_strides(v),
+            *_strides(o), H, H // k.shape[1], n_q, n_k, scale_u, beta, eps_u, lo, hi, period,
+            HEAD_DIM=d, CAUSAL=causal, STAB=rule, EMU=emu)
+    return o, lse
+
+
+@attn_fwd.register_fake
+def _(q, k, v, causal, scale, rule, beta, eps, min_shift, max_shift, emu, delta_src):
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+@torch.library.custom_op("stableflash::attn_bwd", mutates_args=())
+def attn_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+             lse: torch.Tensor, causal: bool, scale: float, emu: bool,
+             delta_src: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dQ, dK, dV) for the forward that produced ``o`` and ``lse``."""
+    do, q, k, v, o = (_last_dim_contiguous(t) for t in (do, q, k, v, o))
+    B, H, n_q, d = q.shape
+    Hk, n_k = k.shape[1], k.shape[2]
+    group = H // Hk
+    delta = torch.empty(B, H, n_q, dtype=torch.float32, device=q.device)
+    if delta_src == 0:
+        block = 64
+        delta_dot_kernel[(triton.cdiv(n_q, block), B * H)](o, do, delta, *_strides(o), *_strides(do), H, n_q,
+                                                          HEAD_DIM=d, BLOCK_M=block)
+    else:
+        bm, bn = (32, 16) if interpreting() else (64, 64)
+        delta_pass_kernel[(triton.cdiv(n_q, bm), B * H)](
+            q, k, v, do, lse, delta, *_strides(q), *_strides(k), *_strides(v), *_strides(do), H, group, n_q, n_k,
+            scale, HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, DELTA_SRC=delta_src, EMU=emu,
+            INTERP=interpreting())
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    common = (*_strides(q), *_strides(k), *_strides(v), *_strides(do))
+    _launch(_dkdv_tuned, attn_bwd_dkdv_kernel, lambda meta: (triton.cdiv(n_k, meta["BLOCK_N"]), B * Hk),
+            q, k, v, do, lse, delta, dk, dv, *common, *_strides(dk), H, group, n_q, n_k, scale,
+            HEAD_DIM=d, CAUSAL=causal, EMU=emu)
+    _launch(_dq_tuned, attn_bwd_dq_kernel, lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]), B * H),
+            q, k, v, do, lse, delta, dq, *common, *_strides(dq), H, group, n_q, n_k, scale,
+            HEAD_DIM=d, CAUSAL=causal, EMU=emu)
+    return dq, dk, dv
+
+
+@attn_bwd.register_fake
+def _(do, q, k, v, o, lse, causal, scale, emu, delta_src):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, causal, scale, _rule, _beta, _eps, _lo, _hi, emu, delta_src = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse)
+    ctx.args = (causal, scale, emu, delta_src)
+
+
+def _backward(ctx, do, _dlse):
+    q, k, v, o, lse = ctx.saved_tensors
+    causal, scale, emu, delta_src = ctx.args
+    dq, dk, dv = attn_bwd(do, q, k, v, o, lse, causal, scale, emu, delta_src)
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None
+
+
+attn_fwd.register_autograd(_backward, setup_context=_setup_context)

@@ -1,0 +1,216 @@
+"""Attention speed: our Triton kernels (stabilized and not) against torch's peers, same run.
+
+Correctness first: every provider is compared with float64 on fresh random inputs at a small
+size before anything is timed. Times are medians of ``triton.testing.do_bench``; FLOPs are
+4·B·H·N²·d (×½ when causal) for the forward and 3.5× that for forward+backward.
+"""
+from __future__ import annotations
+
+import datetime as dt
+import platform
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from stableflash.attention import flash_attention, reference
+
+DEFAULT_SHAPES = ((32, 12, 1024, 64), (8, 16, 4096, 64), (4, 16, 8192, 128))
+PROVIDERS = ("ours-stable", "ours-standard", "ours-paper-rule", "sdpa-flash", "sdpa-cudnn",
+             "sdpa-efficient", "flex")
+PEERS = ("sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex")
+
+
+@dataclass
+class BenchConfig:
+    shapes: tuple[tuple[int, int, int, int], ...] = DEFAULT_SHAPES
+    providers: tuple[str, ...] = PROVIDERS
+    causal: bool = True
+    dtype: str = "bf16"
+    modes: tuple[str, ...] = ("fwd", "fwd+bwd")
+    warmup_ms: int = 25
+    rep_ms: int = 100
+    seed: int = 0
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        bad = [p for p in self.providers if p not in PROVIDERS]
+        if bad:
+            raise ValueError(f"providers={bad} unknown; accepted: {', '.join(PROVIDERS)}")
+        if self.dtype not in ("bf16", "fp16"):
+            raise ValueError(f"dtype={self.dtype!r} is invalid; accepted: bf16, fp16")
+        for s in self.shapes:
+            if len(s) != 4 or min(s) < 1:
+                raise ValueError(f"shape {s} is invalid; accepted: four positive ints B,H,N,d")
+        bad_modes = [m for m in self.modes if m not in ("fwd", "fwd+bwd")]
+        if bad_modes:
+            raise ValueError(f"modes={bad_modes} invalid; accepted: fwd, fwd+bwd")
+
+
+def _sdpa(backend) -> Callable:
+    from torch.nn.attention import sdpa_kernel
+
+    def fn(q, k, v, causal):
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    return fn
+
+
+def _flex(shape, causal, device) -> Callable:
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    compiled = torch.compile(flex_attention)
+    mask = None
+    if causal:
+        mask = create_block_mask(lambda b, h, q, kv: q >= kv, None, None, shape[2], shape[2], device=device)
+
+    def fn(q, k, v, causal):
+        return compiled(q, k, v, block_mask=mask)
+    return fn
+
+
+def provider_fn(name: str, shape, causal: bool, device) -> Callable:
+    from torch.nn.attention import SDPBackend
+
+    if name.startswith("ours"):
+        stabilize = {"ours-stable": True, "ours-standard": False, "ours-paper-rule": "paper"}[name]
+        return lambda q, k, v, causal: flash_attention(q, k, v, causal=causal, stabilize=stabilize,
+                                                       backend="triton")
+    if name == "flex":
+        return _flex(shape, causal, device)
+    return _sdpa({"sdpa-flash": SDPBackend.FLASH_ATTENTION, "sdpa-cudnn": SDPBackend.CUDNN_ATTENTION,
+                  "sdpa-efficient": SDPBackend.EFFICIENT_ATTENTION}[name])
+
+
+def flops(shape, causal: bool, mode: str) -> float:
+    b, h, n, d = shape
+    f = 4.0 * b * h * n * n * d * (0.5 if causal else 1.0)
+    return f * (3.5 if mode == "fwd+bwd" else 1.0)
+
+
+def _inputs(shape, dtype, device, gen):
+    q, k, v, do = (torch.randn(*shape, generator=gen, device=device).to(dtype) for _ in range(4))
+    return q, k, v, do
+
+
+def check(name: str, causal: bool, dtype, device, gen) -> dict:
+    """Forward and gradient error against float64 at (2, 4, 512, 64) — before any timing."""
+    shape = (2, 4, 512, 64)
+    q, k, v, do = _inputs(shape, dtype, device, gen)
+    fn = provider_fn(name, shape, causal, device)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    o = fn(*leaves, causal)
+    grads = torch.autograd.grad(o, leaves, do)
+    want = reference.forward_backward(q, k, v, do, causal=causal)
+    errs = {}
+    for key, got, ref in zip(("O", "dQ", "dK", "dV"), (o, *grads), want):
+        errs[key] = ((got.double() - ref).norm() / ref.norm()).item()
+    return errs
+
+
+def time_one(name: str, shape, mode: str, cfg: BenchConfig, dtype, device, gen) -> float:
+    import triton.testing
+
+    q, k, v, do = _inputs(shape, dtype, device, gen)
+    fn = provider_fn(name, shape, cfg.causal, device)
+    if mode == "fwd":
+        with torch.no_grad():
+            return triton.testing.do_bench(lambda: fn(q, k, v, cfg.causal), warmup=cfg.warmup_ms, rep=cfg.rep_ms,
+                                           return_mode="median")
+    leaves = [t.requires_grad_(True) for t in (q, k, v)]
+
+    def step():
+        o = fn(*leaves, cfg.causal)
+        torch.autograd.grad(o, leaves, do)
+    return triton.testing.do_bench(step, warmup=cfg.warmup_ms, rep=cfg.rep_ms, return_mode="median")
+
+
+def environment() -> dict:
+    import triton
+
+    dev = torch.cuda.get_device_properties(0) if torch.cuda.is_available() else None
+    return {"gpu": dev.name if dev else None, "sm_count": dev.multi_processor_count if dev else None,
+            "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
+            "python": platform.python_version(), "date": dt.datetime.now(dt.timezone.utc).isoformat()}
+
+
+def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
+    """Check, then time every (shape, mode, provider). Returns a JSON-serialisable dict."""
+    from tqdm.auto import tqdm
+
+    if not torch.cuda.is_available():
+        raise ValueError("stableflash bench attention needs a CUDA GPU; none is visible")
+    device = torch.device("cuda")
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[cfg.dtype]
+    gen = torch.Generator(device=device).manual_seed(cfg.seed)
+    result = {"config": asdict(cfg), "env": environment(), "checks": {}, "rows": []}
+    for name in cfg.providers:
+        try:
+            result["checks"][name] = check(name, cfg.causal, dtype, device, gen)
+        except Exception as exc:                         # a peer missing on this machine: say so
+            result["checks"][name] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+    jobs = [(s, m, p) for s in cfg.shapes for m in cfg.modes for p in cfg.providers
+            if "error" not in result["checks"][p]]
+    for shape, mode, name in tqdm(jobs, desc="bench", disable=not progress):
+        try:
+            ms = time_one(name, shape, mode, cfg, dtype, device, gen)
+            row = {"shape": list(shape), "mode": mode, "provider": name, "ms": ms,
+                   "tflops": flops(shape, cfg.causal, mode) / ms / 1e9}
+        except Exception as exc:
+            row = {"shape": list(shape), "mode": mode, "provider": name, "error": f"{type(exc).__name__}: {exc}"[:300]}
+        result["rows"].append(row)
+        torch.cuda.empty_cache()
+    result["ratios"] = ratios(result["rows"])
+    return result
+
+
+def ratios(rows: list[dict]) -> list[dict]:
+    """ours-* TFLOP/s divided by each peer's, per shape and mode."""
+    by = {(tuple(r["shape"]), r["mode"], r["provider"]): r.get("tflops") for r in rows}
+    out = []
+    for (shape, mode, name), t in by.items():
+        if not name.startswith("ours") or t is None:
+            continue
+        for peer in PEERS:
+            pt = by.get((shape, mode, peer))
+            if pt:
+                out.append({"shape": list(shape), "mode": mode, "ours": name, "peer": peer, "ratio": t / pt})
+    return out
+
+
+def format_table(result: dict) -> str:
+    from rich.console import Console
+    from rich.table import Table
+
+    env = result["env"]
+    console = Console(width=160, record=True, force_terminal=False)
+    with console.capture() as cap:
+        t = Table(title=f"correctness vs float64 (‖err‖/‖ref‖, B=2 H=4 N=512 d=64) — {env['gpu']}")
+        for c in ("provider", "O", "dQ", "dK", "dV"):
+            t.add_column(c)
+        for name, errs in result["checks"].items():
+            t.add_row(name, *([f"{errs[k]:.2e}" for k in ("O", "dQ", "dK", "dV")] if "error" not in errs
+                              else [errs["error"][:60], "", "", ""]))
+        console.print(t)
+        providers = list(dict.fromkeys(r["provider"] for r in result["rows"]))
+        t = Table(title=f"TFLOP/s (median), causal={result['config']['causal']}, {result['config']['dtype']} — "
+                        f"{env['gpu']}, torch {env['torch']}, triton {env['triton']}")
+        t.add_column("shape")
+        t.add_column("mode")
+        for p in providers:
+            t.add_column(p, justify="right")
+        t.add_column("stable / best peer", justify="right")
+        keys = list(dict.fromkeys((tuple(r["shape"]), r["mode"]) for r in result["rows"]))
+        by = {(tuple(r["shape"]), r["mode"], r["provider"]): r for r in result["rows"]}
+        for shape, mode in keys:
+            cells = []
+            for p in providers:
+                r = by.get((shape, mode, p), {})
+                cells.append(f"{r['tflops']:.0f}" if "tflops" in r else "err")
+            peers = [by[(shape, mode, p)]["tflops"] for p in PEERS if "tflops" in by.get((shape, mode, p), {})]
+            ours = by.get((shape, mode, "ours-stable"), {}).get("tflops")
+            best = f"{ours / max(peers):.2f}×" if ours and peers else "-"
+            t.add_row("×".join(map(str, shape)), mode, *cells, best)
+        console.print(t)
+    return cap.get()
