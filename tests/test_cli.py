@@ -5,7 +5,7 @@ import pytest
 
 from stableflash.cli import build_parser, main
 
-SUBCOMMANDS = ["explain-add", "probe"]
+SUBCOMMANDS = ["explain-add", "probe", "bench"]
 
 
 def test_top_level_help(capsys):
@@ -55,3 +55,22 @@ def test_probe_ablation_adds_the_policy_variants(capsys):
     variants = {r["policy"] for r in rows}
     assert {"paper, row_sum fp32", "paper, acc fp32", "paper, acc+row_sum fp32"} <= variants
     assert len(rows) == 18 + 5 * 3
+
+
+def test_bench_attention_help_and_clear_error_without_gpu(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "attention", "--help"])
+    assert exc.value.code == 0
+    assert "sdpa-cudnn" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "attention", "--shape", "1,2,3"])
+    assert exc.value.code == 2
+    assert "B,H,N,d" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the no-GPU message")
+def test_bench_attention_without_gpu_says_so(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "attention"])
+    assert exc.value.code == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err

@@ -8,7 +8,9 @@ fold period in the units the kernel works in (period ln 2 in natural units is 1 
 import triton
 import triton.language as tl
 
-STANDARD, PAPER, OURS = 0, 1, 2
+STANDARD = tl.constexpr(0)
+PAPER = tl.constexpr(1)
+OURS = tl.constexpr(2)
 
 
 @triton.jit
