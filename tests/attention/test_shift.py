@@ -102,11 +102,13 @@ def test_ties_split_across_key_blocks(gen):
 def test_next_shift_is_monotone_and_bounds_the_block(gen):
     s = torch.randn(3, 5, 16, generator=gen, dtype=torch.float64) * 4
     s[..., 3] = s[..., 7] = s.amax(-1) + 0.0
-    m_prev = torch.randn(3, 5, generator=gen, dtype=torch.float64)
+    s[0, 0] = -math.inf                          # a row fully masked in this block (causal tiles)
+    m_prev = torch.randn(3, 5, generator=gen, dtype=torch.float64) - 20
     for kind in RULES:
         m, r = next_shift(s, m_prev, m_prev.clone(), ShiftRule(kind))
         assert (m >= m_prev).all() and (m >= s.amax(-1)).all()
         assert torch.equal(r, torch.maximum(m_prev, s.amax(-1)))
+        assert m[0, 0] == m_prev[0, 0], kind      # a masked row keeps its shift
 
 
 def test_paper_rule_matches_algorithm_3_by_hand():

@@ -17,6 +17,12 @@ from stableflash.attention.triton import op as triton_op  # noqa: E402  (after T
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")   # interpreter: numpy's inf − inf
 gpu = pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA device")
 
+
+@pytest.fixture(autouse=True)
+def fixed_config(monkeypatch):
+    """Correctness needs no autotuning (which would compile every config for every shape)."""
+    monkeypatch.setattr(triton_op, "AUTOTUNE", False)
+
 # bf16 keeps 8 significant bits (unit roundoff 2⁻⁸ ≈ 3.9e-3); fp16 keeps 11 (4.9e-4)
 BOUNDS = {torch.bfloat16: {"O": 1e-2, "dQ": 2e-2, "dK": 2e-2, "dV": 2e-2},
           torch.float16: {"O": 2e-3, "dQ": 4e-3, "dK": 4e-3, "dV": 4e-3}}

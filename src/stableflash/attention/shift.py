@@ -11,7 +11,8 @@ every backend calls `next_shift`, so they all apply the same arithmetic:
     (the paper's Section 3.3).
 
 ``paper``
-    Algorithm 3 of the paper, per key block: rm = rowmax(S), rs = #{j : rm − S_j ≤ ε}. Where rs > 1,
+    Algorithm 3 of the paper, per key block: rm = rowmax(S), rs = #{j : rm − S_j ≤ ε} (computed as
+    S_j ≥ rm − ε, one subtraction per row instead of one per entry, in every backend). Where rs > 1,
     m = β·rm if rm > 0 and m = 0 if rm < 0; otherwise m = rm. It leaves three cases open: rm = 0
     exactly (m = 0, so P̄ = 1 still), |rm| so small that exp((1 − β)·rm) rounds back to 1 in the
     low-precision format, and large |rm|, where exp(−(β − 1)·rm) (or exp(rm) for rm < 0)
@@ -117,15 +118,15 @@ def next_shift(s: torch.Tensor, m_prev: torch.Tensor, r_prev: torch.Tensor,
     r_new = torch.maximum(r_prev, rm)
     m = rm
     if rule.kind != "standard":
-        valid = torch.isfinite(rm)
-        ties = ((rm.unsqueeze(-1) - s) <= rule.eps).sum(dim=-1) > 1
+        valid = torch.isfinite(rm)                                        # fully masked rows: no max
+        ties = valid & ((s >= (rm - rule.eps).unsqueeze(-1)).sum(dim=-1) > 1)  # rs = #{j: rm − S_j ≤ ε}
         if rule.kind == "paper":
             m = torch.where(ties & (rm > 0), rule.beta * rm, m)
             m = torch.where(ties & (rm < 0), torch.zeros_like(rm), m)
         else:
             ties = ties | (valid & torch.isfinite(r_prev) & ((rm - r_prev).abs() <= rule.eps))
             d = _fold((rule.beta - 1.0) * rm.abs(), rule.min_shift, rule.max_shift)
-            m = torch.where(ties & valid, rm + d, m)
+            m = torch.where(ties, rm + d, m)
     return torch.maximum(m_prev, m), r_new
 
 

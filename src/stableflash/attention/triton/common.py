@@ -14,28 +14,46 @@ OURS = tl.constexpr(2)
 
 
 @triton.jit
+def count_ties(s, rm, eps):
+    """Per row, how many entries of the block lie within eps of the block maximum rm."""
+    return tl.sum((s >= (rm - eps)[:, None]).to(tl.int32), 1)
+
+
+@triton.jit
+def shift_from_ties(rm, ties, m_prev, r_prev, STAB: tl.constexpr, beta, eps, lo, hi, period):
+    """The rule itself, given the block maximum rm and its tie count (shapes (BLOCK_M,)).
+
+    Returns (m_new, r_new): the running shift and the running maximum after this block.
+    """
+    r_new = tl.maximum(r_prev, rm)
+    if STAB == STANDARD:
+        m = rm
+    else:
+        tied = (ties > 1) & (rm > float("-inf"))          # a fully masked row has no maximum
+        if STAB == PAPER:
+            m = tl.where(tied & (rm > 0), beta * rm, rm)
+            m = tl.where(tied & (rm < 0), 0.0, m)
+        else:
+            tied = tied | (tl.abs(rm - r_prev) <= eps)          # equal to an earlier block's max
+            d = (beta - 1.0) * tl.abs(rm)
+            excess = d - hi
+            folded = hi - (excess - tl.floor(excess / period) * period)
+            d = tl.maximum(tl.where(d > hi, folded, d), lo)
+            m = tl.where(tied, rm + d, rm)
+    return tl.maximum(m_prev, m), r_new
+
+
+@triton.jit
 def next_shift(s, m_prev, r_prev, STAB: tl.constexpr, beta, eps, lo, hi, period):
     """One key block's update of the running shift m and running maximum r (shapes (BLOCK_M,)).
 
     s: (BLOCK_M, BLOCK_N) scores, −inf where masked. STAB: STANDARD, PAPER (Algorithm 3) or OURS.
     """
     rm = tl.max(s, 1)
-    r_new = tl.maximum(r_prev, rm)
-    if STAB == STANDARD:
-        m = rm
-    else:
-        ties = tl.sum(((rm[:, None] - s) <= eps).to(tl.int32), 1) > 1
-        if STAB == PAPER:
-            m = tl.where(ties & (rm > 0), beta * rm, rm)
-            m = tl.where(ties & (rm < 0), 0.0, m)
-        else:
-            ties = ties | (tl.abs(rm - r_prev) <= eps)          # equal to an earlier block's max
-            d = (beta - 1.0) * tl.abs(rm)
-            excess = d - hi
-            folded = hi - (excess - tl.floor(excess / period) * period)
-            d = tl.maximum(tl.where(d > hi, folded, d), lo)
-            m = tl.where(ties, rm + d, rm)
-    return tl.maximum(m_prev, m), r_new
+    ties = rm.to(tl.int32) * 0
+    if STAB != STANDARD:
+        ties = count_ties(s, rm, eps)
+    return shift_from_ties(rm, ties, m_prev, r_prev, STAB, beta, eps, lo, hi, period)
 
 
 @triton.jit

@@ -14,7 +14,8 @@ Two arithmetic modes, chosen at compile time:
 import triton
 import triton.language as tl
 
-from stableflash.attention.triton.common import cast, mma, next_shift, round_up_bf16, to_bf16
+from stableflash.attention.triton.common import (cast, count_ties, mma, next_shift, round_up_bf16,
+                                                 shift_from_ties, to_bf16)
 
 LOG2E = 1.4426950408889634
 
@@ -42,17 +43,31 @@ def _fwd_blocks(acc, l_i, m_i, r_i, q, K, V, stride_kn, stride_vn, offs_m, offs_
             if CAUSAL:
                 keep = keep & (cols[None, :] <= offs_m[:, None])
             s = tl.where(keep, s, float("-inf"))
-        m_new, r_i = next_shift(s, m_i, r_i, STAB, beta, eps, lo, hi, period)
         if EMU:
+            m_new, r_i = next_shift(s, m_i, r_i, STAB, beta, eps, lo, hi, period)
             m_new = round_up_bf16(m_new)
             p = tl.exp2(to_bf16(s - m_new[:, None], INTERP) * 1.4426950408889634)
             alpha = tl.exp2((m_i - m_new) * 1.4426950408889634)
             l_i = to_bf16(l_i * alpha + tl.sum(p, 1), INTERP)
             acc = to_bf16(acc * alpha[:, None] + mma(cast(p, v.dtype, INTERP), v, INTERP), INTERP)
         else:
-            p = tl.exp2(s - m_new[:, None])
+            # exp against the plain running max first, so the tie count runs beside the exp instead
+            # of before it; a stabilized row then scales its P̄ by exp2(m_std − m_new) ≤ 1 before
+            # the rounding to the input dtype (the same P̄ as exp2(s − m_new), to fp32 rounding)
+            rm = tl.max(s, 1)
+            m_std = tl.maximum(m_i, rm)
+            p = tl.exp2(s - m_std[:, None])
+            row_sum = tl.sum(p, 1)
+            if STAB == 0:
+                m_new = m_std
+            else:
+                m_new, r_i = shift_from_ties(rm, count_ties(s, rm, eps), m_i, r_i, STAB, beta, eps, lo, hi,
+                                             period)
+                factor = tl.exp2(m_std - m_new)
+                p = p * factor[:, None]
+                row_sum = row_sum * factor
             alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
+            l_i = l_i * alpha + row_sum
             acc = acc * alpha[:, None] + mma(cast(p, v.dtype, INTERP), v, INTERP)
         m_i = m_new
     return acc, l_i, m_i, r_i

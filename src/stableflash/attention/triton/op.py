@@ -52,13 +52,23 @@ _dkdv_tuned = triton.autotune(DKDV_CONFIGS, key=_KEY + ["EMU"], prune_configs_by
 _dq_tuned = triton.autotune(DQ_CONFIGS, key=_KEY + ["EMU"], prune_configs_by=_prune)(attn_bwd_dq_kernel)
 # under the interpreter: one small tile, so that short test sequences still span several blocks
 _INTERP = {"BLOCK_M": 32, "BLOCK_N": 16}
+# with AUTOTUNE off (the tests: correctness needs no tuning, and tuning compiles every config),
+# one fixed config per kernel and head_dim class
+AUTOTUNE = True
+_FIXED = {attn_fwd_kernel: {True: _cfg(128, 64, 4, 3), False: _cfg(64, 32, 4, 2)},
+          attn_bwd_dkdv_kernel: {True: _cfg(32, 128, 4, 3), False: _cfg(16, 64, 4, 2)},
+          attn_bwd_dq_kernel: {True: _cfg(128, 32, 4, 3), False: _cfg(64, 16, 4, 2)}}
 
 
 def _launch(tuned, raw, grid, *args, **meta):
     if interpreting():
         raw[grid(_INTERP)](*args, **meta, **_INTERP, INTERP=True)
-    else:
+    elif AUTOTUNE:
         tuned[grid](*args, **meta, INTERP=False)
+    else:
+        cfg = _FIXED[raw][meta["HEAD_DIM"] <= 128]
+        raw[grid(cfg.kwargs)](*args, **meta, **cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                              INTERP=False)
 
 
 def _units(emu: bool, scale: float, eps: float, lo: float, hi: float) -> tuple[float, ...]:
