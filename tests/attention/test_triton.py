@@ -105,7 +105,7 @@ def test_kernel_agrees_with_the_emulated_policy(gen, policy, stabilize, causal):
     q, k, v, do = make(gen, 2, 2, 70, 32)
     kw = dict(causal=causal, stabilize=stabilize, policy=policy)
     fused = run(q, k, v, do, backend="triton", **kw)
-    emulated = run(q, k, v, do, backend="emulated", block_q=32, block_k=16, **kw)
+    emulated = run(q, k, v, do, backend="emulated", block_q=32, block_k=triton_op.key_block(32), **kw)
     for name, a, b in zip(("O", "dQ", "dK", "dV"), fused, emulated):
         ok, msg = agree(a, b, 2.0, O_FRAC if name == "O" else 1.0)
         assert ok, (name, msg)
@@ -117,7 +117,8 @@ def test_delta_sources_agree_with_the_emulation(gen, source, policy):
     q, k, v, do = make(gen, 1, 2, 50, 32)
     pol = PrecisionPolicy.preset(policy).replace(delta=source)
     fused = run(q, k, v, do, backend="triton", causal=True, policy=pol)
-    emulated = run(q, k, v, do, backend="emulated", causal=True, policy=pol, block_q=32, block_k=16)
+    emulated = run(q, k, v, do, backend="emulated", causal=True, policy=pol, block_q=32,
+                   block_k=triton_op.key_block(32))
     for name, a, b in zip(("dQ", "dK", "dV"), fused[1:], emulated[1:]):
         ok, msg = agree(a, b, 2.0)
         assert ok, (name, msg)
@@ -142,7 +143,8 @@ def test_repeated_maxima(gen, rm):
     want = reference.forward_backward(q, k, v, do, scale=1.0)
     for stabilize in (False, "paper", True):
         fused = run(q, k, v, do, scale=1.0, stabilize=stabilize, backend="triton")
-        emulated = run(q, k, v, do, scale=1.0, stabilize=stabilize, backend="emulated", block_q=32, block_k=16)
+        emulated = run(q, k, v, do, scale=1.0, stabilize=stabilize, backend="emulated", block_q=32,
+                       block_k=triton_op.key_block(16))
         assert rel_err(fused[0], want[0]) <= BOUNDS[torch.bfloat16]["O"], (stabilize, rel_err(fused[0], want[0]))
         assert agree(fused[0], emulated[0], 1.0, O_FRAC)[0], stabilize
         for name, f, e, w in zip(("dQ", "dK", "dV"), fused[1:], emulated[1:], want[1:]):

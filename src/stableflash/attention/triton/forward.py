@@ -24,7 +24,7 @@ LOG2E = 1.4426950408889634
 def _fwd_blocks(acc, l_i, m_i, r_i, q, K, V, stride_kn, stride_vn, offs_m, offs_d, start, stop, n_k,
                 scale, beta, eps, lo, hi, period,
                 BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
-                STAB: tl.constexpr, EMU: tl.constexpr, INTERP: tl.constexpr):
+                STAB: tl.constexpr, EMU: tl.constexpr, INTERP: tl.constexpr, TIES_FIRST: tl.constexpr):
     """Lines 6-11 of Algorithm 1 for key blocks [start, stop)."""
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in range(start, stop, BLOCK_N):
@@ -50,6 +50,12 @@ def _fwd_blocks(acc, l_i, m_i, r_i, q, K, V, stride_kn, stride_vn, offs_m, offs_
             alpha = tl.exp2((m_i - m_new) * 1.4426950408889634)
             l_i = to_bf16(l_i * alpha + tl.sum(p, 1), INTERP)
             acc = to_bf16(acc * alpha[:, None] + mma(cast(p, v.dtype, INTERP), v, INTERP), INTERP)
+        elif TIES_FIRST:
+            m_new, r_i = next_shift(s, m_i, r_i, STAB, beta, eps, lo, hi, period)
+            p = tl.exp2(s - m_new[:, None])
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + mma(cast(p, v.dtype, INTERP), v, INTERP)
         else:
             # exp against the plain running max first, so the tie count runs beside the exp instead
             # of before it; a stabilized row then scales its P̄ by exp2(m_std − m_new) ≤ 1 before
@@ -79,7 +85,8 @@ def attn_fwd_kernel(Q, K, V, O, LSE,
                     stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om,
                     n_heads, group, n_q, n_k, scale, beta, eps, lo, hi, period,
                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    CAUSAL: tl.constexpr, STAB: tl.constexpr, EMU: tl.constexpr, INTERP: tl.constexpr):
+                    CAUSAL: tl.constexpr, STAB: tl.constexpr, EMU: tl.constexpr, INTERP: tl.constexpr,
+                    TIES_FIRST: tl.constexpr = False):
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1)
     b, h = bh // n_heads, bh % n_heads
@@ -103,10 +110,10 @@ def attn_fwd_kernel(Q, K, V, O, LSE,
         full = tl.minimum(full, (start_m // BLOCK_N) * BLOCK_N)
     acc, l_i, m_i, r_i = _fwd_blocks(acc, l_i, m_i, r_i, q, K, V, stride_kn, stride_vn, offs_m, offs_d,
                                      0, full, n_k, scale, beta, eps, lo, hi, period,
-                                     BLOCK_N, CAUSAL, False, STAB, EMU, INTERP)
+                                     BLOCK_N, CAUSAL, False, STAB, EMU, INTERP, TIES_FIRST)
     acc, l_i, m_i, r_i = _fwd_blocks(acc, l_i, m_i, r_i, q, K, V, stride_kn, stride_vn, offs_m, offs_d,
                                      full, stop, n_k, scale, beta, eps, lo, hi, period,
-                                     BLOCK_N, CAUSAL, True, STAB, EMU, INTERP)
+                                     BLOCK_N, CAUSAL, True, STAB, EMU, INTERP, TIES_FIRST)
     if EMU:
         o = acc / l_i[:, None]
         lse = m_i + tl.log(l_i)

@@ -60,6 +60,14 @@ _FIXED = {attn_fwd_kernel: {True: _cfg(128, 64, 4, 3), False: _cfg(64, 32, 4, 2)
           attn_bwd_dq_kernel: {True: _cfg(128, 32, 4, 3), False: _cfg(64, 16, 4, 2)}}
 
 
+def key_block(head_dim: int) -> int:
+    """The forward's key block size when AUTOTUNE is off (or under the interpreter): an emulation
+    that is to match the kernel bit for bit must use the same block_k."""
+    if interpreting():
+        return _INTERP["BLOCK_N"]
+    return _FIXED[attn_fwd_kernel][head_dim <= 128].kwargs["BLOCK_N"]
+
+
 def _launch(tuned, raw, grid, *args, **meta):
     if interpreting():
         raw[grid(_INTERP)](*args, **meta, **_INTERP, INTERP=True)
