@@ -29,7 +29,7 @@ def test_probe_json_and_table(capsys, tmp_path):
     args = ["probe", "--batch", "1", "--heads", "2", "--seq-len", "128", "--seed", "5", "-q"]
     assert main(args + ["--json"]) == 0
     result = json.loads(capsys.readouterr().out)
-    assert len(result["rows"]) == 18 and result["config"]["seq_len"] == 128
+    assert len(result["rows"]) == 24 and result["config"]["seq_len"] == 128
     out_file = tmp_path / "probe.json"
     assert main(args + ["--out", str(out_file)]) == 0
     table = capsys.readouterr().out
@@ -54,7 +54,7 @@ def test_probe_ablation_adds_the_policy_variants(capsys):
     rows = json.loads(capsys.readouterr().out)["rows"]
     variants = {r["policy"] for r in rows}
     assert {"paper, row_sum fp32", "paper, acc fp32", "paper, acc+row_sum fp32"} <= variants
-    assert len(rows) == 18 + 5 * 3
+    assert len(rows) == 24 + 5 * 4
 
 
 def test_bench_attention_help_and_clear_error_without_gpu(capsys):

@@ -63,7 +63,7 @@ CASES = [  # (b, h, h_kv, n_q, n_k, d)
 
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("stabilize", [False, "paper", True])
+@pytest.mark.parametrize("stabilize", [False, "paper", True, "bounded"])
 def test_forward_and_gradients_match_float64(gen, case, causal, stabilize):
     b, h, h_kv, n_q, n_k, d = case
     q, k, v, do = make(gen, b, h, n_q, d, n_k, h_kv)
@@ -98,7 +98,7 @@ O_FRAC = 0.01 if DEVICE == "cpu" else 0.05    # outputs: almost every element bi
 
 
 @pytest.mark.parametrize("policy", ["fa2", "paper"])
-@pytest.mark.parametrize("stabilize", [False, "paper", True])
+@pytest.mark.parametrize("stabilize", [False, "paper", True, "bounded"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_kernel_agrees_with_the_emulated_policy(gen, policy, stabilize, causal):
     """Each precision switch of the kernel reproduces the emulated backend's policy."""
@@ -141,7 +141,7 @@ def test_repeated_maxima(gen, rm):
     do = torch.randn(1, 2, n, d, generator=gen)
     q, k, v, do = (t.bfloat16().to(DEVICE) for t in (q, k, v, do))
     want = reference.forward_backward(q, k, v, do, scale=1.0)
-    for stabilize in (False, "paper", True):
+    for stabilize in (False, "paper", True, "bounded"):
         fused = run(q, k, v, do, scale=1.0, stabilize=stabilize, backend="triton")
         emulated = run(q, k, v, do, scale=1.0, stabilize=stabilize, backend="emulated", block_q=32,
                        block_k=triton_op.key_block(16))
@@ -219,7 +219,7 @@ def test_auto_picks_triton_on_cuda(gen):
 
 @gpu
 @pytest.mark.parametrize("shape", [(2, 12, 1024, 64), (1, 16, 4096, 64), (1, 8, 2048, 128), (2, 4, 1000, 256)])
-@pytest.mark.parametrize("stabilize", [False, True])
+@pytest.mark.parametrize("stabilize", [False, True, "bounded"])
 def test_full_shapes_no_worse_than_sdpa(gen, shape, stabilize):
     """At full shapes on the GPU: our error against float64 is at most 1.25× SDPA's own (+ a bf16
     ulp of slack for gradients whose reference is computed on the CPU)."""

@@ -110,7 +110,7 @@ def emulated_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causa
     n_k = k.shape[2]
     dtype, dev = policy.compute_dtype, q.device
     r = _Rounders(policy, H, dev)
-    if rule.kind == "ours":
+    if rule.kind in ("ours", "bounded"):
         rule = rule.capped_for(policy.point("p_bar")[0].min_normal)
     q, k, v = (r.inputs(t.to(dtype)) for t in (q, k, v))
     full_mask = causal_mask(n_q, n_k, dev) if causal else None

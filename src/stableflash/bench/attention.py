@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from stableflash.attention import flash_attention, reference
 
 DEFAULT_SHAPES = ((32, 12, 1024, 64), (8, 16, 4096, 64), (4, 16, 8192, 128))
-PROVIDERS = ("ours-stable", "ours-standard", "ours-paper-rule", "sdpa-flash", "sdpa-cudnn",
+PROVIDERS = ("ours-stable", "ours-bounded", "ours-standard", "ours-paper-rule", "sdpa-flash", "sdpa-cudnn",
              "sdpa-efficient", "flex")
 PEERS = ("sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex")
 
@@ -74,7 +74,8 @@ def provider_fn(name: str, shape, causal: bool, device) -> Callable:
     from torch.nn.attention import SDPBackend
 
     if name.startswith("ours"):
-        stabilize = {"ours-stable": True, "ours-standard": False, "ours-paper-rule": "paper"}[name]
+        stabilize = {"ours-stable": True, "ours-bounded": "bounded", "ours-standard": False,
+                     "ours-paper-rule": "paper"}[name]
         return lambda q, k, v, causal: flash_attention(q, k, v, causal=causal, stabilize=stabilize,
                                                        backend="triton")
     if name == "flex":
@@ -200,6 +201,7 @@ def format_table(result: dict) -> str:
         t.add_column("mode")
         for p in providers:
             t.add_column(p, justify="right")
+        t.add_column("stable / flash", justify="right")
         t.add_column("stable / best peer", justify="right")
         keys = list(dict.fromkeys((tuple(r["shape"]), r["mode"]) for r in result["rows"]))
         by = {(tuple(r["shape"]), r["mode"], r["provider"]): r for r in result["rows"]}
@@ -211,6 +213,8 @@ def format_table(result: dict) -> str:
             peers = [by[(shape, mode, p)]["tflops"] for p in PEERS if "tflops" in by.get((shape, mode, p), {})]
             ours = by.get((shape, mode, "ours-stable"), {}).get("tflops")
             best = f"{ours / max(peers):.2f}×" if ours and peers else "-"
-            t.add_row("×".join(map(str, shape)), mode, *cells, best)
+            flash = by.get((shape, mode, "sdpa-flash"), {}).get("tflops")
+            vs_flash = f"{ours / flash:.2f}×" if ours and flash else "-"
+            t.add_row("×".join(map(str, shape)), mode, *cells, vs_flash, best)
         console.print(t)
     return cap.get()

@@ -30,7 +30,7 @@ from stableflash.numerics import get_format, round_to, ulp
 
 INPUTS = ("tied", "tied-split", "control")
 POLICIES = ("paper", "fa2")
-RULE_KINDS = ("standard", "paper", "ours")
+RULE_KINDS = ("standard", "paper", "ours", "bounded")
 
 
 @dataclass(frozen=True)

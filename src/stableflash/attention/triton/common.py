@@ -11,6 +11,7 @@ import triton.language as tl
 STANDARD = tl.constexpr(0)
 PAPER = tl.constexpr(1)
 OURS = tl.constexpr(2)
+BOUNDED = tl.constexpr(3)
 
 
 @triton.jit
@@ -34,7 +35,10 @@ def shift_from_ties(rm, ties, m_prev, r_prev, STAB: tl.constexpr, beta, eps, lo,
             m = tl.where(tied & (rm > 0), beta * rm, rm)
             m = tl.where(tied & (rm < 0), 0.0, m)
         else:
-            tied = tied | (tl.abs(rm - r_prev) <= eps)          # equal to an earlier block's max
+            if STAB == OURS:
+                tied = tied | (tl.abs(rm - r_prev) <= eps)      # equal to an earlier block's max
+            else:                                               # BOUNDED: every row, no count
+                tied = rm > float("-inf")
             d = (beta - 1.0) * tl.abs(rm)
             excess = d - hi
             folded = hi - (excess - tl.floor(excess / period) * period)
@@ -47,11 +51,12 @@ def shift_from_ties(rm, ties, m_prev, r_prev, STAB: tl.constexpr, beta, eps, lo,
 def next_shift(s, m_prev, r_prev, STAB: tl.constexpr, beta, eps, lo, hi, period):
     """One key block's update of the running shift m and running maximum r (shapes (BLOCK_M,)).
 
-    s: (BLOCK_M, BLOCK_N) scores, −inf where masked. STAB: STANDARD, PAPER (Algorithm 3) or OURS.
+    s: (BLOCK_M, BLOCK_N) scores, −inf where masked. STAB: STANDARD, PAPER (Algorithm 3), OURS or
+    BOUNDED (our shift on every row: no per-entry tie count).
     """
     rm = tl.max(s, 1)
     ties = rm.to(tl.int32) * 0
-    if STAB != STANDARD:
+    if STAB == PAPER or STAB == OURS:
         ties = count_ties(s, rm, eps)
     return shift_from_ties(rm, ties, m_prev, r_prev, STAB, beta, eps, lo, hi, period)
 

@@ -50,7 +50,7 @@ def _fwd_blocks(acc, l_i, m_i, r_i, q, K, V, stride_kn, stride_vn, offs_m, offs_
             alpha = tl.exp2((m_i - m_new) * 1.4426950408889634)
             l_i = to_bf16(l_i * alpha + tl.sum(p, 1), INTERP)
             acc = to_bf16(acc * alpha[:, None] + mma(cast(p, v.dtype, INTERP), v, INTERP), INTERP)
-        elif TIES_FIRST:
+        elif TIES_FIRST or STAB == 3:                    # (BOUNDED needs no count: shift first)
             m_new, r_i = next_shift(s, m_i, r_i, STAB, beta, eps, lo, hi, period)
             p = tl.exp2(s - m_new[:, None])
             alpha = tl.exp2(m_i - m_new)

@@ -20,7 +20,7 @@ LOG2E = 1.0 / math.log(2.0)
 HEAD_DIMS = (16, 32, 64, 128, 256)
 DTYPES = (torch.float16, torch.bfloat16)
 DELTA_SOURCES = {"dO·O": 0, "dP·P": 1, "recompute_fp32": 2}
-RULE_CODES = {"standard": 0, "paper": 1, "ours": 2}
+RULE_CODES = {"standard": 0, "paper": 1, "ours": 2, "bounded": 3}
 
 
 def interpreting() -> bool:
@@ -39,12 +39,13 @@ def _fits(configs, named_args, **kwargs):
     return kept or configs[-1:]
 
 
-FWD_CONFIGS = [_cfg(128, 64, 4, 3), _cfg(128, 64, 8, 3), _cfg(128, 128, 8, 3), _cfg(128, 32, 4, 4),
-               _cfg(64, 64, 4, 3), _cfg(128, 64, 4, 4), _cfg(64, 32, 4, 2)]
-DKDV_CONFIGS = [_cfg(32, 128, 4, 3), _cfg(64, 128, 8, 3), _cfg(32, 128, 8, 2), _cfg(64, 64, 4, 3),
-                _cfg(32, 64, 4, 3), _cfg(16, 64, 4, 2)]
-DQ_CONFIGS = [_cfg(128, 32, 4, 3), _cfg(128, 64, 8, 3), _cfg(64, 64, 4, 3), _cfg(128, 32, 8, 2),
-              _cfg(64, 32, 4, 3), _cfg(64, 16, 4, 2)]
+# candidates from benchmarks/tune_attention.py on an H200 (benchmarks/results/tune-*.json)
+FWD_CONFIGS = [_cfg(64, 64, 4, 3), _cfg(128, 64, 8, 3), _cfg(128, 128, 8, 3), _cfg(128, 64, 4, 3),
+               _cfg(64, 32, 4, 2)]
+DKDV_CONFIGS = [_cfg(32, 64, 4, 3), _cfg(64, 128, 8, 3), _cfg(32, 128, 4, 3), _cfg(64, 64, 4, 3),
+                _cfg(16, 64, 4, 2)]
+DQ_CONFIGS = [_cfg(64, 64, 4, 3), _cfg(128, 64, 8, 3), _cfg(128, 64, 8, 2), _cfg(128, 32, 8, 3),
+              _cfg(64, 16, 4, 2)]
 _KEY = ["n_q", "n_k", "HEAD_DIM", "CAUSAL"]
 _prune = {"early_config_prune": _fits}
 _fwd_tuned = triton.autotune(FWD_CONFIGS, key=_KEY + ["STAB", "EMU"], prune_configs_by=_prune)(attn_fwd_kernel)
@@ -55,9 +56,9 @@ _INTERP = {"BLOCK_M": 32, "BLOCK_N": 16}
 # with AUTOTUNE off (the tests: correctness needs no tuning, and tuning compiles every config),
 # one fixed config per kernel and head_dim class
 AUTOTUNE = True
-_FIXED = {attn_fwd_kernel: {True: _cfg(128, 64, 4, 3), False: _cfg(64, 32, 4, 2)},
-          attn_bwd_dkdv_kernel: {True: _cfg(32, 128, 4, 3), False: _cfg(16, 64, 4, 2)},
-          attn_bwd_dq_kernel: {True: _cfg(128, 32, 4, 3), False: _cfg(64, 16, 4, 2)}}
+_FIXED = {attn_fwd_kernel: {True: _cfg(64, 64, 4, 3), False: _cfg(64, 32, 4, 2)},
+          attn_bwd_dkdv_kernel: {True: _cfg(32, 64, 4, 3), False: _cfg(16, 64, 4, 2)},
+          attn_bwd_dq_kernel: {True: _cfg(64, 64, 4, 3), False: _cfg(64, 16, 4, 2)}}
 
 
 def key_block(head_dim: int) -> int:
