@@ -1,6 +1,8 @@
-"""Attention backends behind one entry point, ``flash_attention``."""
+"""Attention backends behind one entry point, ``flash_attention``, and SDPA-compatible wrappers."""
 from stableflash.attention.api import BACKENDS, flash_attention
+from stableflash.attention.dropin import StableAttention, scaled_dot_product_attention
 from stableflash.attention.policy import PRESETS, PrecisionPolicy, resolve_policy
 from stableflash.attention.shift import RULES, ShiftRule
 
-__all__ = ["flash_attention", "BACKENDS", "PrecisionPolicy", "PRESETS", "resolve_policy", "ShiftRule", "RULES"]
+__all__ = ["flash_attention", "scaled_dot_product_attention", "StableAttention", "BACKENDS", "PrecisionPolicy",
+           "PRESETS", "resolve_policy", "ShiftRule", "RULES"]

@@ -1,0 +1,1 @@
+"""Bridges to other libraries (each imports its library only when called)."""
