@@ -11,7 +11,7 @@ if [ "${SKIP_DIAG:-0}" != 1 ]; then
   python3 benchmarks/diag_agreement.py 2>&1 | tee "$OUT/diag.txt" | tail -40
 fi
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  python3 -m pytest -q --tb=line tests/attention/test_triton.py -p no:cacheprovider 2>&1 | tee "$OUT/pytest-triton.txt" | tail -25
+  python3 -m pytest -q --tb=line tests/attention/test_triton.py tests/attention/test_dropin.py tests/integrations -p no:cacheprovider 2>&1 | tee "$OUT/pytest-triton.txt" | tail -25
 fi
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
   python3 -m stableflash.cli bench attention --out "$OUT/bench.json" "$@" 2>&1 | grep -v "it/s\]" | tee "$OUT/bench.txt"
