@@ -39,7 +39,7 @@ def test_standard_paper_policy_is_biased_on_tied_rows(probe):
     assert r["delta_err_mean"] > 0.03 and r["delta_err_t"] > 10, seed   # δ_lp − δ_hp biased positive
 
 
-@pytest.mark.parametrize("rule", ["paper", "ours"])
+@pytest.mark.parametrize("rule", ["paper", "ours", "bounded"])
 def test_stabilized_rules_cut_the_bias(probe, rule):
     cfg, rows, seed = probe
     base, r = rows[("paper", "standard", "tied")], rows[("paper", rule, "tied")]
@@ -65,10 +65,11 @@ def test_controls_show_no_clear_bias(probe):
             assert abs(rows[(policy, rule, "control")]["delta_err_t"]) < 5, (policy, rule, seed)
 
 
-def test_fa2_with_our_rule_shows_no_clear_bias(probe):
+def test_fa2_with_our_rules_shows_no_clear_bias(probe):
     cfg, rows, seed = probe
-    for kind in ("tied", "tied-split"):
-        assert abs(rows[("fa2", "ours", kind)]["delta_err_t"]) < 5, (kind, seed)
+    for rule in ("ours", "bounded"):
+        for kind in ("tied", "tied-split", "control"):
+            assert abs(rows[("fa2", rule, kind)]["delta_err_t"]) < 5, (rule, kind, seed)
 
 
 @pytest.mark.parametrize("kwargs,match", [({"ties": 1}, "ties=1"), ({"groups": 0}, "groups=0"),
