@@ -22,6 +22,7 @@ the GPU, or fp64 for exactness checks).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, fields, replace
 
 import torch
@@ -88,7 +89,12 @@ class PrecisionPolicy:
     @classmethod
     def preset(cls, name: str, low: str | FloatFormat = "bf16") -> "PrecisionPolicy":
         """One of ``PRESETS``, with ``low`` as the low-precision format (fa2 and paper only)."""
-        low_name = get_format(low).name
+        if cls is PrecisionPolicy:
+            return _preset(name, get_format(low).name)      # cached: policies are immutable
+        return cls._build_preset(name, get_format(low).name)
+
+    @classmethod
+    def _build_preset(cls, name: str, low_name: str) -> "PrecisionPolicy":
         if name == "fa2":
             return cls(inputs=low_name, scores="fp32", p_bar=low_name, acc="fp32", row_sum="fp32",
                        out=low_name, bwd=low_name, name="fa2")
@@ -119,6 +125,25 @@ class PrecisionPolicy:
         return f"{self.name}({', '.join(parts)})"
 
 
+def memoize(fn):
+    """``fn`` with an unbounded cache of its results (for pure functions of hashable arguments).
+
+    Under torch.compile the plain function is traced instead, so that Dynamo sees no cache wrapper.
+    """
+    cached = functools.lru_cache(maxsize=None)(fn)
+
+    @functools.wraps(fn)
+    def call(*args):
+        return fn(*args) if torch.compiler.is_compiling() else cached(*args)
+
+    return call
+
+
+@memoize
+def _preset(name: str, low_name: str) -> PrecisionPolicy:
+    return PrecisionPolicy._build_preset(name, low_name)
+
+
 def resolve_policy(policy: "PrecisionPolicy | str | None", dtype: torch.dtype) -> PrecisionPolicy:
     """The policy a backend uses for inputs of ``dtype``.
 
@@ -129,13 +154,13 @@ def resolve_policy(policy: "PrecisionPolicy | str | None", dtype: torch.dtype) -
     low = "fp16" if dtype == torch.float16 else "bf16"
     if policy is None:
         if dtype == torch.float32:
-            return PrecisionPolicy.preset("fp32")
+            return _preset("fp32", "bf16")
         if dtype == torch.float64:
-            return PrecisionPolicy.preset("fp64")
-        return PrecisionPolicy.preset("fa2", low)
+            return _preset("fp64", "bf16")
+        return _preset("fa2", low)
     if isinstance(policy, PrecisionPolicy):
         return policy
     if isinstance(policy, str):
-        return PrecisionPolicy.preset(policy, low)
+        return _preset(policy, low)
     raise TypeError(f"policy={policy!r} is invalid; accepted: None, a PrecisionPolicy, or one of "
                     f"{', '.join(PRESETS)}")

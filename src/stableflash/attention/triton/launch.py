@@ -5,10 +5,9 @@ from dataclasses import replace
 
 import torch
 
-from stableflash.attention.policy import PrecisionPolicy
+from stableflash.attention.policy import PrecisionPolicy, memoize
 from stableflash.attention.shift import ShiftRule
-from stableflash.attention.triton.op import (DELTA_SOURCES, DTYPES, HEAD_DIMS, RULE_CODES, attn_fwd,
-                                             interpreting)
+from stableflash.attention.triton.op import DELTA_SOURCES, DTYPES, HEAD_DIMS, RULE_CODES, attention, interpreting
 
 SUPPORT = {
     "head_dims": HEAD_DIMS,
@@ -32,6 +31,7 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor) -> None:
                          "for grouped-query attention")
 
 
+@memoize
 def kernel_mode(policy: PrecisionPolicy, dtype: torch.dtype) -> tuple[bool, int]:
     """(emu, delta source code) of the kernels that implement ``policy``; ValueError otherwise."""
     low = "fp16" if dtype == torch.float16 else "bf16"
@@ -48,6 +48,5 @@ def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causa
                      rule: ShiftRule, policy: PrecisionPolicy) -> torch.Tensor:
     """The fused kernels, differentiable. Inputs validated by ``flash_attention`` and ``check_inputs``."""
     emu, delta_src = kernel_mode(policy, q.dtype)
-    o, _ = attn_fwd(q, k, v, causal, scale, RULE_CODES[rule.kind], float(rule.beta), float(rule.eps),
-                    float(rule.min_shift), float(rule.max_shift), emu, delta_src)
-    return o
+    return attention(q, k, v, causal, scale, RULE_CODES[rule.kind], float(rule.beta), float(rule.eps),
+                     float(rule.min_shift), float(rule.max_shift), emu, delta_src)
