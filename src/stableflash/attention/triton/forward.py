@@ -24,7 +24,7 @@ LOG2E = 1.4426950408889634
 def _fwd_blocks(acc, l_i, m_i, r_i, q, K, V, stride_kn, stride_vn, offs_m, offs_d, start, stop, n_k,
                 scale, beta, eps, lo, hi, period,
                 BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
-                STAB: tl.constexpr, EMU: tl.constexpr, INTERP: tl.constexpr, TIES_FIRST: tl.constexpr):
+                STAB: tl.constexpr, EMU: tl.constexpr, INTERP: tl.constexpr):
     """Lines 6-11 of Algorithm 1 for key blocks [start, stop)."""
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in range(start, stop, BLOCK_N):
@@ -35,45 +35,29 @@ def _fwd_blocks(acc, l_i, m_i, r_i, q, K, V, stride_kn, stride_vn, offs_m, offs_
         else:
             k = tl.load(K + cols[None, :] * stride_kn + offs_d[:, None])
             v = tl.load(V + cols[:, None] * stride_vn + offs_d[None, :])
-        s = mma(q, k, INTERP) * scale                      # log2 units (fa2) or natural units in bf16 (paper)
-        if EMU:
-            s = to_bf16(s, INTERP)
+        qk = mma(q, k, INTERP)
         if MASKED:
             keep = cols[None, :] < n_k
             if CAUSAL:
                 keep = keep & (cols[None, :] <= offs_m[:, None])
-            s = tl.where(keep, s, float("-inf"))
-        if EMU:
+            qk = tl.where(keep, qk, float("-inf"))
+        if EMU:                                    # the "paper" policy: bf16 scores, natural units
+            s = to_bf16(qk * scale, INTERP)
             m_new, r_i = next_shift(s, m_i, r_i, STAB, beta, eps, lo, hi, period)
             m_new = round_up_bf16(m_new)
             p = tl.exp2(to_bf16(s - m_new[:, None], INTERP) * 1.4426950408889634)
             alpha = tl.exp2((m_i - m_new) * 1.4426950408889634)
             l_i = to_bf16(l_i * alpha + tl.sum(p, 1), INTERP)
             acc = to_bf16(acc * alpha[:, None] + mma(cast(p, v.dtype, INTERP), v, INTERP), INTERP)
-        elif TIES_FIRST or STAB == 3:                    # (BOUNDED needs no count: shift first)
-            m_new, r_i = next_shift(s, m_i, r_i, STAB, beta, eps, lo, hi, period)
-            p = tl.exp2(s - m_new[:, None])
+        else:                                      # log2 units; the scale is applied per row and in one FMA
+            rm = tl.max(qk, 1) * scale
+            ties = rm * 0.0
+            if STAB == 1 or STAB == 2:             # PAPER, OURS: count entries within eps of the max
+                ties = count_ties(qk, (rm - eps) / scale)
+            m_new, r_i = shift_from_ties(rm, ties, m_i, r_i, STAB, beta, eps, lo, hi, period)
+            p = tl.exp2(qk * scale - m_new[:, None])
             alpha = tl.exp2(m_i - m_new)
             l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + mma(cast(p, v.dtype, INTERP), v, INTERP)
-        else:
-            # exp against the plain running max first, so the tie count runs beside the exp instead
-            # of before it; a stabilized row then scales its P̄ by exp2(m_std − m_new) ≤ 1 before
-            # the rounding to the input dtype (the same P̄ as exp2(s − m_new), to fp32 rounding)
-            rm = tl.max(s, 1)
-            m_std = tl.maximum(m_i, rm)
-            p = tl.exp2(s - m_std[:, None])
-            row_sum = tl.sum(p, 1)
-            if STAB == 0:
-                m_new = m_std
-            else:
-                m_new, r_i = shift_from_ties(rm, count_ties(s, rm, eps), m_i, r_i, STAB, beta, eps, lo, hi,
-                                             period)
-                factor = tl.exp2(m_std - m_new)
-                p = p * factor[:, None]
-                row_sum = row_sum * factor
-            alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha + row_sum
             acc = acc * alpha[:, None] + mma(cast(p, v.dtype, INTERP), v, INTERP)
         m_i = m_new
     return acc, l_i, m_i, r_i
@@ -85,8 +69,7 @@ def attn_fwd_kernel(Q, K, V, O, LSE,
                     stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om,
                     n_heads, group, n_q, n_k, scale, beta, eps, lo, hi, period,
                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    CAUSAL: tl.constexpr, STAB: tl.constexpr, EMU: tl.constexpr, INTERP: tl.constexpr,
-                    TIES_FIRST: tl.constexpr = False):
+                    CAUSAL: tl.constexpr, STAB: tl.constexpr, EMU: tl.constexpr, INTERP: tl.constexpr):
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1)
     b, h = bh // n_heads, bh % n_heads
@@ -110,10 +93,10 @@ def attn_fwd_kernel(Q, K, V, O, LSE,
         full = tl.minimum(full, (start_m // BLOCK_N) * BLOCK_N)
     acc, l_i, m_i, r_i = _fwd_blocks(acc, l_i, m_i, r_i, q, K, V, stride_kn, stride_vn, offs_m, offs_d,
                                      0, full, n_k, scale, beta, eps, lo, hi, period,
-                                     BLOCK_N, CAUSAL, False, STAB, EMU, INTERP, TIES_FIRST)
+                                     BLOCK_N, CAUSAL, False, STAB, EMU, INTERP)
     acc, l_i, m_i, r_i = _fwd_blocks(acc, l_i, m_i, r_i, q, K, V, stride_kn, stride_vn, offs_m, offs_d,
                                      full, stop, n_k, scale, beta, eps, lo, hi, period,
-                                     BLOCK_N, CAUSAL, True, STAB, EMU, INTERP, TIES_FIRST)
+                                     BLOCK_N, CAUSAL, True, STAB, EMU, INTERP)
     if EMU:
         o = acc / l_i[:, None]
         lse = m_i + tl.log(l_i)
