@@ -69,6 +69,70 @@ def _cmd_bench_attention(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_train(args: argparse.Namespace) -> int:
+    from stableflash.train.config import TrainConfig, apply_overrides, load_file, make_config, validate
+    from stableflash.train.loop import train
+
+    if args.resume is not None:
+        if args.out is not None or args.preset is not None or args.config is not None:
+            raise ValueError("--resume DIR continues a run with its own config.json; accepted with it: --set only")
+        saved = load_file(args.resume / "config.json")
+        cfg = apply_overrides(apply_overrides(TrainConfig(), saved), args.set or [])
+        validate(cfg)
+        run_dir = args.resume
+    else:
+        if args.out is None:
+            raise ValueError("--out DIR is required (where metrics.jsonl, ckpt.pt and batches/ go)")
+        cfg = make_config(args.preset or "tiny", args.config, args.set)
+        run_dir = args.out
+    summary = train(cfg, run_dir, resume=args.resume is not None, progress=not args.quiet)
+    if args.json:
+        print(json.dumps(summary, indent=2, default=str))
+    else:
+        loss = summary["final_loss"]
+        val = summary["best_val_loss"]
+        print(f"{summary['status']}: {summary['steps']} steps, final loss "
+              f"{'-' if loss is None else f'{loss:.4f}'}, best val loss {'-' if val is None else f'{val:.4f}'}; "
+              f"metrics in {Path(run_dir) / 'metrics.jsonl'}")
+    return 0 if summary["status"] == "finished" else 3
+
+
+def _cmd_data_prepare(args: argparse.Namespace) -> int:
+    from stableflash.train import corpus
+
+    if args.embedded:
+        meta = corpus.prepare_embedded(args.out)
+    elif args.hf_dataset:
+        meta = corpus.prepare_hf(args.hf_dataset, args.out, split=args.hf_split, text_field=args.text_field,
+                                 tokenizer=args.tokenizer, val_fraction=args.val_fraction)
+    elif args.inputs:
+        meta = corpus.prepare_text(args.inputs, args.out, tokenizer=args.tokenizer, val_fraction=args.val_fraction,
+                                   pattern=args.pattern)
+    else:
+        raise ValueError("nothing to prepare; accepted: INPUT files or folders, --hf-dataset NAME, or --embedded")
+    print(json.dumps(meta, indent=2, default=str))
+    return 0
+
+
+def _cmd_bench_train(args: argparse.Namespace) -> int:
+    from stableflash.bench.training import DEFAULT_ATTENTIONS, TrainBenchConfig, format_table, run_train_bench
+
+    cfg = TrainBenchConfig(model=args.model, attentions=tuple(args.attention or DEFAULT_ATTENTIONS),
+                           batch_size=args.batch_size, compile=not args.no_compile, steps=args.steps)
+    result = run_train_bench(cfg, progress=not args.json)
+    result["command"] = "stableflash " + shlex.join(args.argv)
+    out = args.out
+    if out.suffix != ".json":
+        gpu = (result["env"]["gpu"] or "cpu").replace(" ", "-")
+        out = out / f"training-{gpu}-{result['env']['date'][:19].replace(':', '')}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(json.dumps(result, indent=2) if args.json else format_table(result))
+    if not args.json:
+        print(f"JSON written to {out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="stableflash",
@@ -128,6 +192,49 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_probe)
 
+    from stableflash.train.config import PRESETS as TRAIN_PRESETS
+    p = sub.add_parser(
+        "train",
+        help="train a GPT with the chosen attention (per layer and head)",
+        description="Train a GPT-2-style model. Start from a preset (tiny trains on 2 CPU cores in "
+                    "under a minute; gpt2-small-paper is the paper's recipe), optionally a TOML/JSON "
+                    "config file, then --set key=value overrides (unknown keys and bad values are "
+                    "rejected by name). Writes DIR/metrics.jsonl (one JSON object per step), "
+                    "DIR/ckpt.pt (atomic), DIR/batches/ (the batch order, for replay) and "
+                    "DIR/summary.json. Multi-GPU: torchrun --nproc_per_node N -m stableflash.cli train ...",
+    )
+    p.add_argument("--preset", choices=sorted(TRAIN_PRESETS), help="starting configuration (default: tiny)")
+    p.add_argument("--config", type=Path, help="TOML or JSON file of config keys")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE",
+                   help="override one key (repeatable), e.g. --set max_iters=100 --set attention='sdpa; 2: emulated policy=paper'")
+    p.add_argument("--out", type=Path, help="run folder (must not hold a run already)")
+    p.add_argument("--resume", type=Path, metavar="DIR", help="continue the run in DIR from its checkpoint")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=_cmd_train)
+
+    data = sub.add_parser("data", help="prepare token files", description="Data preparation.")
+    data_sub = data.add_subparsers(dest="data_command", metavar="WHAT")
+    data_sub.required = True
+    p = data_sub.add_parser(
+        "prepare",
+        help="text files, a Hugging Face dataset, or the embedded corpus -> train.bin/val.bin",
+        description="Tokenize text into nanoGPT-style token files (uint16 train.bin / val.bin) plus "
+                    "meta.json. Tokenizer: tiktoken GPT-2 when its vocabulary is available offline, "
+                    "else bytes (vocab 256).",
+    )
+    p.add_argument("inputs", nargs="*", type=Path, help="text files or folders (searched for --pattern)")
+    p.add_argument("--out", type=Path, required=True, help="output folder")
+    p.add_argument("--tokenizer", choices=("auto", "bytes", "gpt2"), default="auto")
+    p.add_argument("--val-fraction", type=float, default=0.0005, help="share of documents for val.bin")
+    p.add_argument("--pattern", default="*.txt", help="file pattern inside folders (default: *.txt)")
+    p.add_argument("--hf-dataset", help="a Hugging Face dataset name (needs the datasets package and the hub)")
+    p.add_argument("--hf-split", default="train")
+    p.add_argument("--text-field", default="text")
+    p.add_argument("--embedded", action="store_true",
+                   help="the embedded default corpus (this Python's standard-library sources, bytes)")
+    p.set_defaults(func=_cmd_data_prepare)
+
     bench = sub.add_parser("bench", help="benchmarks (GPU)", description="Benchmarks; each writes JSON results.")
     bench_sub = bench.add_subparsers(dest="bench", metavar="WHAT")
     bench_sub.required = True
@@ -149,6 +256,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="JSON file, or a folder for a named file (default: benchmarks/results)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.set_defaults(func=_cmd_bench_attention)
+
+    p = bench_sub.add_parser(
+        "train",
+        help="GPT-2 training steps per second with each attention (GPU)",
+        description="Time a GPT training step (bf16 autocast, fused AdamW, torch.compile) with each "
+                    "attention spec in the same run, on random tokens already on the GPU; print "
+                    "tokens/s, MFU and the ratio to the first spec; write JSON.",
+    )
+    p.add_argument("--model", default="gpt2-small", help="model preset (default: gpt2-small)")
+    p.add_argument("--attention", action="append",
+                   help="attention spec (repeatable; default: sdpa, triton rule=ours, triton, emulated policy=fa2, "
+                        "emulated policy=paper)")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--no-compile", action="store_true")
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_bench_train)
     return parser
 
 
@@ -161,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)
-    except (ValueError, TypeError) as exc:
+    except (ValueError, TypeError, FileNotFoundError) as exc:
         parser.exit(2, f"stableflash {args.command}: error: {exc}\n")
     except BrokenPipeError:                # e.g. `stableflash probe | head`: stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -1,0 +1,111 @@
+"""Training speed: GPT-2 steps per second with each attention, same harness, same run.
+
+A step is what ``train`` does per micro-batch (forward under bf16 autocast, backward, clip,
+fused AdamW step) on random tokens already on the GPU, so data loading is not timed. Reported:
+tokens/s, MFU (against the GPU's dense bf16 peak), and the ratio to the first attention (SDPA).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from stableflash.bench.attention import environment
+from stableflash.model import GPT, model_config, parse_attention_spec
+
+DEFAULT_ATTENTIONS = ("sdpa", "triton rule=ours", "triton", "emulated policy=fa2", "emulated policy=paper")
+
+
+@dataclass
+class TrainBenchConfig:
+    model: str = "gpt2-small"
+    attentions: tuple[str, ...] = DEFAULT_ATTENTIONS
+    batch_size: int = 16
+    compile: bool = True
+    warmup: int = 5
+    steps: int = 20
+    seed: int = 0
+    peak_tflops: float = 989.0
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for spec in self.attentions:
+            parse_attention_spec(spec)
+        for name in ("batch_size", "warmup", "steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} is invalid; accepted: >= 1")
+
+
+def time_attention(spec: str, cfg: TrainBenchConfig, device: torch.device) -> dict:
+    """Median step time of one attention choice; the model is rebuilt from the same seed."""
+    torch.manual_seed(cfg.seed)
+    mcfg = model_config(cfg.model)
+    model = GPT(mcfg, attention=spec).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), fused=True)
+    net = torch.compile(model) if cfg.compile else model
+    gen = torch.Generator(device=device).manual_seed(cfg.seed)
+    x = torch.randint(0, mcfg.vocab_size, (cfg.batch_size, mcfg.block_size), device=device, generator=gen)
+    y = torch.randint(0, mcfg.vocab_size, (cfg.batch_size, mcfg.block_size), device=device, generator=gen)
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            _, loss = net(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    t0 = time.perf_counter()
+    for _ in range(cfg.warmup):
+        loss = step()
+    torch.cuda.synchronize()
+    warm_s = time.perf_counter() - t0
+    times = []
+    for _ in range(cfg.steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        loss = step()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    ms = sorted(times)[len(times) // 2]
+    tokens = cfg.batch_size * mcfg.block_size
+    return {"attention": spec, "ms_per_step": ms, "tokens_per_s": tokens / ms * 1e3,
+            "mfu": model.flops_per_token() * tokens / (ms / 1e3) / (cfg.peak_tflops * 1e12),
+            "loss": loss.item(), "warmup_s": warm_s}
+
+
+def run_train_bench(cfg: TrainBenchConfig, progress: bool = True) -> dict:
+    from tqdm.auto import tqdm
+
+    if not torch.cuda.is_available():
+        raise ValueError("stableflash bench train needs a CUDA GPU; none is visible")
+    device = torch.device("cuda")
+    rows = []
+    for spec in tqdm(cfg.attentions, desc="bench train", disable=not progress):
+        try:
+            rows.append(time_attention(spec, cfg, device))
+        except Exception as exc:                         # report it, and go on with the others
+            rows.append({"attention": spec, "error": f"{type(exc).__name__}: {exc}"[:300]})
+        torch.cuda.empty_cache()
+    base = next((r for r in rows if "tokens_per_s" in r), None)
+    for r in rows:
+        if base and "tokens_per_s" in r:
+            r["ratio_to_first"] = r["tokens_per_s"] / base["tokens_per_s"]
+    return {"config": asdict(cfg), "env": environment(), "rows": rows}
+
+
+def format_table(result: dict) -> str:
+    cfg, env = result["config"], result["env"]
+    lines = [f"GPT training step, {cfg['model']}, batch {cfg['batch_size']}, compile={cfg['compile']} — "
+             f"{env['gpu']}, torch {env['torch']}, triton {env['triton']}",
+             f"{'attention':32s} {'ms/step':>9s} {'tokens/s':>10s} {'MFU':>6s} {'vs first':>9s}"]
+    for r in result["rows"]:
+        if "error" in r:
+            lines.append(f"{r['attention']:32s} error: {r['error'][:80]}")
+        else:
+            lines.append(f"{r['attention']:32s} {r['ms_per_step']:9.1f} {r['tokens_per_s']:10.0f} "
+                         f"{r['mfu']:6.1%} {r.get('ratio_to_first', 1.0):8.2f}×")
+    return "\n".join(lines)

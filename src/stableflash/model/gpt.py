@@ -1,0 +1,263 @@
+"""GPT-2 with pluggable attention, in the shape of nanoGPT's model.py.
+
+Every layer's attention goes through ``stableflash.attention.flash_attention`` with the layer's
+AttentionChoice (see ``spec.py``), so one model can run torch SDPA in most layers and the emulated
+low-precision kernel, or the stabilized Triton kernel, in the layers under study — and switch at run
+time (``GPT.set_attention``).
+
+Differences from GPT-2 / nanoGPT, on purpose:
+- no dropout on the attention probabilities: the flash-attention kernels here have none, so
+  ``config.dropout`` applies only to the embeddings, the attention output projection and the MLP;
+- the MLP's GELU is the tanh approximation, as in GPT-2;
+- the loss is computed in float32 whatever the model's dtype.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields, replace
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from stableflash.attention import flash_attention
+from stableflash.model.spec import AttentionChoice, AttentionSpec, as_attention_spec
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """Model shape. ``block_size`` is the context length; ``bias`` puts biases in Linear and LayerNorm."""
+
+    n_layer: int
+    n_head: int
+    n_embd: int
+    block_size: int
+    vocab_size: int
+    bias: bool = False
+    dropout: float = 0.0
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} is invalid; accepted: a positive int")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}; accepted: "
+                             "n_embd a multiple of n_head")
+        if not isinstance(self.bias, bool):
+            raise TypeError(f"bias={self.bias!r} is invalid; accepted: True or False")
+        if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) or not 0 <= self.dropout < 1:
+            raise ValueError(f"dropout={self.dropout!r} is invalid; accepted: a number with 0 <= dropout < 1")
+        if (isinstance(self.init_std, bool) or not isinstance(self.init_std, (int, float))
+                or not math.isfinite(self.init_std) or self.init_std <= 0):
+            raise ValueError(f"init_std={self.init_std!r} is invalid; accepted: a finite number > 0")
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+
+MODEL_PRESETS: dict[str, GPTConfig] = {
+    # trains on 2 CPU cores in seconds
+    "tiny": GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=64, vocab_size=256),
+    "mini": GPTConfig(n_layer=4, n_head=4, n_embd=128, block_size=256, vocab_size=256),
+    # byte-level model of the first reproduction runs
+    "small": GPTConfig(n_layer=6, n_head=6, n_embd=384, block_size=512, vocab_size=256),
+    # the paper's GPT-2 (124M); vocab 50257 padded to a multiple of 64, as nanoGPT does
+    "gpt2-small": GPTConfig(n_layer=12, n_head=12, n_embd=768, block_size=1024, vocab_size=50304),
+    "gpt2-medium": GPTConfig(n_layer=24, n_head=16, n_embd=1024, block_size=1024, vocab_size=50304),
+}
+
+
+def model_config(name: str, **overrides) -> GPTConfig:
+    """The preset ``name`` of MODEL_PRESETS with some fields replaced (validated again)."""
+    if name not in MODEL_PRESETS:
+        raise ValueError(f"model preset {name!r} is unknown; accepted: {', '.join(MODEL_PRESETS)}")
+    known = [f.name for f in fields(GPTConfig)]
+    unknown = [k for k in overrides if k not in known]
+    if unknown:
+        raise TypeError(f"model_config: unknown field(s) {', '.join(unknown)}; accepted: {', '.join(known)}")
+    return replace(MODEL_PRESETS[name], **overrides)
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention; the attention itself is ``flash_attention`` under ``self.choice``."""
+
+    def __init__(self, config: GPTConfig, layer: int, choice: AttentionChoice):
+        super().__init__()
+        self.n_head, self.n_embd = config.n_head, config.n_embd
+        self.layer = layer
+        self.choice = choice
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)   # rows: Q, K, V
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = flash_attention(q, k, v, causal=True, **self.choice.kwargs())
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+    # Weights for diagnostics. Head h owns rows h·head_dim:(h+1)·head_dim of W_Q, W_K, W_V
+    # (x @ Wᵀ gives its q, k, v) and the same columns of W_O.
+    def q_weight(self) -> torch.Tensor:
+        """W_Q, (n_embd, n_embd): a view of c_attn.weight."""
+        return self.c_attn.weight[: self.n_embd]
+
+    def k_weight(self) -> torch.Tensor:
+        """W_K, (n_embd, n_embd): a view of c_attn.weight."""
+        return self.c_attn.weight[self.n_embd: 2 * self.n_embd]
+
+    def v_weight(self) -> torch.Tensor:
+        """W_V, (n_embd, n_embd): a view of c_attn.weight."""
+        return self.c_attn.weight[2 * self.n_embd:]
+
+    def o_weight(self) -> torch.Tensor:
+        """W_O = c_proj.weight, (n_embd, n_embd)."""
+        return self.c_proj.weight
+
+    def extra_repr(self) -> str:
+        return f"layer={self.layer}, attention={str(self.choice)!r}"
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.gelu = nn.GELU(approximate="tanh")
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, config: GPTConfig, layer: int, choice: AttentionChoice):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config, layer, choice)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    """GPT-2: token and learned position embeddings, ``n_layer`` blocks, final LayerNorm, and an
+    output head tied to the token embedding.
+
+    ``attention``: an AttentionSpec, an AttentionChoice (every layer) or a spec string such as
+    ``"sdpa; 2: emulated policy=paper"``.
+    """
+
+    def __init__(self, config: GPTConfig, attention: AttentionSpec | AttentionChoice | str = "sdpa"):
+        super().__init__()
+        if not isinstance(config, GPTConfig):
+            raise TypeError(f"config={config!r} is invalid; accepted: a GPTConfig (see model_config)")
+        spec = as_attention_spec(attention)
+        spec.check(config.n_layer, config.n_head)
+        self.config = config
+        self.attention_spec = spec
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(config.vocab_size, config.n_embd),
+            wpe=nn.Embedding(config.block_size, config.n_embd),
+            drop=nn.Dropout(config.dropout),
+            h=nn.ModuleList(Block(config, i, spec.choice(i)) for i in range(config.n_layer)),
+            ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
+        ))
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight            # weight tying
+        self.apply(self._init_weights)
+        resid_std = config.init_std / math.sqrt(2 * config.n_layer)   # GPT-2: residual projections
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=resid_std)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=self.config.init_std)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """idx (B, T) token ids, T ≤ block_size → (logits (B, T, vocab), loss or None).
+
+        The loss is the mean float32 cross-entropy over every position whose target is not -1.
+        """
+        self._check_idx(idx, targets)
+        T = idx.shape[1]
+        pos = torch.arange(T, dtype=torch.long, device=idx.device)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        for block in self.transformer.h:
+            x = block(x)
+        logits = self.lm_head(self.transformer.ln_f(x))
+        if targets is None:
+            return logits, None
+        loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-1)
+        return logits, loss
+
+    def _check_idx(self, idx: torch.Tensor, targets: torch.Tensor | None) -> None:
+        if not isinstance(idx, torch.Tensor) or idx.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"idx must be an int64 (or int32) tensor of token ids; got "
+                            f"{idx.dtype if isinstance(idx, torch.Tensor) else type(idx).__name__}")
+        if idx.dim() != 2:
+            raise ValueError(f"idx must have shape (batch, T); got shape {tuple(idx.shape)}")
+        T = idx.shape[1]
+        if not 1 <= T <= self.config.block_size:
+            raise ValueError(f"sequence length T={T} is out of range; accepted: 1 <= T <= "
+                             f"block_size={self.config.block_size}")
+        if targets is not None:
+            if not isinstance(targets, torch.Tensor) or targets.dtype != torch.int64:
+                raise TypeError(f"targets must be an int64 tensor; got "
+                                f"{targets.dtype if isinstance(targets, torch.Tensor) else type(targets).__name__}")
+            if targets.shape != idx.shape:
+                raise ValueError(f"targets has shape {tuple(targets.shape)}; accepted: idx's shape "
+                                 f"{tuple(idx.shape)}")
+
+    # ---- attention routing ----------------------------------------------------------------
+
+    def attention_layers(self) -> list[CausalSelfAttention]:
+        """The attention module of each layer, in order."""
+        return [block.attn for block in self.transformer.h]
+
+    def set_attention(self, attention: AttentionSpec | AttentionChoice | str) -> None:
+        """Switch every layer to the attention ``attention`` routes it to (validated first)."""
+        spec = as_attention_spec(attention)
+        spec.check(self.config.n_layer, self.config.n_head)
+        for i, module in enumerate(self.attention_layers()):
+            module.choice = spec.choice(i)
+        self.attention_spec = spec
+
+    # ---- size and cost --------------------------------------------------------------------
+
+    def num_params(self, non_embedding: bool = True) -> int:
+        """Parameter count. As in nanoGPT, ``non_embedding`` subtracts the position embeddings only:
+        the token embedding is also the output head (tied), so it is counted."""
+        n = sum(p.numel() for p in self.parameters())
+        if non_embedding:
+            n -= self.transformer.wpe.weight.numel()
+        return n
+
+    def flops_per_token(self) -> int:
+        """Training FLOPs per token (forward + backward), nanoGPT's estimate from the PaLM paper:
+        6N for the weights plus 12·L·H·Q·T for attention (T = block_size)."""
+        c = self.config
+        return 6 * self.num_params() + 12 * c.n_layer * c.n_head * c.head_dim * c.block_size
+
+    def estimate_mfu(self, tokens_per_second: float, peak_flops: float) -> float:
+        """Model FLOPs utilisation: achieved training FLOP/s over ``peak_flops`` (FLOP/s of the hardware)."""
+        for name, value in (("tokens_per_second", tokens_per_second), ("peak_flops", peak_flops)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+                raise ValueError(f"{name}={value!r} is invalid; accepted: a number >= 0")
+        if peak_flops == 0:
+            raise ValueError("peak_flops=0 is invalid; accepted: a number > 0")
+        return self.flops_per_token() * tokens_per_second / peak_flops

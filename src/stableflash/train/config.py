@@ -1,0 +1,243 @@
+"""Training configuration: one dataclass, named presets, a config file, and ``key=value`` overrides.
+
+Every field has a type; ``--set`` values are parsed by it, unknown keys are rejected by name with
+the nearest valid ones suggested, and ``validate`` checks values before anything runs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import os
+import tomllib
+import typing
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+
+@dataclass
+class TrainConfig:
+    """Everything a run needs. ``None`` for a model field means: take it from the model preset."""
+
+    # model
+    model: str = "tiny"
+    n_layer: int | None = None
+    n_head: int | None = None
+    n_embd: int | None = None
+    block_size: int | None = None
+    vocab_size: int | None = None
+    bias: bool | None = None
+    dropout: float | None = None
+    attention: str = "sdpa"
+    # data
+    data: str = "embedded"
+    replay: str | None = None
+    batch_size: int = 8
+    grad_accum: int = 1
+    # optimisation
+    optimizer: str = "adamw"
+    lr: float = 1e-3
+    min_lr: float = 1e-5
+    schedule: str = "cosine"
+    warmup_iters: int = 20
+    lr_decay_iters: int | None = None
+    beta1: float = 0.9
+    beta2: float = 0.95
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    # run
+    max_iters: int = 200
+    eval_every: int = 50
+    eval_iters: int = 10
+    log_every: int = 1
+    ckpt_every: int = 100
+    dtype: str = "bf16"
+    compile: bool = False
+    seed: int = 0
+    device: str = "auto"
+    peak_tflops: float | None = None
+    tensorboard: bool = False
+    stop_on_nonfinite: bool = True
+    notes: str = ""
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+OPTIMIZERS = ("adamw", "muon")
+SCHEDULES = ("cosine", "constant")
+DTYPES = ("bf16", "fp16", "fp32")
+
+# The paper's GPT-2 small recipe: AdamW β=(0.9, 0.95), wd 0, cosine from 1e-3 to 1e-5 after a
+# 2000-step warm-up, clip 1.0, bf16 autocast, 524,288 tokens per step (32 × 1024 × 16 micro-batches,
+# split across DDP ranks).
+PAPER = dict(model="gpt2-small", data="data/openwebtext", batch_size=32, grad_accum=16, lr=1e-3, min_lr=1e-5,
+             warmup_iters=2000, max_iters=600_000, lr_decay_iters=600_000, weight_decay=0.0, eval_every=1000,
+             eval_iters=100, ckpt_every=1000, log_every=10, compile=True)
+
+PRESETS: dict[str, dict] = {
+    # trains on 2 CPU cores in well under a minute; the tests and the CPU demo use it
+    "tiny": dict(model="tiny", batch_size=8, max_iters=150, warmup_iters=10, lr=3e-3, min_lr=3e-4, eval_every=50,
+                 eval_iters=4, ckpt_every=50, dtype="fp32"),
+    # the byte-level setup of the first reproduction leads (6 layers, 384 wide, context 512)
+    "small": dict(model="small", batch_size=64, lr=3e-3, min_lr=3e-3, schedule="constant", warmup_iters=200,
+                  max_iters=6000, eval_every=250, eval_iters=20, ckpt_every=500, log_every=10),
+    "gpt2-small-paper": PAPER,
+    "gpt2-small-muon": {**PAPER, "optimizer": "muon", "lr": 5e-4, "weight_decay": 0.01},
+    "gpt2-medium-paper": {**PAPER, "model": "gpt2-medium", "max_iters": 100_000, "lr_decay_iters": 100_000},
+}
+
+
+def _field_types() -> dict[str, typing.Any]:
+    hints = typing.get_type_hints(TrainConfig)
+    return {f.name: hints[f.name] for f in fields(TrainConfig)}
+
+
+def _unknown(key: str) -> ValueError:
+    names = [f.name for f in fields(TrainConfig)]
+    close = difflib.get_close_matches(key, names, n=3)
+    hint = f"; did you mean {', '.join(close)}?" if close else f"; accepted: {', '.join(names)}"
+    return ValueError(f"unknown config key {key!r}{hint}")
+
+
+def parse_value(key: str, text: str):
+    """Parse ``text`` as the type of field ``key`` (``none`` for optional fields)."""
+    types = _field_types()
+    if key not in types:
+        raise _unknown(key)
+    tp = types[key]
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    base = args[0] if args else tp
+    if text.strip().lower() in ("none", "null") and type(None) in typing.get_args(tp):
+        return None
+    try:
+        if base is bool:
+            low = text.strip().lower()
+            if low not in ("true", "false", "1", "0", "yes", "no"):
+                raise ValueError
+            return low in ("true", "1", "yes")
+        if base is int:
+            return int(text.replace("_", ""))
+        if base is float:
+            return float(text)
+        return text
+    except ValueError:
+        raise ValueError(f"{key}={text!r} is not a valid {base.__name__}") from None
+
+
+def _typed(key: str, value):
+    """A value from a config file, checked against the field's type (ints are fine for floats)."""
+    tp = _field_types()[key]
+    allowed = [a for a in typing.get_args(tp) if a is not type(None)] or [tp]
+    if value is None and type(None) in typing.get_args(tp):
+        return None
+    base = allowed[0]
+    if base is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, base) and not (base is int and isinstance(value, bool)):
+        return value
+    raise ValueError(f"{key}={value!r} is not a valid {base.__name__}")
+
+
+def apply_overrides(cfg: TrainConfig, pairs: dict | list[str]) -> TrainConfig:
+    """A copy with ``key=value`` strings (from --set) or a dict (from a file) applied."""
+    if isinstance(pairs, dict):
+        items = list(pairs.items())
+    else:
+        items = []
+        for pair in pairs:
+            key, sep, value = pair.partition("=")
+            if not sep:
+                raise ValueError(f"--set {pair!r} is not key=value")
+            items.append((key.strip(), value))
+    changes = {}
+    for key, value in items:
+        if key not in _field_types():
+            raise _unknown(key)
+        changes[key] = parse_value(key, value) if isinstance(value, str) else _typed(key, value)
+    return dataclasses.replace(cfg, **changes)
+
+
+def load_file(path: Path) -> dict:
+    """A config file: TOML (``.toml``) or JSON (anything else), a flat table of TrainConfig keys."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"config file {path} does not exist")
+    text = path.read_text()
+    try:
+        data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"config file {path} is not valid {'TOML' if path.suffix == '.toml' else 'JSON'}: {exc}")
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {path} must hold a table of keys; got {type(data).__name__}")
+    return data
+
+
+def make_config(preset: str | None = "tiny", config_file: Path | None = None,
+                overrides: list[str] | None = None) -> TrainConfig:
+    """Preset, then file, then --set overrides; validated."""
+    cfg = TrainConfig()
+    if preset is not None:
+        if preset not in PRESETS:
+            raise ValueError(f"preset={preset!r} is unknown; accepted: {', '.join(PRESETS)}")
+        cfg = dataclasses.replace(cfg, **PRESETS[preset])
+    if config_file is not None:
+        cfg = apply_overrides(cfg, load_file(config_file))
+    if overrides:
+        cfg = apply_overrides(cfg, overrides)
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: TrainConfig) -> None:
+    """Reject bad values by name before anything runs."""
+    def positive(name, allow_zero=False):
+        value = getattr(cfg, name)
+        if value is None:
+            return
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or (value == 0 and not allow_zero):
+            raise ValueError(f"{name}={value!r} is invalid; accepted: a {'non-negative' if allow_zero else 'positive'} number")
+
+    for name in ("batch_size", "grad_accum", "max_iters", "eval_every", "eval_iters", "log_every", "ckpt_every",
+                 "n_layer", "n_head", "n_embd", "block_size", "vocab_size", "lr", "peak_tflops"):
+        positive(name)
+    for name in ("min_lr", "warmup_iters", "weight_decay", "grad_clip", "lr_decay_iters"):
+        positive(name, allow_zero=True)
+    if cfg.dropout is not None and not 0 <= cfg.dropout < 1:
+        raise ValueError(f"dropout={cfg.dropout!r} is invalid; accepted: 0 <= dropout < 1")
+    for name, value in (("beta1", cfg.beta1), ("beta2", cfg.beta2)):
+        if not 0 <= value < 1:
+            raise ValueError(f"{name}={value!r} is invalid; accepted: 0 <= {name} < 1")
+    if cfg.min_lr > cfg.lr:
+        raise ValueError(f"min_lr={cfg.min_lr} is above lr={cfg.lr}; accepted: min_lr <= lr")
+    for name, value, accepted in (("optimizer", cfg.optimizer, OPTIMIZERS), ("schedule", cfg.schedule, SCHEDULES),
+                                  ("dtype", cfg.dtype, DTYPES)):
+        if value not in accepted:
+            raise ValueError(f"{name}={value!r} is invalid; accepted: {', '.join(accepted)}")
+    if cfg.device not in ("auto", "cpu", "cuda") and not cfg.device.startswith("cuda:"):
+        raise ValueError(f"device={cfg.device!r} is invalid; accepted: auto, cpu, cuda, cuda:N")
+    from stableflash.model import MODEL_PRESETS, parse_attention_spec
+    if cfg.model not in MODEL_PRESETS:
+        raise ValueError(f"model={cfg.model!r} is unknown; accepted: {', '.join(MODEL_PRESETS)}")
+    parse_attention_spec(cfg.attention)
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """Where this process sits in a torchrun launch (rank 0 of 1 without torchrun)."""
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @classmethod
+    def from_env(cls) -> "DistInfo":
+        """Read torchrun's RANK, LOCAL_RANK and WORLD_SIZE."""
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world == 1:
+            return cls()
+        return cls(int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0")), world)

@@ -1,0 +1,251 @@
+"""The training loop: one function, ``train``, readable top to bottom.
+
+Data order is a pure function of (seed, step, global micro-batch index), so a run resumed from a
+checkpoint draws exactly what an uninterrupted run draws, and a DDP run over W ranks consumes the
+same global batch as a one-process run with the same ``grad_accum`` (rank r takes micro-batches
+r, r + W, r + 2W, ...). Every consumed batch is recorded; ``replay=RUN_DIR`` consumes another
+run's record instead (the paper's method for comparing attention variants on identical data).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import torch.distributed as torch_dist
+
+from stableflash.model import GPT, model_config
+from stableflash.train import checkpoint
+from stableflash.train.config import DistInfo, TrainConfig, validate
+from stableflash.train.data import BatchRecorder, BatchSampler, ReplaySampler, eval_batches, load_split, read_meta
+from stableflash.train.metrics import MetricsWriter, truncate_after
+from stableflash.train.optim import build_optimizer, lr_at
+
+log = logging.getLogger(__name__)
+
+# dense bf16 peak of the GPUs this project is measured on, for MFU (override with peak_tflops)
+PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
+
+
+def resolve_data_dir(data: str) -> Path:
+    """``"embedded"`` → the prepared default corpus; anything else is a folder of token files."""
+    if data == "embedded":
+        from stableflash.train.corpus import default_data_dir
+        return Path(default_data_dir())
+    return Path(data)
+
+
+def _device(cfg: TrainConfig, dist: DistInfo) -> torch.device:
+    if cfg.device == "auto":
+        return torch.device(f"cuda:{dist.local_rank}" if torch.cuda.is_available() else "cpu")
+    if cfg.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device={cfg.device!r} but CUDA is not available here; accepted: auto or cpu")
+    return torch.device(cfg.device)
+
+
+def _peak_flops(cfg: TrainConfig, device: torch.device) -> float | None:
+    if cfg.peak_tflops:
+        return cfg.peak_tflops * 1e12
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v * 1e12 for k, v in PEAK_TFLOPS.items() if k in name), None)
+
+
+class GlobalReplay:
+    """Replays a recorded run whatever its world size: micro-batches are keyed by their global
+    index, so each (step, index) lives in exactly one rank's record."""
+
+    def __init__(self, run_or_batches_dir: Path, batch_size: int, block_size: int, data):
+        d = Path(run_or_batches_dir)
+        d = d / "batches" if (d / "batches").is_dir() else d
+        ranks = sorted(int(p.stem[4:]) for p in d.glob("rank*.json"))
+        if not ranks:
+            raise FileNotFoundError(f"replay={run_or_batches_dir}: no recorded batches (batches/rank*.json) there")
+        self.dir = d
+        self.samplers = [ReplaySampler(d, r, batch_size, block_size, data) for r in ranks]
+
+    def indices(self, step: int, micro: int):
+        for sampler in self.samplers:
+            try:
+                return sampler.indices(step, micro)
+            except ValueError:
+                continue
+        raise ValueError(f"replay: step {step}, micro-batch {micro} was never recorded in {self.dir} "
+                         f"({len(self.samplers)} rank files)")
+
+
+def build_model(cfg: TrainConfig, vocab_size: int) -> GPT:
+    """The GPT of ``cfg``: a model preset with the explicit overrides, vocab at least the data's."""
+    overrides = {k: getattr(cfg, k) for k in ("n_layer", "n_head", "n_embd", "block_size", "bias", "dropout")
+                 if getattr(cfg, k) is not None}
+    mcfg = model_config(cfg.model, **overrides)
+    vocab = cfg.vocab_size or mcfg.vocab_size
+    if vocab < vocab_size:
+        raise ValueError(f"vocab_size={vocab} is smaller than the data's vocabulary ({vocab_size}); "
+                         f"accepted: >= {vocab_size}")
+    return GPT(replace(mcfg, vocab_size=vocab), attention=cfg.attention)
+
+
+@torch.no_grad()
+def evaluate(model, sampler: BatchSampler, batches, autocast, device) -> float:
+    """Mean loss over fixed validation batches."""
+    was_training = model.training
+    model.eval()
+    losses = []
+    for idx in batches:
+        x, y = sampler.get_batch(idx, device)
+        with autocast():
+            _, loss = model(x, y)
+        losses.append(loss.float().item())
+    model.train(was_training)
+    return sum(losses) / len(losses)
+
+
+def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool = True) -> dict:
+    """Train per ``cfg`` into ``run_dir`` (metrics.jsonl, ckpt.pt, batches/, summary.json).
+
+    ``resume`` continues from run_dir's checkpoint. Returns the summary (also in summary.json):
+    ``status`` is "finished", or "nonfinite" when a loss or gradient norm stopped being finite
+    (the run then stops before that step's update; the last good checkpoint stays).
+    """
+    from tqdm.auto import tqdm
+
+    validate(cfg)
+    dist = DistInfo.from_env()
+    if dist.world_size > 1 and not torch_dist.is_initialized():
+        torch_dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
+    if cfg.grad_accum % dist.world_size:
+        raise ValueError(f"grad_accum={cfg.grad_accum} is not divisible by the {dist.world_size} ranks; accepted: "
+                         "a multiple of the world size (it counts micro-batches per step over all ranks)")
+    device = _device(cfg, dist)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+
+    data_dir = resolve_data_dir(cfg.data)
+    if not data_dir.is_dir():
+        raise FileNotFoundError(f"data={cfg.data!r}: no folder {data_dir}; accepted: 'embedded' or a folder with "
+                                "train.bin and val.bin (stableflash data prepare makes one)")
+    meta = read_meta(data_dir)
+    torch.manual_seed(cfg.seed)                       # same initial weights on every rank
+    model = build_model(cfg, meta["vocab_size"]).to(device)
+    block = model.config.block_size
+    train_data = load_split(data_dir, "train", meta["vocab_size"], block)
+    val_data = load_split(data_dir, "val", meta["vocab_size"], block)
+    optimizer = build_optimizer(model, cfg, device.type)
+
+    step0 = 0
+    if resume:
+        state = checkpoint.load(run_dir, cfg.to_dict(), map_location=device)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["rng"]["cpu"])
+        if device.type == "cuda" and state["rng"].get("cuda") is not None:
+            torch.cuda.set_rng_state(state["rng"]["cuda"], device)
+        step0 = state["step"]
+        if dist.is_main:
+            truncate_after(run_dir / "metrics.jsonl", step0)
+    elif dist.is_main and (run_dir / checkpoint.CHECKPOINT).exists():
+        raise ValueError(f"{run_dir} already holds a run; resume it (stableflash train --resume {run_dir}) or "
+                         "choose another --out")
+    if dist.is_main:
+        (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+
+    sampler = BatchSampler(train_data, block, cfg.batch_size, cfg.seed)
+    source = GlobalReplay(Path(cfg.replay), cfg.batch_size, block, train_data) if cfg.replay else sampler
+    recorder = BatchRecorder(run_dir, dist.rank, batch_size=cfg.batch_size, block_size=block, seed=cfg.seed,
+                             data_path=str(data_dir), start_step=step0)
+    val_batches = eval_batches(val_data, block, cfg.batch_size, cfg.eval_iters, cfg.seed)
+    val_sampler = BatchSampler(val_data, block, cfg.batch_size, cfg.seed)
+
+    net = torch.compile(model) if cfg.compile else model
+    if dist.world_size > 1:
+        net = torch.nn.parallel.DistributedDataParallel(net, device_ids=[device.index] if device.type == "cuda" else None)
+    amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.dtype)
+    autocast = (lambda: torch.autocast(device.type, dtype=amp_dtype)) if amp_dtype else contextlib.nullcontext
+    scaler = torch.amp.GradScaler(device.type, enabled=cfg.dtype == "fp16")
+    accum = cfg.grad_accum // dist.world_size
+    tokens_per_step = cfg.batch_size * block * cfg.grad_accum
+    peak = _peak_flops(cfg, device)
+    metrics = MetricsWriter(run_dir, cfg.tensorboard, enabled=dist.is_main)
+
+    status, last, best_val = "finished", {}, math.inf
+    bar = tqdm(range(step0, cfg.max_iters), disable=not (progress and dist.is_main), desc="train",
+               initial=step0, total=cfg.max_iters)
+    try:
+        for step in bar:
+            lr = lr_at(step, cfg)
+            optimizer.set_lr(lr)
+            t0 = time.perf_counter()
+            loss_sum = torch.zeros((), device=device)
+            for micro in range(accum):
+                g = micro * dist.world_size + dist.rank        # global micro-batch index
+                idx = source.indices(step, g)
+                recorder.record(step, g, idx)
+                x, y = sampler.get_batch(idx, device)
+                sync = net.no_sync() if dist.world_size > 1 and micro < accum - 1 else contextlib.nullcontext()
+                with sync, autocast():
+                    _, loss = net(x, y)
+                scaler.scale(loss / accum).backward()
+                loss_sum += loss.detach().float()
+            if scaler.is_enabled():
+                for opt in optimizer.optimizers.values():
+                    scaler.unscale_(opt)
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or math.inf)
+            loss_mean = loss_sum / accum
+            if dist.world_size > 1:
+                torch_dist.all_reduce(loss_mean, op=torch_dist.ReduceOp.AVG)
+            loss_val, norm_val = loss_mean.item(), grad_norm.item()
+            if cfg.stop_on_nonfinite and not (math.isfinite(loss_val) and math.isfinite(norm_val)):
+                status = "nonfinite"
+                metrics.event(step, "nonfinite", loss=loss_val, grad_norm=norm_val,
+                              message="loss or gradient norm is not finite; stopped before this step's update")
+                log.warning("step %d: loss %s, grad norm %s — stopping; the last checkpoint is kept", step,
+                            loss_val, norm_val)
+                break
+            if scaler.is_enabled():
+                for opt in optimizer.optimizers.values():
+                    scaler.step(opt)
+                scaler.update()
+            else:
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            dt = time.perf_counter() - t0
+            last = {"step": step, "loss": loss_val, "lr": lr, "grad_norm": norm_val, "ms": dt * 1e3,
+                    "tokens_per_s": tokens_per_step / dt}
+            if peak:
+                last["mfu"] = model.flops_per_token() * tokens_per_step / dt / peak
+            done = step + 1
+            if done % cfg.eval_every == 0 or done == cfg.max_iters:
+                last["val_loss"] = evaluate(model, val_sampler, val_batches, autocast, device)
+                best_val = min(best_val, last["val_loss"])
+            if step % cfg.log_every == 0 or done == cfg.max_iters or "val_loss" in last:
+                metrics.write(last)
+            bar.set_postfix(loss=f"{loss_val:.4f}", lr=f"{lr:.2e}")
+            if dist.is_main and (done % cfg.ckpt_every == 0 or done == cfg.max_iters):
+                checkpoint.save(run_dir, {
+                    "model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": done,
+                    "config": cfg.to_dict(),
+                    "rng": {"cpu": torch.get_rng_state(),
+                            "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}})
+    finally:
+        bar.close()
+        metrics.close()
+        recorder.close()
+    summary = {"status": status, "steps": (last.get("step", step0 - 1) + 1), "final_loss": last.get("loss"),
+               "best_val_loss": best_val if math.isfinite(best_val) else None, "attention": cfg.attention,
+               "world_size": dist.world_size, "device": str(device), "data": str(data_dir), "data_meta": meta}
+    if dist.is_main:
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    if dist.world_size > 1:
+        torch_dist.destroy_process_group()
+    return summary

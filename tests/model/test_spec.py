@@ -1,0 +1,173 @@
+"""The attention spec: the examples of the grammar, round trips, errors that name the bad token."""
+import pytest
+
+from stableflash.attention import PrecisionPolicy
+from stableflash.model import AttentionChoice, AttentionSpec, parse_attention_spec
+
+EXAMPLES = [
+    "sdpa",
+    "triton rule=ours",
+    "sdpa; 2: emulated policy=paper",
+    "emulated policy=paper; 2: emulated policy=paper hp_heads=1,7,8",
+    "*: emulated policy=paper rule=paper beta=4; 0-1,5: sdpa",
+    "2: emulated policy=paper acc=fp32 delta=dP*P",
+    "emulated low=fp16 p_bar=bf16:stochastic block=16; 3-4: reference; 1: triton rule=bounded eps=1e-05",
+]
+
+
+def test_single_backend():
+    spec = parse_attention_spec("sdpa")
+    assert spec.default == AttentionChoice("sdpa") and spec.overrides == ()
+    assert spec.choice(0) == spec.choice(11) == AttentionChoice()
+    c = parse_attention_spec("triton rule=ours").choice(3)
+    assert (c.backend, c.rule, c.beta, c.eps, c.policy, c.block) == ("triton", "ours", 2.0, 1e-3, None, 64)
+
+
+def test_layer_override_keeps_preset_name():
+    spec = parse_attention_spec("sdpa; 2: emulated policy=paper")
+    assert [spec.choice(i).backend for i in range(4)] == ["sdpa", "sdpa", "emulated", "sdpa"]
+    assert spec.choice(2).policy == "paper"          # a bare preset stays a name, resolved per dtype
+
+
+def test_hp_heads_override():
+    spec = parse_attention_spec("emulated policy=paper; 2: emulated policy=paper hp_heads=1,7,8")
+    assert spec.choice(0).policy == "paper"
+    p = spec.choice(2).policy
+    assert isinstance(p, PrecisionPolicy)
+    assert p == PrecisionPolicy.preset("paper").replace(hp_heads=(1, 7, 8))
+    assert p.hp_heads == (1, 7, 8) and p.acc == "bf16"
+
+
+def test_star_default_and_layer_list():
+    spec = parse_attention_spec("*: emulated policy=paper rule=paper beta=4; 0-1,5: sdpa")
+    stab = AttentionChoice("emulated", rule="paper", beta=4.0, policy="paper")
+    assert spec.default == stab
+    assert [spec.choice(i) for i in range(7)] == [AttentionChoice()] * 2 + [stab] * 3 + [AttentionChoice(), stab]
+
+
+def test_overrides_without_default_entry_start_from_sdpa():
+    spec = parse_attention_spec("2: emulated policy=paper acc=fp32 delta=dP*P")
+    assert spec.default == AttentionChoice("sdpa")
+    p = spec.choice(2).policy
+    assert p == PrecisionPolicy.preset("paper").replace(acc="fp32", delta="dP·P")
+    assert (p.acc, p.delta, p.row_sum, p.scores) == ("fp32", "dP·P", "bf16", "bf16")
+
+
+@pytest.mark.parametrize("alias", ["dP·P", "dP*P", "dp_p"])
+def test_delta_aliases(alias):
+    assert parse_attention_spec(f"emulated delta={alias}").default.policy.delta == "dP·P"
+
+
+def test_fields_without_policy_start_from_fa2_and_low():
+    p = parse_attention_spec("emulated out=fp32").default.policy
+    assert p == PrecisionPolicy.preset("fa2").replace(out="fp32")
+    p16 = parse_attention_spec("emulated policy=paper low=fp16").default.policy
+    assert p16 == PrecisionPolicy.preset("paper", low="fp16") and p16.inputs == "fp16"
+
+
+def test_later_entries_win():
+    spec = parse_attention_spec("emulated; 1-3: reference; 2: sdpa")
+    assert [spec.choice(i).backend for i in range(5)] == ["emulated", "reference", "sdpa", "reference", "emulated"]
+    assert parse_attention_spec("1: reference; triton").overrides == ()     # a later default resets all
+
+
+def test_kwargs():
+    kw = parse_attention_spec("emulated rule=paper beta=4 policy=paper block=16").default.kwargs()
+    assert kw == {"backend": "emulated", "stabilize": "paper", "beta": 4.0, "eps": 1e-3, "policy": "paper",
+                  "block_q": 16, "block_k": 16}
+    assert AttentionChoice().kwargs() == {"backend": "sdpa", "stabilize": False, "beta": 2.0, "eps": 1e-3,
+                                          "policy": None}
+
+
+@pytest.mark.parametrize("text", EXAMPLES)
+def test_round_trip(text):
+    spec = parse_attention_spec(text)
+    assert parse_attention_spec(str(spec)) == spec
+    assert hash(parse_attention_spec(str(spec))) == hash(spec)
+
+
+def test_str_is_compact():
+    assert str(parse_attention_spec("*: emulated policy=paper rule=paper beta=4; 0-1,5: sdpa")) == \
+        "emulated rule=paper beta=4 policy=paper; 0-1,5: sdpa"
+    assert str(parse_attention_spec("2: emulated policy=paper acc=fp32 delta=dP*P")) == \
+        "sdpa; 2: emulated policy=paper acc=fp32 delta=dP·P"
+
+
+def test_round_trip_of_built_policies():
+    custom = PrecisionPolicy(out="fp32", hp_heads=(0, 3))          # named "custom", not a preset
+    for policy in (custom, PrecisionPolicy.preset("paper"), PrecisionPolicy.preset("paper", low="e5m2"),
+                   PrecisionPolicy.preset("fp32")):
+        spec = AttentionSpec(AttentionChoice("emulated", policy=policy))
+        again = parse_attention_spec(str(spec))
+        assert again == spec, str(spec)
+        got = again.default.policy
+        got = PrecisionPolicy.preset(got) if isinstance(got, str) else got
+        assert got.replace(name="x") == policy.replace(name="x")      # same rounding at every point
+    # a built bf16 preset is not the bare name (which becomes fp16 for fp16 inputs)
+    assert str(AttentionChoice("emulated", policy=PrecisionPolicy.preset("paper"))) == "emulated policy=paper low=bf16"
+
+
+@pytest.mark.parametrize("text, token", [
+    ("flash", "flash"),                                        # unknown backend
+    ("sdpa; 2: fast", "fast"),
+    ("emulated colour=red", "colour"),                         # unknown key
+    ("triton rule=maximal", "maximal"),                        # bad rule
+    ("sdpa rule=ours", "ours"),                                # sdpa cannot stabilize
+    ("reference policy=paper", "policy"),                      # reference takes no policy
+    ("sdpa acc=fp32", "policy"),
+    ("-1: emulated", "-1"),                                    # negative layer
+    ("2-1: emulated", "2-1"),
+    ("x: emulated", "x"),
+    ("emulated rule=ours rule=paper", "rule"),                 # duplicate key
+    ("emulated beta=big", "big"),
+    ("emulated beta=0.5", "beta"),
+    ("emulated policy=fa3", "fa3"),
+    ("emulated acc=fp33", "fp33"),
+    ("emulated hp_heads=1,x", "1,x"),
+    ("emulated low=fp17", "fp17"),
+    ("triton block=32", "block"),
+    ("emulated block=0", "block"),
+    ("emulated policy", "policy"),
+    ("2: ", "2:"),
+    ("", "empty"),
+])
+def test_bad_specs_name_the_token(text, token):
+    with pytest.raises(ValueError) as err:
+        parse_attention_spec(text)
+    assert token in str(err.value)
+    assert "accepted" in str(err.value)
+
+
+def test_choice_validation():
+    with pytest.raises(ValueError, match="sdpa.*ours"):
+        AttentionChoice("sdpa", rule="ours")
+    with pytest.raises(ValueError, match="reference.*paper"):
+        AttentionChoice("reference", policy="paper")
+    with pytest.raises(ValueError, match="auto"):
+        AttentionChoice("auto")
+    with pytest.raises(TypeError, match="policy"):
+        AttentionChoice("emulated", policy=3)
+
+
+def test_check_against_model_shape():
+    spec = parse_attention_spec("sdpa; 3: emulated hp_heads=1,7,8")
+    spec.check(n_layer=4, n_head=12)
+    with pytest.raises(ValueError, match="layer 3.*n_layer=3"):
+        spec.check(n_layer=3, n_head=12)
+    with pytest.raises(ValueError, match="hp_heads=7,8.*n_head=4"):
+        spec.check(n_layer=4, n_head=4)
+    with pytest.raises(ValueError, match="-1"):
+        spec.choice(-1)
+
+
+def test_with_layers():
+    spec = parse_attention_spec("sdpa; 0: reference")
+    stab = AttentionChoice("triton", rule="ours")
+    new = spec.with_layers([1, 3], stab)
+    assert [new.choice(i) for i in range(4)] == [AttentionChoice("reference"), stab, AttentionChoice(), stab]
+    assert spec.choice(1) == AttentionChoice()                       # the original is unchanged
+    assert new == parse_attention_spec("sdpa; 0: reference; 1,3: triton rule=ours")
+    assert spec.with_layers(2, "emulated policy=paper").choice(2).policy == "paper"
+    assert new.with_layers([1, 3], AttentionChoice()) == spec         # back to the default: no override left
+    with pytest.raises(ValueError, match="-2"):
+        spec.with_layers([-2], stab)
