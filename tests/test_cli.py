@@ -74,3 +74,26 @@ def test_bench_attention_without_gpu_says_so(capsys):
         main(["bench", "attention"])
     assert exc.value.code == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the no-GPU message")
+def test_bench_train_without_gpu_says_so(capsys, tmp_path):
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "train", "--out", str(tmp_path)])
+    assert exc.value.code == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_data_prepare_text_and_errors(tmp_path, capsys):
+    src = tmp_path / "txt"
+    src.mkdir()
+    for i in range(4):
+        (src / f"doc{i}.txt").write_text(f"document {i}: " + "héllo wörld " * 50)
+    assert main(["data", "prepare", str(src), "--out", str(tmp_path / "tok"), "--tokenizer", "bytes",
+                 "--val-fraction", "0.25"]) == 0
+    meta = json.loads(capsys.readouterr().out)
+    assert meta["vocab_size"] == 256 and meta["tokens"]["train"] > 0 and meta["tokens"]["val"] > 0
+    assert (tmp_path / "tok" / "train.bin").stat().st_size == 2 * meta["tokens"]["train"]
+    with pytest.raises(SystemExit) as exc:
+        main(["data", "prepare", "--out", str(tmp_path / "none")])
+    assert exc.value.code == 2 and "nothing to prepare" in capsys.readouterr().err

@@ -119,13 +119,12 @@ def _cmd_bench_train(args: argparse.Namespace) -> int:
 
     cfg = TrainBenchConfig(model=args.model, attentions=tuple(args.attention or DEFAULT_ATTENTIONS),
                            batch_size=args.batch_size, compile=not args.no_compile, steps=args.steps)
-    result = run_train_bench(cfg, progress=not args.json)
-    result["command"] = "stableflash " + shlex.join(args.argv)
     out = args.out
     if out.suffix != ".json":
-        gpu = (result["env"]["gpu"] or "cpu").replace(" ", "-")
-        out = out / f"training-{gpu}-{result['env']['date'][:19].replace(':', '')}.json"
+        out = out / "training-latest.json"
     out.parent.mkdir(parents=True, exist_ok=True)
+    result = run_train_bench(cfg, progress=not args.json, partial=out)
+    result["command"] = "stableflash " + shlex.join(args.argv)
     out.write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2) if args.json else format_table(result))
     if not args.json:

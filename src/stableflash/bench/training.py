@@ -6,14 +6,18 @@ tokens/s, MFU (against the GPU's dense bf16 peak), and the ratio to the first at
 """
 from __future__ import annotations
 
+import json
+import logging
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 
 from stableflash.bench.attention import environment
 from stableflash.model import GPT, model_config, parse_attention_spec
 
+log = logging.getLogger(__name__)
 DEFAULT_ATTENTIONS = ("sdpa", "triton rule=ours", "triton", "emulated policy=fa2", "emulated policy=paper")
 
 
@@ -77,24 +81,30 @@ def time_attention(spec: str, cfg: TrainBenchConfig, device: torch.device) -> di
             "loss": loss.item(), "warmup_s": warm_s}
 
 
-def run_train_bench(cfg: TrainBenchConfig, progress: bool = True) -> dict:
+def run_train_bench(cfg: TrainBenchConfig, progress: bool = True, partial: Path | None = None) -> dict:
+    """Time every attention in turn. With ``partial``, the results so far are rewritten there after
+    each attention (compiling GPT-2 takes a minute per variant: a run cut short keeps what it measured)."""
     from tqdm.auto import tqdm
 
     if not torch.cuda.is_available():
         raise ValueError("stableflash bench train needs a CUDA GPU; none is visible")
     device = torch.device("cuda")
-    rows = []
+    result = {"config": asdict(cfg), "env": environment(), "rows": []}
+    rows = result["rows"]
     for spec in tqdm(cfg.attentions, desc="bench train", disable=not progress):
         try:
             rows.append(time_attention(spec, cfg, device))
         except Exception as exc:                         # report it, and go on with the others
             rows.append({"attention": spec, "error": f"{type(exc).__name__}: {exc}"[:300]})
         torch.cuda.empty_cache()
-    base = next((r for r in rows if "tokens_per_s" in r), None)
-    for r in rows:
-        if base and "tokens_per_s" in r:
-            r["ratio_to_first"] = r["tokens_per_s"] / base["tokens_per_s"]
-    return {"config": asdict(cfg), "env": environment(), "rows": rows}
+        base = next((r for r in rows if "tokens_per_s" in r), None)
+        for r in rows:
+            if base and "tokens_per_s" in r:
+                r["ratio_to_first"] = r["tokens_per_s"] / base["tokens_per_s"]
+        if partial is not None:
+            Path(partial).write_text(json.dumps(result, indent=2))
+        log.info("%s", format_table(result))
+    return result
 
 
 def format_table(result: dict) -> str:
