@@ -61,10 +61,15 @@ def _cmd_bench_attention(args: argparse.Namespace) -> int:
     if out.suffix != ".json":
         gpu = (result["env"]["gpu"] or "cpu").replace(" ", "-")
         out = out / f"attention-{gpu}-{result['env']['date'][:19].replace(':', '')}.json"
+    return _report(result, out, format_table, args.json)
+
+
+def _report(result: dict, out: Path, format_table, as_json: bool) -> int:
+    """Write a benchmark's JSON to ``out`` and print it, or its table."""
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
-    print(json.dumps(result, indent=2) if args.json else format_table(result))
-    if not args.json:
+    print(json.dumps(result, indent=2) if as_json else format_table(result))
+    if not as_json:
         print(f"JSON written to {out}")
     return 0
 
@@ -125,11 +130,7 @@ def _cmd_bench_train(args: argparse.Namespace) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     result = run_train_bench(cfg, progress=not args.json, partial=out)
     result["command"] = "stableflash " + shlex.join(args.argv)
-    out.write_text(json.dumps(result, indent=2))
-    print(json.dumps(result, indent=2) if args.json else format_table(result))
-    if not args.json:
-        print(f"JSON written to {out}")
-    return 0
+    return _report(result, out, format_table, args.json)
 
 
 def build_parser() -> argparse.ArgumentParser:
