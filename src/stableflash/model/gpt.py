@@ -92,12 +92,17 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)   # rows: Q, K, V
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
+        # diagnostics: called as observer(self, x, q, k, v, y) after the attention, with q, k, v, y
+        # in (B, n_head, T, head_dim); it may register a hook on y to see dO. None costs nothing.
+        self.observer = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
         y = flash_attention(q, k, v, causal=True, **self.choice.kwargs())
+        if self.observer is not None:
+            self.observer(self, x, q, k, v, y)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
