@@ -133,6 +133,14 @@ def _cmd_bench_train(args: argparse.Namespace) -> int:
     return _report(result, out, format_table, args.json)
 
 
+def _cmd_report(args: argparse.Namespace) -> int:
+    from stableflash.report import build_report
+
+    html = build_report(args.runs, args.out)
+    print(f"report: {html}\nsummary: {html.with_suffix('.json')}\nfigures: {html.parent / (html.stem + '_files')}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="stableflash",
@@ -234,6 +242,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--embedded", action="store_true",
                    help="the embedded default corpus (this Python's standard-library sources, bytes)")
     p.set_defaults(func=_cmd_data_prepare)
+
+    p = sub.add_parser(
+        "report",
+        help="one HTML page comparing training runs (loss, spectral norms, repeated maxima, δ bias, monitor)",
+        description="Read RUN_DIR/metrics.jsonl (and probes.jsonl, config.json, summary.json where present) "
+                    "of each run and write a self-contained HTML page with embedded figures, the PNGs "
+                    "beside it and a JSON summary (explosion step, monitor lead time, ...).",
+    )
+    p.add_argument("runs", nargs="+", type=Path, metavar="RUN_DIR")
+    p.add_argument("--out", type=Path, default=None, help="HTML file (default: report.html in the first RUN_DIR)")
+    p.set_defaults(func=_cmd_report)
 
     bench = sub.add_parser("bench", help="benchmarks (GPU)", description="Benchmarks; each writes JSON results.")
     bench_sub = bench.add_subparsers(dest="bench", metavar="WHAT")

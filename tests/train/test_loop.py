@@ -76,7 +76,7 @@ def test_nonfinite_loss_stops_cleanly_and_keeps_the_checkpoint(data_dir, tmp_pat
         return logits, loss
 
     monkeypatch.setattr(gpt.GPT, "forward", poisoned)
-    summary = train(cfg_for(data_dir, "max_iters=20", "ckpt_every=4", "eval_every=100"), tmp_path / "r",
+    summary = train(cfg_for(data_dir, "max_iters=20", "ckpt_every=4", "eval_every=100", "probe_every=0"), tmp_path / "r",
                     progress=False)
     assert summary["status"] == "nonfinite" and summary["steps"] == 8
     events = [r for r in read_metrics(tmp_path / "r" / "metrics.jsonl") if r.get("event") == "nonfinite"]

@@ -58,7 +58,29 @@ class TrainConfig:
     peak_tflops: float | None = None
     tensorboard: bool = False
     stop_on_nonfinite: bool = True
+    # diagnostics (stableflash.diagnostics): probes every probe_every steps (0: off), the δ analysis
+    # on the comma-separated delta_layers, and the monitor's action on its warnings
+    probe_every: int = 100
+    probe_seqs: int = 2
+    delta_layers: str = ""
+    delta_policy: str = "paper"
+    monitor: str = "warn"
+    monitor_repeated_max: float = 0.25
+    monitor_spectral_ratio: float = 4.0
+    monitor_growth: float = 3.0
+    monitor_loss_spike: float = 1.5
+    monitor_patience: int = 2
+    monitor_delta_drift: float | None = None
     notes: str = ""
+
+    def delta_layer_list(self) -> tuple[int, ...]:
+        """``delta_layers`` as a tuple of ints ("2,5" → (2, 5))."""
+        text = self.delta_layers.strip()
+        try:
+            return tuple(int(t) for t in text.split(",")) if text else ()
+        except ValueError:
+            raise ValueError(f"delta_layers={self.delta_layers!r} is invalid; accepted: comma-separated layer "
+                             "indices, e.g. '2' or '2,5'") from None
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -201,7 +223,7 @@ def validate(cfg: TrainConfig) -> None:
     for name in ("batch_size", "grad_accum", "max_iters", "eval_every", "eval_iters", "log_every", "ckpt_every",
                  "n_layer", "n_head", "n_embd", "block_size", "vocab_size", "lr", "peak_tflops"):
         positive(name)
-    for name in ("min_lr", "warmup_iters", "weight_decay", "grad_clip", "lr_decay_iters"):
+    for name in ("min_lr", "warmup_iters", "weight_decay", "grad_clip", "lr_decay_iters", "probe_every"):
         positive(name, allow_zero=True)
     if cfg.dropout is not None and not 0 <= cfg.dropout < 1:
         raise ValueError(f"dropout={cfg.dropout!r} is invalid; accepted: 0 <= dropout < 1")
@@ -214,12 +236,25 @@ def validate(cfg: TrainConfig) -> None:
                                   ("dtype", cfg.dtype, DTYPES)):
         if value not in accepted:
             raise ValueError(f"{name}={value!r} is invalid; accepted: {', '.join(accepted)}")
+    for layer in cfg.delta_layer_list():
+        if layer < 0:
+            raise ValueError(f"delta_layers={cfg.delta_layers!r} has a negative layer; accepted: indices >= 0")
+    monitor_config(cfg)
     if cfg.device not in ("auto", "cpu", "cuda") and not cfg.device.startswith("cuda:"):
         raise ValueError(f"device={cfg.device!r} is invalid; accepted: auto, cpu, cuda, cuda:N")
     from stableflash.model import MODEL_PRESETS, parse_attention_spec
     if cfg.model not in MODEL_PRESETS:
         raise ValueError(f"model={cfg.model!r} is unknown; accepted: {', '.join(MODEL_PRESETS)}")
     parse_attention_spec(cfg.attention)
+
+
+def monitor_config(cfg: TrainConfig):
+    """The MonitorConfig of a training config (validated)."""
+    from stableflash.diagnostics.monitor import MonitorConfig
+    return MonitorConfig(action=cfg.monitor, repeated_max=cfg.monitor_repeated_max,
+                         spectral_ratio=cfg.monitor_spectral_ratio, growth=cfg.monitor_growth,
+                         loss_spike=cfg.monitor_loss_spike, patience=cfg.monitor_patience,
+                         delta_drift=cfg.monitor_delta_drift, warmup_steps=cfg.warmup_iters)
 
 
 @dataclass(frozen=True)

@@ -19,9 +19,12 @@ from pathlib import Path
 import torch
 import torch.distributed as torch_dist
 
+from stableflash.diagnostics.delta import DeltaTracker
+from stableflash.diagnostics.monitor import Monitor, stabilized_choice_spec
+from stableflash.diagnostics.probes import probe_record
 from stableflash.model import GPT, model_config
 from stableflash.train import checkpoint
-from stableflash.train.config import DistInfo, TrainConfig, validate
+from stableflash.train.config import DistInfo, TrainConfig, monitor_config, validate
 from stableflash.train.data import BatchRecorder, BatchSampler, ReplaySampler, eval_batches, load_split, read_meta
 from stableflash.train.metrics import MetricsWriter, truncate_after
 from stableflash.train.optim import build_optimizer, lr_at
@@ -150,8 +153,10 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
         if device.type == "cuda" and state["rng"].get("cuda") is not None:
             torch.cuda.set_rng_state(state["rng"]["cuda"], device)
         step0 = state["step"]
+        model.set_attention(state.get("attention", cfg.attention))   # a monitor may have switched layers
         if dist.is_main:
             truncate_after(run_dir / "metrics.jsonl", step0)
+            truncate_after(run_dir / "probes.jsonl", step0)
     elif dist.is_main and (run_dir / checkpoint.CHECKPOINT).exists():
         raise ValueError(f"{run_dir} already holds a run; resume it (stableflash train --resume {run_dir}) or "
                          "choose another --out")
@@ -176,11 +181,22 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
     peak = _peak_flops(cfg, device)
     metrics = MetricsWriter(run_dir, cfg.tensorboard, enabled=dist.is_main)
 
+    monitor = Monitor(monitor_config(cfg))
+    tracker = DeltaTracker()
+    probes = open(run_dir / "probes.jsonl", "a") if dist.is_main and cfg.probe_every else None
+
+    def save_checkpoint(done: int) -> None:
+        checkpoint.save(run_dir, {
+            "model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": done,
+            "config": cfg.to_dict(), "attention": str(model.attention_spec),
+            "rng": {"cpu": torch.get_rng_state(),
+                    "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}})
+
     status, last, best_val = "finished", {}, math.inf
-    bar = tqdm(range(step0, cfg.max_iters), disable=not (progress and dist.is_main), desc="train",
-               initial=step0, total=cfg.max_iters)
+    bar = tqdm(total=cfg.max_iters, initial=step0, disable=not (progress and dist.is_main), desc="train")
+    step = step0
     try:
-        for step in bar:
+        while step < cfg.max_iters:
             lr = lr_at(step, cfg)
             optimizer.set_lr(lr)
             t0 = time.perf_counter()
@@ -231,18 +247,62 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
             if step % cfg.log_every == 0 or done == cfg.max_iters or "val_loss" in last:
                 metrics.write(last)
             bar.set_postfix(loss=f"{loss_val:.4f}", lr=f"{lr:.2e}")
-            if dist.is_main and (done % cfg.ckpt_every == 0 or done == cfg.max_iters):
-                checkpoint.save(run_dir, {
-                    "model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": done,
-                    "config": cfg.to_dict(),
-                    "rng": {"cpu": torch.get_rng_state(),
-                            "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}})
+
+            # diagnostics: probes on rank 0, the monitor's decision shared with every rank
+            events = monitor.observe_loss(step, loss_val) if dist.is_main else []
+            if probes is not None and step % cfg.probe_every == 0:
+                with autocast():
+                    record = probe_record(model, x, y, n_seq=cfg.probe_seqs, delta_layers=cfg.delta_layer_list(),
+                                          delta_policy=cfg.delta_policy)
+                for layer, info in (record.get("delta") or {}).items():
+                    info["running_sum"] = tracker.update(step, int(layer), info.get("sum_over_tokens") or 0.0)
+                probes.write(json.dumps({"step": step, **record}) + "\n")
+                probes.flush()
+                events += monitor.observe_probe(step, record)
+            for event in events:
+                metrics.write({**event, "loss": loss_val})
+                log.warning("step %d: monitor: %s", step, event["message"])
+            act = monitor.layers_to_act_on(events) if dist.is_main else []
+            if dist.world_size > 1:
+                shared = [act]
+                torch_dist.broadcast_object_list(shared, src=0)
+                act = shared[0]
+            if act:
+                spec = model.attention_spec
+                for layer in act:
+                    spec = spec.with_layers([layer], stabilized_choice_spec(str(spec.choice(layer)),
+                                                                            device.type == "cuda"))
+                if monitor.config.action == "rollback" and (run_dir / checkpoint.CHECKPOINT).exists():
+                    state = checkpoint.load(run_dir, cfg.to_dict(), map_location=device)
+                    model.load_state_dict(state["model"])
+                    optimizer.load_state_dict(state["optimizer"])
+                    torch.set_rng_state(state["rng"]["cpu"])
+                    if device.type == "cuda" and state["rng"].get("cuda") is not None:
+                        torch.cuda.set_rng_state(state["rng"]["cuda"], device)
+                    metrics.write({"step": step, "loss": loss_val, "event": "monitor_action", "action": "rollback",
+                                   "to_step": state["step"], "layers": act,
+                                   "message": f"restored the checkpoint of step {state['step']}"})
+                    done = state["step"]
+                    recorder.close()
+                    recorder = BatchRecorder(run_dir, dist.rank, batch_size=cfg.batch_size, block_size=block,
+                                             seed=cfg.seed, data_path=str(data_dir), start_step=done)
+                model.set_attention(spec)
+                metrics.write({"step": step, "loss": loss_val, "event": "monitor_action", "action": "switch",
+                               "layers": act, "attention": str(spec),
+                               "message": f"layers {act} switched to stabilized attention from step {done}"})
+            if dist.is_main and (done % cfg.ckpt_every == 0 or done == cfg.max_iters) and done == step + 1:
+                save_checkpoint(done)
+            bar.n = step = done
+            bar.refresh()
     finally:
         bar.close()
         metrics.close()
         recorder.close()
+        if probes is not None:
+            probes.close()
     summary = {"status": status, "steps": (last.get("step", step0 - 1) + 1), "final_loss": last.get("loss"),
                "best_val_loss": best_val if math.isfinite(best_val) else None, "attention": cfg.attention,
+               "final_attention": str(model.attention_spec),
                "world_size": dist.world_size, "device": str(device), "data": str(data_dir), "data_meta": meta}
     if dist.is_main:
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))

@@ -1,0 +1,152 @@
+"""An online monitor: watches the paper's leading indicators and acts before the loss explodes.
+
+Indicators, each checked per layer on every probe record (``probes.probe_record``):
+- repeated row maxima: the layer's fraction of rows whose maximum is attained more than once
+  (mean over heads) above ``repeated_max`` and at least ``growth`` × its first measured value —
+  the paper's Fig. 13 signal, which rose in the failing layer before the loss went;
+- spectral norm of W_Q: the layer's norm above ``spectral_ratio`` × the median of the other
+  layers and at least ``growth`` × its own first value (the paper's Fig. 3: one layer's W_Q grows);
+- δ bias: the magnitude of the running sum of Σ_T(δ_lp − δ_hp) above ``delta_drift`` (off by
+  default: its scale depends on the model);
+and on every step:
+- the loss itself: its exponential average above ``loss_spike`` × the lowest average so far.
+
+A layer is flagged after ``patience`` consecutive probe records over a threshold. Actions:
+"warn" only writes events; "switch" moves the flagged layers to stabilized attention from the
+next step; "rollback" also restores the last good checkpoint first. Every warning and action is
+returned as an event dict for metrics.jsonl.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass, field
+
+ACTIONS = ("off", "warn", "switch", "rollback")
+
+
+@dataclass
+class MonitorConfig:
+    action: str = "warn"
+    repeated_max: float = 0.25
+    spectral_ratio: float = 4.0
+    growth: float = 3.0
+    delta_drift: float | None = None
+    loss_spike: float = 1.5
+    loss_ema: float = 0.1
+    warmup_steps: int = 50
+    patience: int = 2
+
+    def __post_init__(self) -> None:
+        if self.action not in ACTIONS:
+            raise ValueError(f"monitor action={self.action!r} is invalid; accepted: {', '.join(ACTIONS)}")
+        for name in ("repeated_max", "spectral_ratio", "growth", "loss_spike", "loss_ema"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(f"monitor {name}={value!r} is invalid; accepted: a finite number > 0")
+        if self.patience < 1:
+            raise ValueError(f"monitor patience={self.patience!r} is invalid; accepted: >= 1")
+
+
+@dataclass
+class Monitor:
+    """Keeps the indicators' history; ``observe_*`` return the events to log."""
+
+    config: MonitorConfig = field(default_factory=MonitorConfig)
+    first: dict = field(default_factory=dict)          # (indicator, layer) -> first value seen
+    streak: dict = field(default_factory=dict)         # (indicator, layer) -> consecutive exceedances
+    flagged: set = field(default_factory=set)          # layers already acted on
+    ema: float | None = None
+    best_ema: float = math.inf
+    warned_loss: bool = False
+
+    @property
+    def enabled(self) -> bool:
+        return self.config.action != "off"
+
+    def observe_loss(self, step: int, loss: float) -> list[dict]:
+        """The loss indicator (every step)."""
+        if not self.enabled or not math.isfinite(loss):
+            return []
+        a = self.config.loss_ema
+        self.ema = loss if self.ema is None else (1 - a) * self.ema + a * loss
+        if step < self.config.warmup_steps:
+            return []
+        self.best_ema = min(self.best_ema, self.ema)
+        if self.ema > self.config.loss_spike * self.best_ema and not self.warned_loss:
+            self.warned_loss = True
+            return [self._warning(step, None, None, "loss", self.ema, self.config.loss_spike * self.best_ema,
+                                  f"loss average {self.ema:.3f} is {self.ema / self.best_ema:.2f}× its minimum")]
+        return []
+
+    def observe_probe(self, step: int, record: dict) -> list[dict]:
+        """The per-layer indicators of one probe record; warnings for layers newly over threshold."""
+        if not self.enabled:
+            return []
+        events = []
+        for layer, value, head in self._repeated_max(record):
+            events += self._check(step, "repeated_max", layer, head, value, self.config.repeated_max)
+        for layer, value, limit in self._spectral(record):
+            events += self._check(step, "spectral_q", layer, None, value, limit)
+        if self.config.delta_drift is not None:
+            for layer, info in (record.get("delta") or {}).items():
+                running = info.get("running_sum")
+                if running is not None and math.isfinite(running):
+                    events += self._check(step, "delta_drift", int(layer), None, abs(running), self.config.delta_drift,
+                                          use_growth=False)
+        return events
+
+    def layers_to_act_on(self, events: list[dict]) -> list[int]:
+        """Layers named by these warnings that no action has covered yet (for switch / rollback)."""
+        if self.config.action not in ("switch", "rollback"):
+            return []
+        layers = sorted({e["layer"] for e in events if e.get("layer") is not None} - self.flagged)
+        self.flagged.update(layers)
+        return layers
+
+    # -- indicators -----------------------------------------------------------------------------
+    @staticmethod
+    def _repeated_max(record: dict):
+        rows = (record.get("row") or {}).get("repeated_max_frac")
+        for layer, heads in enumerate(rows or []):
+            values = [h if isinstance(h, (int, float)) and math.isfinite(h) else None for h in heads]
+            finite = [h for h in values if h is not None]
+            if finite:
+                worst = max(range(len(values)), key=lambda h: -math.inf if values[h] is None else values[h])
+                yield layer, sum(finite) / len(finite), worst
+
+    def _spectral(self, record: dict):
+        norms = (record.get("spectral") or {}).get("q_full")
+        if not norms or len(norms) < 2:
+            return
+        for layer, value in enumerate(norms):
+            others = [n for i, n in enumerate(norms) if i != layer]
+            yield layer, value, self.config.spectral_ratio * statistics.median(others)
+
+    def _check(self, step, indicator, layer, head, value, limit, use_growth=True) -> list[dict]:
+        key = (indicator, layer)
+        self.first.setdefault(key, value)
+        over = value > limit and (not use_growth or value >= self.config.growth * max(self.first[key], 1e-12))
+        self.streak[key] = self.streak.get(key, 0) + 1 if over else 0
+        if self.streak[key] != self.config.patience:
+            return []
+        what = {"repeated_max": "fraction of rows with repeated maxima", "spectral_q": "spectral norm of W_Q",
+                "delta_drift": "running δ bias"}[indicator]
+        return [self._warning(step, layer, head, indicator, value, limit,
+                              f"layer {layer}: {what} {value:.3g} over {limit:.3g} "
+                              f"(first seen {self.first[key]:.3g}) for {self.config.patience} probes")]
+
+    @staticmethod
+    def _warning(step, layer, head, indicator, value, limit, message) -> dict:
+        return {"step": step, "event": "monitor_warning", "layer": layer, "head": head, "indicator": indicator,
+                "value": value, "threshold": limit, "message": message}
+
+
+def stabilized_choice_spec(current_choice_text: str, on_cuda: bool) -> str:
+    """The attention a flagged layer switches to: the same backend and policy with our rule, or,
+    for SDPA (which cannot be stabilized), the fused kernel on CUDA and the fa2 emulation elsewhere."""
+    backend = current_choice_text.split()[0]
+    if backend == "sdpa":
+        return "triton rule=ours" if on_cuda else "emulated policy=fa2 rule=ours"
+    parts = [p for p in current_choice_text.split()[1:] if not p.startswith("rule=")]
+    return " ".join([backend, *parts, "rule=ours"])

@@ -1,0 +1,94 @@
+"""The monitor: which indicator fires when, patience, actions, and no alarm on a healthy run."""
+import math
+
+import pytest
+
+from stableflash.diagnostics.monitor import Monitor, MonitorConfig, stabilized_choice_spec
+
+
+def record(rep, q_full):
+    """A probe record with per-layer repeated-max fractions (2 heads each) and W_Q norms."""
+    return {"row": {"repeated_max_frac": [[r, r] for r in rep]}, "spectral": {"q_full": list(q_full)}}
+
+
+def test_repeated_maxima_rising_in_one_layer_is_flagged_after_patience():
+    m = Monitor(MonitorConfig(patience=2))
+    assert m.observe_probe(0, record([0.05, 0.04, 0.05], [10, 11, 10])) == []
+    assert m.observe_probe(100, record([0.05, 0.30, 0.05], [10, 11, 10])) == []      # once: patience 2
+    events = m.observe_probe(200, record([0.05, 0.40, 0.05], [10, 11, 10]))
+    assert [(e["indicator"], e["layer"]) for e in events] == [("repeated_max", 1)]
+    assert events[0]["value"] == pytest.approx(0.40) and events[0]["event"] == "monitor_warning"
+    assert m.observe_probe(300, record([0.05, 0.50, 0.05], [10, 11, 10])) == []      # warned once
+
+
+def test_high_but_not_grown_fraction_is_not_an_alarm():
+    """The paper's rule raises the repeated-maxima fraction itself; a high level from the start
+    is not the rising signal."""
+    m = Monitor(MonitorConfig(patience=1))
+    for step in range(5):
+        assert m.observe_probe(step, record([0.30, 0.31], [10, 10])) == []
+
+
+def test_one_layer_spectral_norm_blowing_up():
+    m = Monitor(MonitorConfig(patience=1))
+    assert m.observe_probe(0, record([0.0] * 4, [10, 12, 9, 11])) == []
+    events = m.observe_probe(1, record([0.0] * 4, [10, 60, 9, 11]))
+    assert [(e["indicator"], e["layer"]) for e in events] == [("spectral_q", 1)]
+    assert events[0]["threshold"] == pytest.approx(4.0 * 10)
+
+
+def test_loss_spike_after_warmup_only_once():
+    m = Monitor(MonitorConfig(warmup_steps=5, loss_spike=1.5, loss_ema=0.5))
+    events = []
+    for step, loss in enumerate([5, 4, 3, 2.5, 2.2, 2.0, 2.0, 2.1, 3.5, 5.0, 8.0, 9.0]):
+        events += m.observe_loss(step, loss)
+    assert len(events) == 1 and events[0]["indicator"] == "loss" and events[0]["step"] == 9
+    assert m.observe_loss(12, math.nan) == []
+
+
+def test_delta_drift_is_optional():
+    rec = {"delta": {"2": {"running_sum": 5.0}}}
+    assert Monitor(MonitorConfig(patience=1)).observe_probe(0, rec) == []
+    events = Monitor(MonitorConfig(patience=1, delta_drift=1.0)).observe_probe(0, rec)
+    assert [(e["indicator"], e["layer"]) for e in events] == [("delta_drift", 2)]
+
+
+def test_actions_choose_layers_once():
+    warn = Monitor(MonitorConfig(action="warn"))
+    ev = [{"layer": 1}, {"layer": None}]
+    assert warn.layers_to_act_on(ev) == []
+    switch = Monitor(MonitorConfig(action="switch"))
+    assert switch.layers_to_act_on(ev) == [1]
+    assert switch.layers_to_act_on([{"layer": 1}, {"layer": 3}]) == [3]
+    off = Monitor(MonitorConfig(action="off"))
+    assert off.observe_probe(0, record([0.9], [1, 100])) == [] and off.observe_loss(100, 1e9) == []
+
+
+def test_healthy_noisy_run_raises_no_false_alarm():
+    import random
+    rng = random.Random(0)
+    m = Monitor(MonitorConfig())
+    events = []
+    for step in range(0, 5000, 100):
+        rep = [max(0.0, 0.04 + rng.gauss(0, 0.01)) for _ in range(6)]
+        q = [10 + step / 1000 + rng.gauss(0, 0.5) for _ in range(6)]
+        events += m.observe_probe(step, record(rep, q))
+    for step in range(5000):
+        events += m.observe_loss(step, 5.5 * math.exp(-step / 800) + 0.7 + rng.gauss(0, 0.05))
+    assert events == []
+
+
+@pytest.mark.parametrize("current,cuda,want", [
+    ("sdpa", True, "triton rule=ours"), ("sdpa", False, "emulated policy=fa2 rule=ours"),
+    ("emulated policy=paper", False, "emulated policy=paper rule=ours"),
+    ("emulated rule=paper policy=paper", True, "emulated policy=paper rule=ours"),
+    ("triton", True, "triton rule=ours")])
+def test_stabilized_choice(current, cuda, want):
+    assert stabilized_choice_spec(current, cuda) == want
+
+
+def test_bad_config():
+    with pytest.raises(ValueError, match="action='panic'"):
+        MonitorConfig(action="panic")
+    with pytest.raises(ValueError, match="patience=0"):
+        MonitorConfig(patience=0)

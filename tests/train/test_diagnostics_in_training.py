@@ -1,0 +1,75 @@
+"""Probes and the monitor inside real (tiny, CPU) training runs, and the report of such runs."""
+import json
+
+import pytest
+
+from stableflash.cli import main
+from stableflash.train import corpus
+from stableflash.train.config import make_config
+from stableflash.train.loop import train
+from stableflash.train.metrics import read_metrics
+
+# thresholds low enough that the monitor fires on a healthy tiny run: this tests the plumbing
+TRIGGER = ("monitor_repeated_max=1e-9", "monitor_growth=1e-9", "monitor_patience=1", "monitor_spectral_ratio=1e9")
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("corpus")
+    corpus.prepare_embedded(out, max_bytes=1_000_000)
+    return out
+
+
+def run(data_dir, path, *extra):
+    cfg = make_config("tiny", overrides=[f"data={data_dir}", "max_iters=20", "ckpt_every=5", *extra])
+    return train(cfg, path, progress=False)
+
+
+def test_probes_are_written_with_delta_running_sums(data_dir, tmp_path):
+    run(data_dir, tmp_path / "r", "probe_every=5", "delta_layers=1", "monitor=off")
+    records = [json.loads(line) for line in (tmp_path / "r" / "probes.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 5, 10, 15]
+    first = records[0]
+    assert len(first["spectral"]["q_full"]) == 2 and len(first["row"]["repeated_max_frac"][0]) == 2
+    sums = [r["delta"]["1"]["sum_over_tokens"] for r in records]
+    running = [r["delta"]["1"]["running_sum"] for r in records]
+    assert running == pytest.approx([sum(sums[: i + 1]) for i in range(4)], rel=1e-6)
+
+
+def test_probes_off_write_nothing(data_dir, tmp_path):
+    run(data_dir, tmp_path / "r", "probe_every=0")
+    assert not (tmp_path / "r" / "probes.jsonl").exists()
+
+
+def test_monitor_switch_moves_flagged_layers_to_stabilized_attention(data_dir, tmp_path):
+    summary = run(data_dir, tmp_path / "r", "probe_every=5", "monitor=switch", *TRIGGER)
+    events = [r for r in read_metrics(tmp_path / "r" / "metrics.jsonl") if "event" in r]
+    warnings = [e for e in events if e["event"] == "monitor_warning"]
+    actions = [e for e in events if e["event"] == "monitor_action"]
+    assert warnings and {w["layer"] for w in warnings} == {0, 1} and all("loss" in e for e in events)
+    assert [a["action"] for a in actions] == ["switch"] and actions[0]["layers"] == [0, 1]
+    assert summary["status"] == "finished" and summary["steps"] == 20
+    assert summary["final_attention"] == "sdpa; 0-1: emulated rule=ours policy=fa2"
+
+
+def test_monitor_rollback_restores_the_checkpoint_then_continues_stabilized(data_dir, tmp_path):
+    # patience 2: the warning comes at the second probe (step 7), after the checkpoint of step 5
+    summary = run(data_dir, tmp_path / "r", "probe_every=7", "monitor=rollback", *TRIGGER, "monitor_patience=2")
+    rows = read_metrics(tmp_path / "r" / "metrics.jsonl")
+    rollback = [r for r in rows if r.get("action") == "rollback"]
+    assert len(rollback) == 1 and rollback[0]["step"] == 7 and rollback[0]["to_step"] == 5
+    steps = [r["step"] for r in rows if "event" not in r]
+    assert steps == list(range(0, 8)) + list(range(5, 20))      # steps 5..7 run again after the rollback
+    assert summary["status"] == "finished" and "rule=ours" in summary["final_attention"]
+
+
+def test_report_of_training_runs(data_dir, tmp_path, capsys):
+    run(data_dir, tmp_path / "a", "probe_every=5", "delta_layers=1")
+    run(data_dir, tmp_path / "b", "probe_every=5", "attention=emulated policy=fa2 rule=ours")
+    assert main(["report", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "rep.html")]) == 0
+    html = (tmp_path / "rep.html").read_text()
+    for fig in ("fig-loss", "fig-grad-norm", "fig-spectral-a", "fig-repeated-max-b", "fig-delta", "fig-monitor"):
+        assert f'id="{fig}"' in html
+    summary = json.loads((tmp_path / "rep.json").read_text())
+    runs = summary["runs"] if isinstance(summary, dict) else summary
+    assert {r["name"] for r in runs} == {"a", "b"}
