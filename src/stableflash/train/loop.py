@@ -95,6 +95,17 @@ def build_model(cfg: TrainConfig, vocab_size: int) -> GPT:
     return GPT(replace(mcfg, vocab_size=vocab), attention=cfg.attention)
 
 
+def _restore(run_dir: Path, cfg: TrainConfig, model, optimizer, device: torch.device) -> dict:
+    """Load run_dir's checkpoint into the model, the optimizer and the RNGs; returns it."""
+    state = checkpoint.load(run_dir, cfg.to_dict(), map_location=device)
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    torch.set_rng_state(state["rng"]["cpu"])
+    if device.type == "cuda" and state["rng"].get("cuda") is not None:
+        torch.cuda.set_rng_state(state["rng"]["cuda"], device)
+    return state
+
+
 @torch.no_grad()
 def evaluate(model, sampler: BatchSampler, batches, autocast, device) -> float:
     """Mean loss over fixed validation batches."""
@@ -146,12 +157,7 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
 
     step0 = 0
     if resume:
-        state = checkpoint.load(run_dir, cfg.to_dict(), map_location=device)
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        torch.set_rng_state(state["rng"]["cpu"])
-        if device.type == "cuda" and state["rng"].get("cuda") is not None:
-            torch.cuda.set_rng_state(state["rng"]["cuda"], device)
+        state = _restore(run_dir, cfg, model, optimizer, device)
         step0 = state["step"]
         model.set_attention(state.get("attention", cfg.attention))   # a monitor may have switched layers
         if dist.is_main:
@@ -273,12 +279,7 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
                     spec = spec.with_layers([layer], stabilized_choice_spec(str(spec.choice(layer)),
                                                                             device.type == "cuda"))
                 if monitor.config.action == "rollback" and (run_dir / checkpoint.CHECKPOINT).exists():
-                    state = checkpoint.load(run_dir, cfg.to_dict(), map_location=device)
-                    model.load_state_dict(state["model"])
-                    optimizer.load_state_dict(state["optimizer"])
-                    torch.set_rng_state(state["rng"]["cpu"])
-                    if device.type == "cuda" and state["rng"].get("cuda") is not None:
-                        torch.cuda.set_rng_state(state["rng"]["cuda"], device)
+                    state = _restore(run_dir, cfg, model, optimizer, device)
                     metrics.write({"step": step, "loss": loss_val, "event": "monitor_action", "action": "rollback",
                                    "to_step": state["step"], "layers": act,
                                    "message": f"restored the checkpoint of step {state['step']}"})
