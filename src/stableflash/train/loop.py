@@ -96,8 +96,9 @@ def build_model(cfg: TrainConfig, vocab_size: int) -> GPT:
 
 
 def _restore(run_dir: Path, cfg: TrainConfig, model, optimizer, device: torch.device) -> dict:
-    """Load run_dir's checkpoint into the model, the optimizer and the RNGs; returns it."""
-    state = checkpoint.load(run_dir, cfg.to_dict(), map_location=device)
+    """Load run_dir's checkpoint into the model, the optimizer and the RNGs; returns it. Loaded on
+    the CPU: the RNG states must stay CPU tensors, and load_state_dict moves the rest."""
+    state = checkpoint.load(run_dir, cfg.to_dict(), map_location="cpu")
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     torch.set_rng_state(state["rng"]["cpu"])
