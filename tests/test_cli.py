@@ -5,7 +5,7 @@ import pytest
 
 from stableflash.cli import build_parser, main
 
-SUBCOMMANDS = ["explain-add", "probe", "bench", "train", "data", "report"]
+SUBCOMMANDS = ["explain-add", "probe", "bench", "train", "data", "report", "repro"]
 
 
 def test_top_level_help(capsys):

@@ -17,7 +17,7 @@ def readme_commands() -> list[str]:
 def test_readme_has_exactly_two_setup_commands():
     cmds = readme_commands()
     assert len(cmds) == 2, cmds
-    assert cmds[0].endswith("stableflash probe") and "pytest" in cmds[1]
+    assert cmds[0].endswith("stableflash repro") and "pytest" in cmds[1]
 
 
 def test_ci_runs_the_readme_test_command():
