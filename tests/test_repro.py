@@ -39,3 +39,31 @@ def test_cli_repro_bad_preset_and_gpu_presets(capsys):
             main(["repro", "--preset", "leads-e8m5", "--no-probe"])
         assert "needs a GPU" in capsys.readouterr().err
     assert REPRO_PRESETS["leads-e8m5"].accelerated and not REPRO_PRESETS["leads-bf16"].accelerated
+
+
+def test_ladder_rungs_are_the_papers_experiments():
+    from stableflash.model import parse_attention_spec
+    from stableflash.repro.ladder import rungs
+    r = rungs("emulated policy=paper", layer=2, heads=[1, 7], seq_len=512)
+    assert r["tiling off (block = sequence)"] == "emulated policy=paper block=512"
+    assert r["failing attention in layer 2 only"] == "sdpa; 2: emulated policy=paper"
+    assert r["SDPA in layer 2 only"] == "emulated policy=paper; 2: sdpa"
+    assert parse_attention_spec(r["δ from dP·P"]).default.policy.delta == "dP·P"
+    assert parse_attention_spec(r["O recomputed in fp32 for δ"]).default.policy.delta == "recompute_fp32"
+    fwd = parse_attention_spec(r["O in fp32 (forward)"]).default.policy
+    assert (fwd.acc, fwd.row_sum, fwd.out, fwd.p_bar) == ("fp32", "fp32", "fp32", "bf16")
+    heads = parse_attention_spec(r["O in fp32 for heads 1,7 of layer 2"])
+    assert heads.choice(2).policy.hp_heads == (1, 7) and heads.choice(0).policy == "paper"
+    only = parse_attention_spec(r["only Ō = P̄V in fp32"]).default.policy
+    assert (only.p_bar, only.acc, only.out) == ("fp32", "fp32", "bf16")
+    with pytest.raises(ValueError, match="one attention for every layer"):
+        rungs("sdpa; 1: emulated policy=paper", 1, [0], 64)
+
+
+def test_ladder_runs_every_rung_on_the_same_batches(tmp_path):
+    from stableflash.repro.ladder import run_ladder
+    result = run_ladder("cpu-demo", tmp_path, steps=4, progress=False)
+    assert len(result["rows"]) == 9 and all(r["steps"] == 4 for r in result["rows"])
+    batches = {(tmp_path / r["run_dir"].split("/")[-1] / "batches" / "rank0.bin").read_bytes() for r in result["rows"]}
+    assert len(batches) == 1
+    assert (tmp_path / "ladder.json").exists()

@@ -152,6 +152,12 @@ def _cmd_repro(args: argparse.Namespace) -> int:
     if preset.gpu and not torch_cuda():
         raise ValueError(f"preset {name!r} needs a GPU (none is visible here); accepted without one: cpu-demo")
     out = args.out or Path("runs") / f"repro-{name}"
+    if args.ladder:
+        from stableflash.repro.ladder import format_ladder, run_ladder
+        result = run_ladder(preset, out, seed=args.seeds[0], steps=args.steps, extra=tuple(args.set or ()),
+                            progress=not args.quiet)
+        print(json.dumps(result, indent=2, default=str) if args.json else format_ladder(result))
+        return 0
     probe_text = None
     if not args.no_probe:
         from stableflash.diagnostics.mechanism import ProbeConfig, format_table, run_probe
@@ -290,6 +296,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, help="override the preset's number of steps")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="extra training config override")
     p.add_argument("--no-probe", action="store_true", help="skip the kernel-level probe")
+    p.add_argument("--ladder", action="store_true",
+                   help="run the paper's isolation experiments instead (first seed only): tiling off, the failing "
+                        "layer alone, δ from dP·P, O in fp32 (backward recompute / forward / chosen heads), Ō only")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=_cmd_repro)
