@@ -158,14 +158,12 @@ def _cmd_repro(args: argparse.Namespace) -> int:
                             progress=not args.quiet)
         print(json.dumps(result, indent=2, default=str) if args.json else format_ladder(result))
         return 0
-    probe_text = None
     if not args.no_probe:
         from stableflash.diagnostics.mechanism import ProbeConfig, format_table, run_probe
         probe = run_probe(ProbeConfig(), progress=not args.quiet)
         out.mkdir(parents=True, exist_ok=True)
         (out / "probe.json").write_text(json.dumps(probe, indent=2))
-        probe_text = format_table(probe)
-        print(probe_text)
+        print(format_table(probe))
     result = run_repro(preset, out, seeds=tuple(args.seeds), steps=args.steps, extra=tuple(args.set or ()),
                        progress=not args.quiet)
     print(json.dumps(result, indent=2, default=str) if args.json else repro_table(result))

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from stableflash.attention import emulated, reference
-from stableflash.attention.policy import PRESETS, PrecisionPolicy, resolve_policy
+from stableflash.attention.policy import PrecisionPolicy, resolve_policy
 from stableflash.attention.shift import ShiftRule
 
 log = logging.getLogger(__name__)
@@ -94,10 +94,10 @@ def _triton_reason(q: torch.Tensor, k: torch.Tensor, policy: PrecisionPolicy) ->
     return None
 
 
-def _pick_auto(q: torch.Tensor, k: torch.Tensor, rule: ShiftRule, policy) -> str:
+def _pick_auto(q: torch.Tensor, k: torch.Tensor, rule: ShiftRule, policy, resolved: PrecisionPolicy) -> str:
     if not rule.stabilized and policy is None:
         return "sdpa"
-    why_not = _triton_reason(q, k, resolve_policy(policy, q.dtype))
+    why_not = _triton_reason(q, k, resolved)
     if why_not is None:
         return "triton"
     reason = ("a precision policy was given" if policy is not None else
@@ -145,13 +145,9 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     rule = ShiftRule.from_arg(stabilize, beta, eps)
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is unknown; accepted: {', '.join(BACKENDS)}")
-    if policy is not None and not isinstance(policy, (str, PrecisionPolicy)):
-        raise TypeError(f"policy={policy!r} is invalid; accepted: None, a PrecisionPolicy, or one of "
-                        f"{', '.join(PRESETS)}")
-    if isinstance(policy, str) and policy not in PRESETS:
-        raise ValueError(f"policy={policy!r} is not a preset; accepted: {', '.join(PRESETS)} or a PrecisionPolicy")
+    resolved = resolve_policy(policy, q.dtype)          # validates the policy argument (memoized)
     if backend == "auto":
-        backend = _pick_auto(q, k, rule, policy)
+        backend = _pick_auto(q, k, rule, policy, resolved)
         log.info("flash_attention: backend='auto' picked %r", backend)
     if policy is not None and backend in ("reference", "sdpa"):
         raise ValueError(f"policy={policy!r} is honoured only by backend='emulated' or 'triton'; "
@@ -167,7 +163,6 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     if backend == "reference":
         return reference.attention(q, _expand_kv(q, k), _expand_kv(q, v), causal=causal, scale=scale_val,
                                    rule=rule).to(q.dtype)
-    resolved = resolve_policy(policy, q.dtype)
     bad = [h for h in resolved.hp_heads if h >= q.shape[1]]
     if bad:
         raise ValueError(f"policy.hp_heads={resolved.hp_heads} names heads {bad}, but q has "

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import datetime as dt
 import platform
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Callable
 
 import torch
@@ -32,7 +32,6 @@ class BenchConfig:
     warmup_ms: int = 25
     rep_ms: int = 100
     seed: int = 0
-    extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         bad = [p for p in self.providers if p not in PROVIDERS]

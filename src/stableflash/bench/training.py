@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -31,7 +31,6 @@ class TrainBenchConfig:
     steps: int = 20
     seed: int = 0
     peak_tflops: float = 989.0
-    extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for spec in self.attentions:

@@ -7,7 +7,7 @@ fewer mantissa bits than bf16 are *accelerated* stand-ins, labelled as such ever
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -23,7 +23,6 @@ class ReproPreset:
     baseline: str
     accelerated: str | None = None              # what makes it faster to fail than bf16, if anything
     gpu: bool = True
-    extra: dict = field(default_factory=dict)
 
     @property
     def stabilized(self) -> str:

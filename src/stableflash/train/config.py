@@ -11,7 +11,7 @@ import json
 import os
 import tomllib
 import typing
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 
