@@ -1,8 +1,11 @@
-"""Fixed-config timings of the Triton kernels, to choose tile configs and measure rule overheads.
+"""Fixed-config timings of the Triton kernels, to choose tile configs and measure what each
+variant gains.
 
-Forward: each config × rule (standard, paper, ours, bounded). Backward (unless FWD_ONLY=1): the
-dK/dV and dQ kernels per config. Medians of do_bench; the best of each is printed last. JSON
-under $OUT."""
+Forward: each config × rule (standard, paper, ours, bounded) × key loop through pointers or
+tensor descriptors (TMA). Backward (unless FWD_ONLY=1): the one-kernel backward (dQ by atomic
+adds, including zeroing the fp32 buffer and the final scale-and-cast) per config, and the
+two-kernel deterministic backward (dK/dV kernel + dQ kernel) per config. Medians of do_bench; the
+best of each is printed last. JSON under $OUT. Env: RULES=0,2,3 to time fewer rules."""
 import json
 import math
 import os
@@ -16,21 +19,23 @@ from stableflash.attention.triton import op
 from stableflash.attention.triton.forward import attn_fwd_kernel
 
 SHAPES = [(32, 12, 1024, 64), (8, 16, 4096, 64), (4, 16, 8192, 128)]
-FWD = [(64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3)]
-DKDV = [(32, 128, 4, 3), (64, 128, 8, 3), (32, 128, 8, 3), (64, 64, 4, 3), (32, 64, 4, 3), (64, 128, 8, 2),
-        (32, 128, 4, 4)]
-DQ = [(128, 32, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 8, 3), (64, 32, 4, 3), (128, 64, 8, 2),
-      (128, 32, 4, 4)]
+FWD = [(64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3)]
+FUSED = [(32, 64, 4, 3), (64, 128, 8, 3), (64, 64, 4, 3), (32, 128, 4, 3), (64, 128, 8, 2), (128, 128, 8, 3)]
+DKDV = [(32, 64, 4, 3), (64, 128, 8, 3), (32, 128, 4, 3)]
+DQ = [(64, 64, 4, 3), (128, 64, 8, 3), (128, 32, 8, 3)]
 LOG2E = 1 / math.log(2)
+RULE_NAMES = ("standard", "paper", "ours", "bounded")
+RULES = tuple(int(r) for r in os.environ.get("RULES", "0,1,2,3").split(","))
 dev = "cuda"
-RULES = (0, 1, 2, 3)        # standard, paper, ours, bounded
 rows = []
+triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device=dev))
 
 
 def bench(fn):
     try:
         return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-    except Exception as exc:  # out of resources and the like
+    except Exception as exc:  # out of resources, a variant this Triton cannot compile, ...
+        print("  failed:", type(exc).__name__, str(exc)[:200])
         return float("nan")
 
 
@@ -43,24 +48,36 @@ for shape in SHAPES:
     scale = D ** -0.5
     for bm, bn, w, s in FWD:
         for stab in RULES:
-            def fwd():
-                attn_fwd_kernel[(triton.cdiv(N, bm), B * H)](
-                    q, k, v, o, lse, *st(q), *st(k), *st(v), *st(o), H, 1, N, N, scale * LOG2E, 2.0, 1e-3 * LOG2E,
-                    0.13 * LOG2E, 8.4 * LOG2E, 1.0, HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=True, STAB=stab,
-                    EMU=False, INTERP=False, num_warps=w, num_stages=s)
-            rows.append(dict(shape=shape, kernel="fwd", cfg=(bm, bn, w, s), stab=stab, ms=bench(fwd)))
+            for tma in (False, True):
+                def fwd():
+                    attn_fwd_kernel[(triton.cdiv(N, bm), B * H)](
+                        q, k, v, o, lse, *st(q), *st(k), *st(v), *st(o), H, 1, N, N, scale * LOG2E, 2.0,
+                        1e-3 * LOG2E, 0.13 * LOG2E, 8.4 * LOG2E, 1.0, HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn,
+                        CAUSAL=True, STAB=stab, EMU=False, TMA=tma, INTERP=False, num_warps=w, num_stages=s)
+                rows.append(dict(shape=shape, kernel="fwd-tma" if tma else "fwd", cfg=(bm, bn, w, s), stab=stab,
+                                 ms=bench(fwd)))
     if os.environ.get("FWD_ONLY") == "1":
         continue
     # the backward needs a real lse and delta
     o, lse = op.attn_fwd(q, k, v, True, scale, 0, 2.0, 1e-3, 0.13, 8.4, False, 0)
     delta = (o.float() * do.float()).sum(-1)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=dev)
     common = (*st(q), *st(k), *st(v), *st(do))
+    for bm, bn, w, s in FUSED:
+        def fused():
+            dq_acc.zero_()
+            bw.attn_bwd_dkdv_kernel[(triton.cdiv(N, bn), B * H)](
+                q, k, v, do, lse, delta, dk, dv, dq_acc, *common, *st(dk), H, 1, N, N, scale, HEAD_DIM=D,
+                BLOCK_M=bm, BLOCK_N=bn, CAUSAL=True, ATOMIC_DQ=True, EMU=False, INTERP=False, num_warps=w,
+                num_stages=s)
+            dq.copy_(dq_acc.mul_(scale))
+        rows.append(dict(shape=shape, kernel="bwd-atomic", cfg=(bm, bn, w, s), ms=bench(fused)))
     for bm, bn, w, s in DKDV:
         def dkdv():
             bw.attn_bwd_dkdv_kernel[(triton.cdiv(N, bn), B * H)](
-                q, k, v, do, lse, delta, dk, dv, *common, *st(dk), H, 1, N, N, scale, HEAD_DIM=D, BLOCK_M=bm,
-                BLOCK_N=bn, CAUSAL=True, EMU=False, INTERP=False, num_warps=w, num_stages=s)
+                q, k, v, do, lse, delta, dk, dv, dk, *common, *st(dk), H, 1, N, N, scale, HEAD_DIM=D, BLOCK_M=bm,
+                BLOCK_N=bn, CAUSAL=True, ATOMIC_DQ=False, EMU=False, INTERP=False, num_warps=w, num_stages=s)
         rows.append(dict(shape=shape, kernel="dkdv", cfg=(bm, bn, w, s), ms=bench(dkdv)))
     for bm, bn, w, s in DQ:
         def dq_():
@@ -68,21 +85,36 @@ for shape in SHAPES:
                 q, k, v, do, lse, delta, dq, *common, *st(dq), H, 1, N, N, scale, HEAD_DIM=D, BLOCK_M=bm,
                 BLOCK_N=bn, CAUSAL=True, EMU=False, INTERP=False, num_warps=w, num_stages=s)
         rows.append(dict(shape=shape, kernel="dq", cfg=(bm, bn, w, s), ms=bench(dq_)))
+    # the two backward paths must agree before their times mean anything
+    fused_cfg = min((r for r in rows if r["shape"] == shape and r["kernel"] == "bwd-atomic"),
+                    key=lambda r: r["ms"] if not math.isnan(r["ms"]) else 1e9)["cfg"]
+    dq_acc.zero_()
+    bm, bn, w, s = fused_cfg
+    bw.attn_bwd_dkdv_kernel[(triton.cdiv(N, bn), B * H)](
+        q, k, v, do, lse, delta, dk, dv, dq_acc, *common, *st(dk), H, 1, N, N, scale, HEAD_DIM=D, BLOCK_M=bm,
+        BLOCK_N=bn, CAUSAL=True, ATOMIC_DQ=True, EMU=False, INTERP=False, num_warps=w, num_stages=s)
+    dq_atomic = (dq_acc * scale).to(q.dtype)
+    bw.attn_bwd_dq_kernel[(triton.cdiv(N, 64), B * H)](
+        q, k, v, do, lse, delta, dq, *common, *st(dq), H, 1, N, N, scale, HEAD_DIM=D, BLOCK_M=64,
+        BLOCK_N=64, CAUSAL=True, EMU=False, INTERP=False, num_warps=4, num_stages=3)
+    diff = ((dq_atomic.double() - dq.double()).norm() / dq.double().norm()).item()
+    rows.append(dict(shape=shape, kernel="check", dq_rel_diff_atomic_vs_two_kernel=diff))
+    print(shape, "dQ atomic vs two-kernel, relative difference:", f"{diff:.2e}")
+    del dq_acc
     torch.cuda.empty_cache()
 
 json.dump(rows, open(os.path.join(os.environ.get("OUT", "/tmp"), "tune.json"), "w"), indent=1)
+print(f"\n{'shape':>20} {'variant':28} {'best ms':>8} {'config':>18}")
 for shape in SHAPES:
-    B, H, N, D = shape
-    f = 4 * B * H * N * N * D * 0.5
-    print(shape)
-    for kernel, variants in (("fwd", list(RULES)), ("dkdv", [None]), ("dq", [None])):
-        for var in variants:
-            cand = [r for r in rows if r["shape"] == shape and r["kernel"] == kernel and not math.isnan(r["ms"])
-                    and (var is None or r["stab"] == var)]
-            cand.sort(key=lambda r: r["ms"])
-            if not cand:
-                continue
-            top = ", ".join(f"{r['cfg']}: {r['ms']:.3f} ms" for r in cand[:3])
-            label = kernel if var is None else f"fwd rule={('standard', 'paper', 'ours', 'bounded')[var]}"
-            tf = f * (1.0 if kernel == "fwd" else 1.0) / cand[0]["ms"] / 1e9 if cand else 0
-            print(f"  {label:32s} best {top}   ({tf:.0f} fwd-equiv TFLOP/s)")
+    best = {}
+    for r in rows:
+        if r["shape"] != shape or r["kernel"] == "check" or math.isnan(r["ms"]):
+            continue
+        label = r["kernel"] + (f" {RULE_NAMES[r['stab']]}" if "stab" in r else "")
+        if label not in best or r["ms"] < best[label]["ms"]:
+            best[label] = r
+    for label, r in best.items():
+        print(f"{str(shape):>20} {label:28} {r['ms']:8.3f} {str(r['cfg']):>18}")
+    if "dkdv" in best and "dq" in best and "bwd-atomic" in best:
+        two = best["dkdv"]["ms"] + best["dq"]["ms"]
+        print(f"{str(shape):>20} {'bwd two-kernel (sum)':28} {two:8.3f}   atomic/two = {best['bwd-atomic']['ms'] / two:.2f}")

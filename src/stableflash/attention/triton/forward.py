@@ -24,12 +24,16 @@ LOG2E = 1.4426950408889634
 def _fwd_blocks(acc, l_i, m_i, r_i, q, K, V, stride_kn, stride_vn, offs_m, offs_d, start, stop, n_k,
                 scale, beta, eps, lo, hi, period,
                 BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
-                STAB: tl.constexpr, EMU: tl.constexpr, INTERP: tl.constexpr):
-    """Lines 6-11 of Algorithm 1 for key blocks [start, stop)."""
+                STAB: tl.constexpr, EMU: tl.constexpr, TMA: tl.constexpr, INTERP: tl.constexpr):
+    """Lines 6-11 of Algorithm 1 for key blocks [start, stop). TMA: K and V are tensor
+    descriptors (rows past n_k come back as zeros) instead of pointers."""
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in range(start, stop, BLOCK_N):
         cols = start_n + offs_n
-        if MASKED:
+        if TMA:
+            k = tl.trans(K.load([start_n, 0]))
+            v = V.load([start_n, 0])
+        elif MASKED:
             k = tl.load(K + cols[None, :] * stride_kn + offs_d[:, None], mask=cols[None, :] < n_k, other=0.0)
             v = tl.load(V + cols[:, None] * stride_vn + offs_d[None, :], mask=cols[:, None] < n_k, other=0.0)
         else:
@@ -69,7 +73,8 @@ def attn_fwd_kernel(Q, K, V, O, LSE,
                     stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om,
                     n_heads, group, n_q, n_k, scale, beta, eps, lo, hi, period,
                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    CAUSAL: tl.constexpr, STAB: tl.constexpr, EMU: tl.constexpr, INTERP: tl.constexpr):
+                    CAUSAL: tl.constexpr, STAB: tl.constexpr, EMU: tl.constexpr, TMA: tl.constexpr,
+                    INTERP: tl.constexpr):
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1)
     b, h = bh // n_heads, bh % n_heads
@@ -79,6 +84,11 @@ def attn_fwd_kernel(Q, K, V, O, LSE,
     Q += b * stride_qb + h * stride_qh
     K += b * stride_kb + hk * stride_kh
     V += b * stride_vb + hk * stride_vh
+    if TMA:     # device-side descriptors (Hopper's tensor memory accelerator) for the key loop
+        K = tl.make_tensor_descriptor(K, shape=[n_k, HEAD_DIM], strides=[stride_kn, 1],
+                                      block_shape=[BLOCK_N, HEAD_DIM])
+        V = tl.make_tensor_descriptor(V, shape=[n_k, HEAD_DIM], strides=[stride_vn, 1],
+                                      block_shape=[BLOCK_N, HEAD_DIM])
     q = tl.load(Q + offs_m[:, None] * stride_qm + offs_d[None, :], mask=offs_m[:, None] < n_q, other=0.0)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -93,10 +103,10 @@ def attn_fwd_kernel(Q, K, V, O, LSE,
         full = tl.minimum(full, (start_m // BLOCK_N) * BLOCK_N)
     acc, l_i, m_i, r_i = _fwd_blocks(acc, l_i, m_i, r_i, q, K, V, stride_kn, stride_vn, offs_m, offs_d,
                                      0, full, n_k, scale, beta, eps, lo, hi, period,
-                                     BLOCK_N, CAUSAL, False, STAB, EMU, INTERP)
+                                     BLOCK_N, CAUSAL, False, STAB, EMU, TMA, INTERP)
     acc, l_i, m_i, r_i = _fwd_blocks(acc, l_i, m_i, r_i, q, K, V, stride_kn, stride_vn, offs_m, offs_d,
                                      full, stop, n_k, scale, beta, eps, lo, hi, period,
-                                     BLOCK_N, CAUSAL, True, STAB, EMU, INTERP)
+                                     BLOCK_N, CAUSAL, True, STAB, EMU, TMA, INTERP)
     if EMU:
         o = acc / l_i[:, None]
         lse = m_i + tl.log(l_i)
