@@ -1,9 +1,5 @@
-"""FlashAttention-2 backward (Algorithm 2) in Triton: δ, then either
-- one kernel per key block that computes dK, dV and adds each query block's share of dQ into an
-  fp32 buffer with atomic adds (five products per tile: the default), or
-- two kernels, dK/dV per key block and dQ per query block (seven products per tile, since S, P and
-  dP are recomputed for dQ; no atomics, so bit-for-bit deterministic — used when
-  ``torch.use_deterministic_algorithms(True)`` is on).
+"""FlashAttention-2 backward (Algorithm 2) in Triton: δ, then dK/dV per key block and dQ per
+query block (two kernels, no atomics, deterministic).
 
 P is recomputed from the saved log-sum-exp, so it is the normalised softmax whatever shift the
 forward used. δ comes from one of three sources (compile-time DELTA):
@@ -84,12 +80,10 @@ def delta_pass_kernel(Q, K, V, DO, LSE, DELTA,
 
 
 @triton.jit
-def _dkdv_blocks(dk, dv, k, v, Q, DO, LSE, DELTA, DQ, stride_qm, stride_dm, offs_n, offs_d, start, stop,
-                 n_q, scale, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
-                 MASKED: tl.constexpr, ATOMIC_DQ: tl.constexpr, EMU: tl.constexpr, INTERP: tl.constexpr):
-    """Lines 10-21 of Algorithm 2 for query blocks [start, stop), transposed (keys as rows).
-    ATOMIC_DQ: also add each query block's dS·K into DQ (this head's contiguous (n_q, HEAD_DIM)
-    fp32 buffer, unscaled) with atomic adds."""
+def _dkdv_blocks(dk, dv, k, v, Q, DO, LSE, DELTA, stride_qm, stride_dm, offs_n, offs_d, start, stop,
+                 n_q, scale, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
+                 EMU: tl.constexpr, INTERP: tl.constexpr):
+    """Lines 10-21 of Algorithm 2 for query blocks [start, stop), transposed (keys as rows)."""
     offs_m = tl.arange(0, BLOCK_M)
     for start_m in range(start, stop, BLOCK_M):
         rows = start_m + offs_m
@@ -111,29 +105,19 @@ def _dkdv_blocks(dk, dv, k, v, Q, DO, LSE, DELTA, DQ, stride_qm, stride_dm, offs
             pT = tl.where(keep, pT, 0.0)
         dv += mma(cast(pT, do.dtype, INTERP), do, INTERP)
         dpT = mma(v, tl.trans(do), INTERP)
-        dsT = cast(pT * (dpT - delta[None, :]), qT.dtype, INTERP)
-        dk += mma(dsT, tl.trans(qT), INTERP)
-        if ATOMIC_DQ:
-            dq = mma(tl.trans(dsT), k, INTERP)                               # (BLOCK_M, HEAD_DIM)
-            dq_ptrs = DQ + rows[:, None] * HEAD_DIM + offs_d[None, :]
-            if MASKED:
-                tl.atomic_add(dq_ptrs, dq, mask=rows[:, None] < n_q, sem="relaxed")
-            else:
-                tl.atomic_add(dq_ptrs, dq, sem="relaxed")
+        dsT = pT * (dpT - delta[None, :])
+        dk += mma(cast(dsT, qT.dtype, INTERP), tl.trans(qT), INTERP)
     return dk, dv
 
 
 @triton.jit
-def attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ,
+def attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
                          stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
                          stride_vb, stride_vh, stride_vn, stride_db, stride_dh, stride_dm,
                          stride_dkb, stride_dkh, stride_dkn,
                          n_heads, group, n_q, n_k, scale,
                          HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         CAUSAL: tl.constexpr, ATOMIC_DQ: tl.constexpr, EMU: tl.constexpr,
-                         INTERP: tl.constexpr):
-    """dK and dV of one key block (summed over the query heads that share it); with ATOMIC_DQ, also
-    dQ's share into DQ (fp32, contiguous (B, H, n_q, HEAD_DIM), zeroed by the caller)."""
+                         CAUSAL: tl.constexpr, EMU: tl.constexpr, INTERP: tl.constexpr):
     start_n = tl.program_id(0) * BLOCK_N
     bhk = tl.program_id(1)
     n_kv_heads = n_heads // group
@@ -157,16 +141,13 @@ def attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ,
         do_ptr = DO + b * stride_db + h * stride_dh
         lse_ptr = LSE + (b * n_heads + h) * n_q
         delta_ptr = DELTA + (b * n_heads + h) * n_q
-        dq_ptr = DQ + (b * n_heads + h).to(tl.int64) * n_q * HEAD_DIM
-        dk, dv = _dkdv_blocks(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, stride_qm, stride_dm,
-                              offs_n, offs_d, start, diag_end, n_q, scale, BLOCK_M, HEAD_DIM, CAUSAL, True,
-                              ATOMIC_DQ, EMU, INTERP)
-        dk, dv = _dkdv_blocks(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, stride_qm, stride_dm,
-                              offs_n, offs_d, diag_end, full, n_q, scale, BLOCK_M, HEAD_DIM, CAUSAL, False,
-                              ATOMIC_DQ, EMU, INTERP)
-        dk, dv = _dkdv_blocks(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, stride_qm, stride_dm,
-                              offs_n, offs_d, tl.maximum(full, diag_end), n_q, n_q, scale, BLOCK_M, HEAD_DIM,
-                              CAUSAL, True, ATOMIC_DQ, EMU, INTERP)
+        dk, dv = _dkdv_blocks(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, stride_qm, stride_dm,
+                              offs_n, offs_d, start, diag_end, n_q, scale, BLOCK_M, CAUSAL, True, EMU, INTERP)
+        dk, dv = _dkdv_blocks(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, stride_qm, stride_dm,
+                              offs_n, offs_d, diag_end, full, n_q, scale, BLOCK_M, CAUSAL, False, EMU, INTERP)
+        dk, dv = _dkdv_blocks(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, stride_qm, stride_dm,
+                              offs_n, offs_d, tl.maximum(full, diag_end), n_q, n_q, scale, BLOCK_M, CAUSAL,
+                              True, EMU, INTERP)
     out = b * stride_dkb + hk * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :]
     tl.store(DK + out, cast(dk * scale, DK.dtype.element_ty, INTERP), mask=cols)
     tl.store(DV + out, cast(dv, DV.dtype.element_ty, INTERP), mask=cols)

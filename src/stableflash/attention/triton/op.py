@@ -31,8 +31,8 @@ def interpreting() -> bool:
     return isinstance(attn_fwd_kernel, InterpretedFunction)
 
 
-def _cfg(bm: int, bn: int, warps: int, stages: int) -> triton.Config:
-    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages)
+def _cfg(bm: int, bn: int, warps: int, stages: int, **extra) -> triton.Config:
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, **extra}, num_warps=warps, num_stages=stages)
 
 
 def _fits(configs, named_args, **kwargs):
@@ -47,19 +47,20 @@ FWD_CONFIGS = [_cfg(64, 64, 4, 3), _cfg(128, 64, 8, 3), _cfg(128, 128, 8, 3), _c
                _cfg(64, 32, 4, 2)]
 DKDV_CONFIGS = [_cfg(32, 64, 4, 3), _cfg(64, 128, 8, 3), _cfg(32, 128, 4, 3), _cfg(64, 64, 4, 3),
                 _cfg(16, 64, 4, 2)]
-# dK/dV with dQ by atomic adds: the dK/dV tiles, plus taller query blocks (fewer atomic adds)
-FUSED_CONFIGS = [_cfg(32, 64, 4, 3), _cfg(64, 128, 8, 3), _cfg(64, 64, 4, 3), _cfg(32, 128, 4, 3),
-                 _cfg(64, 128, 8, 2)]
 DQ_CONFIGS = [_cfg(64, 64, 4, 3), _cfg(128, 64, 8, 3), _cfg(128, 64, 8, 2), _cfg(128, 32, 8, 3),
               _cfg(64, 16, 4, 2)]
 _KEY = ["n_q", "n_k", "HEAD_DIM", "CAUSAL"]
 _prune = {"early_config_prune": _fits}
-_fwd_tuned = triton.autotune(FWD_CONFIGS, key=_KEY + ["STAB", "EMU", "TMA"], prune_configs_by=_prune)(attn_fwd_kernel)
+# where TMA is possible the forward's tuner also tries the key loop through tensor descriptors
+# (faster at head_dim 128, slower at 64: benchmarks/results/tune-tma-atomic-H200-2026-11-22.txt)
+FWD_TMA_CONFIGS = ([_cfg(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages, TMA=False)
+                    for c in FWD_CONFIGS]
+                   + [_cfg(64, 64, 4, 3, TMA=True), _cfg(128, 64, 8, 3, TMA=True), _cfg(128, 128, 8, 3, TMA=True)])
+_fwd_tuned = triton.autotune(FWD_CONFIGS, key=_KEY + ["STAB", "EMU"], prune_configs_by=_prune)(attn_fwd_kernel)
+_fwd_tma_tuned = triton.autotune(FWD_TMA_CONFIGS, key=_KEY + ["STAB", "EMU"],
+                                 prune_configs_by=_prune)(attn_fwd_kernel)
 _dkdv_tuned = triton.autotune(DKDV_CONFIGS, key=_KEY + ["EMU"], prune_configs_by=_prune)(attn_bwd_dkdv_kernel)
 _dq_tuned = triton.autotune(DQ_CONFIGS, key=_KEY + ["EMU"], prune_configs_by=_prune)(attn_bwd_dq_kernel)
-# autotuning runs the kernel several times: the dQ buffer must start from zero each time
-_fused_tuned = triton.autotune(FUSED_CONFIGS, key=_KEY + ["EMU"], prune_configs_by=_prune,
-                               reset_to_zero=["DQ"])(attn_bwd_dkdv_kernel)
 # under the interpreter: one small tile, so that short test sequences still span several blocks
 _INTERP = {"BLOCK_M": 32, "BLOCK_N": 16}
 # with AUTOTUNE off (the tests: correctness needs no tuning, and tuning compiles every config),
@@ -67,8 +68,7 @@ _INTERP = {"BLOCK_M": 32, "BLOCK_N": 16}
 AUTOTUNE = True
 _FIXED = {_fwd_tuned: {True: _cfg(64, 64, 4, 3), False: _cfg(64, 32, 4, 2)},
           _dkdv_tuned: {True: _cfg(32, 64, 4, 3), False: _cfg(16, 64, 4, 2)},
-          _dq_tuned: {True: _cfg(64, 64, 4, 3), False: _cfg(64, 16, 4, 2)},
-          _fused_tuned: {True: _cfg(32, 64, 4, 3), False: _cfg(16, 64, 4, 2)}}
+          _dq_tuned: {True: _cfg(64, 64, 4, 3), False: _cfg(64, 16, 4, 2)}}
 
 
 def key_block(head_dim: int) -> int:
@@ -90,13 +90,14 @@ def _launch(tuned, raw, grid, *args, **meta):
                               INTERP=False)
 
 
-# the forward's key loop through tensor descriptors (Hopper's TMA) where the GPU and the strides allow
-TMA = False
+# whether the forward may read K and V through tensor descriptors (Hopper's TMA); the tuner decides
+TMA = True
 _allocator_set = False
 
 
 def _use_tma(*ts: torch.Tensor) -> bool:
-    """TMA needs compute capability ≥ 9, 16-byte aligned head bases and row strides."""
+    """TMA needs compute capability ≥ 9, 16-byte aligned head bases and row strides (otherwise the
+    pointer path runs)."""
     if not TMA or interpreting() or torch.cuda.get_device_capability(ts[0].device)[0] < 9:
         return False
     bytes_ = ts[0].element_size()
@@ -136,12 +137,17 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sc
     lse = torch.empty(B, H, n_q, dtype=torch.float32, device=q.device)
     scale_u, eps_u, lo, hi, period = _units(emu, scale, eps, min_shift, max_shift)
     grid = lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]), B * H)  # noqa: E731
-    tma = _use_tma(k, v)
-    if tma:
+    args = (q, k, v, o, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(o), H, H // k.shape[1], n_q, n_k,
+            scale_u, beta, eps_u, lo, hi, period)
+    meta = dict(HEAD_DIM=d, CAUSAL=causal, STAB=rule, EMU=emu)
+    if _use_tma(k, v):
         _ensure_allocator()
-    _launch(_fwd_tuned, attn_fwd_kernel, grid, q, k, v, o, lse, *_strides(q), *_strides(k), *_strides(v),
-            *_strides(o), H, H // k.shape[1], n_q, n_k, scale_u, beta, eps_u, lo, hi, period,
-            HEAD_DIM=d, CAUSAL=causal, STAB=rule, EMU=emu, TMA=tma)
+        if AUTOTUNE:        # each config says whether it uses TMA
+            _fwd_tma_tuned[grid](*args, **meta, INTERP=False)
+        else:
+            _launch(_fwd_tuned, attn_fwd_kernel, grid, *args, **meta, TMA=True)
+    else:
+        _launch(_fwd_tuned, attn_fwd_kernel, grid, *args, **meta, TMA=False)
     return o, lse
 
 
@@ -177,19 +183,13 @@ def _backward_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
             q, k, v, do, lse, delta, *_strides(q), *_strides(k), *_strides(v), *_strides(do), H, group, n_q, n_k,
             scale, HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, DELTA_SRC=delta_src, EMU=emu,
             INTERP=interpreting())
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     common = (*_strides(q), *_strides(k), *_strides(v), *_strides(do))
-    dkdv_grid = lambda meta: (triton.cdiv(n_k, meta["BLOCK_N"]), B * Hk)  # noqa: E731
-    if not torch.are_deterministic_algorithms_enabled():
-        # one kernel: dQ gathered by atomic adds in fp32 (the order of the adds varies run to run)
-        dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        _launch(_fused_tuned, attn_bwd_dkdv_kernel, dkdv_grid, q, k, v, do, lse, delta, dk, dv, dq_acc, *common,
-                *_strides(dk), H, group, n_q, n_k, scale, HEAD_DIM=d, CAUSAL=causal, ATOMIC_DQ=True, EMU=emu)
-        return dq_acc.mul_(scale).to(q.dtype), dk, dv
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    _launch(_dkdv_tuned, attn_bwd_dkdv_kernel, dkdv_grid, q, k, v, do, lse, delta, dk, dv, dk, *common,
-            *_strides(dk), H, group, n_q, n_k, scale, HEAD_DIM=d, CAUSAL=causal, ATOMIC_DQ=False, EMU=emu)
+    _launch(_dkdv_tuned, attn_bwd_dkdv_kernel, lambda meta: (triton.cdiv(n_k, meta["BLOCK_N"]), B * Hk),
+            q, k, v, do, lse, delta, dk, dv, *common, *_strides(dk), H, group, n_q, n_k, scale,
+            HEAD_DIM=d, CAUSAL=causal, EMU=emu)
     _launch(_dq_tuned, attn_bwd_dq_kernel, lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]), B * H),
             q, k, v, do, lse, delta, dq, *common, *_strides(dq), H, group, n_q, n_k, scale,
             HEAD_DIM=d, CAUSAL=causal, EMU=emu)
