@@ -74,7 +74,7 @@ def test_later_entries_win():
 def test_kwargs():
     kw = parse_attention_spec("emulated rule=paper beta=4 policy=paper block=16").default.kwargs()
     assert kw == {"backend": "emulated", "stabilize": "paper", "beta": 4.0, "eps": 1e-3, "policy": "paper",
-                  "block_q": 16, "block_k": 16}
+                  "block_k": 16}
     assert AttentionChoice().kwargs() == {"backend": "sdpa", "stabilize": False, "beta": 2.0, "eps": 1e-3,
                                           "policy": None}
 

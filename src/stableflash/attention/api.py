@@ -65,8 +65,11 @@ def _check_options(causal, scale, block_q, block_k) -> float | None:
             raise ValueError(f"scale={scale!r} is invalid; accepted: None (1/sqrt(head_dim)) or a finite number > 0")
         scale = float(scale)
     for name, b in (("block_q", block_q), ("block_k", block_k)):
+        if b is None and name == "block_q":
+            continue
         if isinstance(b, bool) or not isinstance(b, int) or b < 1:
-            raise ValueError(f"{name}={b!r} is invalid; accepted: a positive int")
+            accepted = "a positive int or None" if name == "block_q" else "a positive int"
+            raise ValueError(f"{name}={b!r} is invalid; accepted: {accepted}")
     return scale
 
 
@@ -120,7 +123,7 @@ def _expand_kv(q: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
                     scale: float | None = None, stabilize: bool | str | ShiftRule = True, beta: float = 2.0,
                     eps: float = 1e-3, backend: str = "auto",
-                    policy: PrecisionPolicy | str | None = None, block_q: int = 64,
+                    policy: PrecisionPolicy | str | None = None, block_q: int | None = None,
                     block_k: int = 64) -> torch.Tensor:
     """softmax(QKᵀ·scale)·V with a stabilized row maximum, in the layout of torch's SDPA.
 
@@ -136,8 +139,9 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     input dtype), "sdpa" (torch's scaled_dot_product_attention; cannot be stabilized), "triton"
     (the fused kernels: CUDA, float16/bfloat16, head_dim 16-256; policies "fa2" and "paper").
     policy: a PrecisionPolicy or preset name (emulated and triton only); None means what a real
-    kernel does for the input dtype. block_q/block_k: tile sizes of the emulated backend (the
-    Triton kernels choose theirs by autotuning). k and v may have fewer heads than q, as long as
+    kernel does for the input dtype. block_k: the emulated backend's key block (it sets where the
+    running maximum and accumulator are updated, hence the rounding); block_q: how many query rows
+    it processes at once (memory only; None: all). The Triton kernels choose theirs by autotuning. k and v may have fewer heads than q, as long as
     they divide q's (grouped-query attention).
     """
     _check_tensors(q, k, v)

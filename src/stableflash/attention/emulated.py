@@ -1,13 +1,15 @@
 """Tiled FlashAttention-2 in PyTorch with every rounding point under a PrecisionPolicy.
 
 This is the analysis instrument: Algorithms 1 (forward) and 2 (backward) of the paper's appendix,
-written block by block as the fused kernels do, vectorised over batch and heads, with the
-row-maximum rule from ``shift`` and each intermediate rounded where the policy says. Its speed
-is not the point; its arithmetic is.
+written key block by key block as the fused kernels do, with the row-maximum rule from ``shift``
+and each intermediate rounded where the policy says.
 
-Each query row's arithmetic depends only on the key blocks, so ``block_q`` changes memory use
-and nothing else (a test checks this bit for bit); ``block_k`` changes where the running
-maximum and the accumulator are updated, and therefore the rounding.
+Each query row's arithmetic depends only on the key blocks, so the query rows are processed
+together — vectorised over batch, heads and rows, one step per key block — and ``block_q`` only
+bounds how many rows go at once (memory; ``None``: all), never the result (a test checks this bit
+for bit). ``block_k`` changes where the running maximum and the accumulator are updated, and
+therefore the rounding. Under a causal mask a key block is applied only to the rows that see at
+least one of its keys, as the kernels skip the tiles above the diagonal.
 """
 from __future__ import annotations
 
@@ -63,22 +65,23 @@ def _rounder(policy: PrecisionPolicy, field: str, n_heads: int, device: torch.de
     return round_except_hp_heads
 
 
-def _tiles(n_q: int, n_k: int, block_q: int, block_k: int, causal: bool,
-           keys_outer: bool) -> Iterator[tuple[slice, slice, bool]]:
-    """(query slice, key slice, needs_mask) for every tile that holds a visible entry.
+def _chunks(n: int, size: int | None) -> Iterator[tuple[int, int]]:
+    """[start, stop) ranges of at most ``size`` (None: everything) covering range(n)."""
+    size = n if size is None else size
+    for start in range(0, n, size):
+        yield start, min(start + size, n)
 
-    Queries outer (forward, Algorithm 1) or keys outer (backward, Algorithm 2). Tiles entirely
-    above the causal diagonal are skipped, as the kernels do.
-    """
-    q_starts = range(0, n_q, block_q)
-    k_starts = range(0, n_k, block_k)
-    pairs = ((i, j) for j in k_starts for i in q_starts) if keys_outer else \
-            ((i, j) for i in q_starts for j in k_starts)
-    for i0, j0 in pairs:
-        i1, j1 = min(i0 + block_q, n_q), min(j0 + block_k, n_k)
-        if causal and j0 > i1 - 1:
-            continue
-        yield slice(i0, i1), slice(j0, j1), causal and j1 - 1 > i0
+
+def _key_steps(lo: int, hi: int, n_k: int, block_k: int, causal: bool) -> Iterator[tuple[int, slice, bool]]:
+    """For query rows [lo, hi): (first row that sees the block, key slice, needs_mask) per key block
+    that some of them see. Causal (top-left aligned) row i sees keys 0..i, so the rows that see
+    block [j0, j1) are [max(lo, j0), hi), and the mask is needed while j1 − 1 exceeds that start."""
+    for j0 in range(0, n_k, block_k):
+        j1 = min(j0 + block_k, n_k)
+        first = max(lo, j0) if causal else lo
+        if first >= hi:
+            return
+        yield first, slice(j0, j1), causal and j1 - 1 > first
 
 
 class _Rounders:
@@ -103,7 +106,7 @@ def _block_scores(r: _Rounders, q_i: torch.Tensor, k_j: torch.Tensor, scale: flo
 
 
 def emulated_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float,
-                     policy: PrecisionPolicy, rule: ShiftRule, block_q: int = 64,
+                     policy: PrecisionPolicy, rule: ShiftRule, block_q: int | None = None,
                      block_k: int = 64) -> ForwardResult:
     """Algorithm 1 (with Algorithm 3's rule when ``rule`` is stabilized), rounding per ``policy``."""
     B, H, n_q, d = q.shape
@@ -120,57 +123,59 @@ def emulated_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causa
     lse, row_sum, shift = (torch.empty(B, H, n_q, dtype=dtype, device=dev) for _ in range(3))
     ones = torch.zeros(B, H, n_q, dtype=torch.int64, device=dev)
 
-    state: dict[int, tuple[torch.Tensor, ...]] = {}
-    for rows, cols, needs_mask in _tiles(n_q, n_k, block_q, block_k, causal, keys_outer=False):
-        if rows.start not in state:                       # line 5: initialise O, ℓ, m for this block
-            n = rows.stop - rows.start
-            neg_inf = torch.full((B, H, n), -math.inf, dtype=dtype, device=dev)
-            state[rows.start] = (torch.zeros(B, H, n, d, dtype=dtype, device=dev),
-                                 torch.zeros(B, H, n, dtype=dtype, device=dev), neg_inf, neg_inf.clone())
-        acc, ell, m, rmax = state[rows.start]
-        mask = full_mask[rows, cols] if needs_mask else None
-        s = _block_scores(r, q[:, :, rows], k[:, :, cols], scale, mask)
-        m_new, rmax = next_shift(s, m, rmax, rule)        # row max (or the stabilized shift)
-        m_new = r.shift(m_new)
-        p = torch.exp(r.scores(s - m_new.unsqueeze(-1)))  # P̄ = exp(S − m)
-        alpha = torch.exp(m - m_new)                      # rescale what came before
-        ell = r.row_sum(alpha * ell + p.sum(dim=-1))
-        p_low = r.p_bar(p)
-        kept = torch.where(m_new > m, 0, ones[:, :, rows])    # earlier ones were rescaled by alpha < 1
-        ones[:, :, rows] = kept + (p_low == 1).sum(dim=-1)
-        acc = r.acc(alpha.unsqueeze(-1) * acc + torch.matmul(p_low, v[:, :, cols]))
-        state[rows.start] = (acc, ell, m_new, rmax)
-        if cols.stop >= (min(n_k, rows.stop) if causal else n_k):   # last key block of these rows
-            out[:, :, rows] = r.out(acc / ell.unsqueeze(-1))
-            lse[:, :, rows] = m_new + torch.log(ell)
-            acc_all[:, :, rows], row_sum[:, :, rows], shift[:, :, rows] = acc, ell, m_new
-            del state[rows.start]
+    for c0, c1 in _chunks(n_q, block_q):                 # line 5: initialise O, ℓ, m for these rows
+        n = c1 - c0
+        acc = torch.zeros(B, H, n, d, dtype=dtype, device=dev)
+        ell = torch.zeros(B, H, n, dtype=dtype, device=dev)
+        m = torch.full((B, H, n), -math.inf, dtype=dtype, device=dev)
+        rmax = m.clone()
+        for first, cols, needs_mask in _key_steps(c0, c1, n_k, block_k, causal):
+            a = first - c0                                # rows [first, c1) see this key block
+            mask = full_mask[first:c1, cols] if needs_mask else None
+            m_a = m[:, :, a:]
+            s = _block_scores(r, q[:, :, first:c1], k[:, :, cols], scale, mask)
+            m_new, rmax[:, :, a:] = next_shift(s, m_a, rmax[:, :, a:], rule)   # row max (or the stabilized shift)
+            m_new = r.shift(m_new)
+            p = torch.exp(r.scores(s - m_new.unsqueeze(-1)))  # P̄ = exp(S − m)
+            alpha = torch.exp(m_a - m_new)                    # rescale what came before
+            ell[:, :, a:] = r.row_sum(alpha * ell[:, :, a:] + p.sum(dim=-1))
+            p_low = r.p_bar(p)
+            kept = torch.where(m_new > m_a, 0, ones[:, :, first:c1])   # earlier ones were rescaled by alpha < 1
+            ones[:, :, first:c1] = kept + (p_low == 1).sum(dim=-1)
+            acc[:, :, a:] = r.acc(alpha.unsqueeze(-1) * acc[:, :, a:] + torch.matmul(p_low, v[:, :, cols]))
+            m[:, :, a:] = m_new
+        out[:, :, c0:c1] = r.out(acc / ell.unsqueeze(-1))
+        lse[:, :, c0:c1] = m + torch.log(ell)
+        acc_all[:, :, c0:c1], row_sum[:, :, c0:c1], shift[:, :, c0:c1] = acc, ell, m
     return ForwardResult(out, lse, acc_all, row_sum, shift, ones)
 
 
 def emulated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                    do: torch.Tensor, *, causal: bool, scale: float, policy: PrecisionPolicy,
-                   block_q: int = 64, block_k: int = 64) -> torch.Tensor:
+                   block_q: int | None = None, block_k: int = 64) -> torch.Tensor:
     """δ per the policy's source; q, k, v, do already rounded and in the compute dtype."""
     if policy.delta == "dO·O":
         return (do * out).sum(dim=-1)
     r = _Rounders(policy, q.shape[1], q.device)
     full_mask = causal_mask(q.shape[2], k.shape[2], q.device) if causal else None
     acc = torch.zeros_like(out) if policy.delta == "recompute_fp32" else torch.zeros_like(lse)
-    for rows, cols, needs_mask in _tiles(q.shape[2], k.shape[2], block_q, block_k, causal, keys_outer=True):
-        mask = full_mask[rows, cols] if needs_mask else None
-        p = torch.exp(_block_scores(r, q[:, :, rows], k[:, :, cols], scale, mask) - lse[:, :, rows].unsqueeze(-1))
-        if policy.delta == "dP·P":
-            dp = torch.matmul(do[:, :, rows], v[:, :, cols].transpose(-1, -2))
-            acc[:, :, rows] += (p * dp).sum(dim=-1)
-        else:                                             # O = PV again, unrounded
-            acc[:, :, rows] += torch.matmul(p, v[:, :, cols])
+    for c0, c1 in _chunks(q.shape[2], block_q):
+        for first, cols, needs_mask in _key_steps(c0, c1, k.shape[2], block_k, causal):
+            rows = slice(first, c1)
+            mask = full_mask[rows, cols] if needs_mask else None
+            p = torch.exp(_block_scores(r, q[:, :, rows], k[:, :, cols], scale, mask) - lse[:, :, rows].unsqueeze(-1))
+            if policy.delta == "dP·P":
+                dp = torch.matmul(do[:, :, rows], v[:, :, cols].transpose(-1, -2))
+                acc[:, :, rows] += (p * dp).sum(dim=-1)
+            else:                                         # O = PV again, unrounded
+                acc[:, :, rows] += torch.matmul(p, v[:, :, cols])
     return acc if policy.delta == "dP·P" else (do * acc).sum(dim=-1)
 
 
 def emulated_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                       do: torch.Tensor, *, causal: bool, scale: float, policy: PrecisionPolicy,
-                      block_q: int = 64, block_k: int = 64) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      block_q: int | None = None,
+                      block_k: int = 64) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Algorithm 2: (dQ, dK, dV) in the compute dtype. ``out`` and ``lse`` come from the forward."""
     dtype = policy.compute_dtype
     r = _Rounders(policy, q.shape[1], q.device)
@@ -179,15 +184,17 @@ def emulated_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: to
                            block_q=block_q, block_k=block_k)
     full_mask = causal_mask(q.shape[2], k.shape[2], q.device) if causal else None
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    for rows, cols, needs_mask in _tiles(q.shape[2], k.shape[2], block_q, block_k, causal, keys_outer=True):
-        mask = full_mask[rows, cols] if needs_mask else None
-        q_i, k_j, v_j, do_i = q[:, :, rows], k[:, :, cols], v[:, :, cols], do[:, :, rows]
-        p = torch.exp(_block_scores(r, q_i, k_j, scale, mask) - lse[:, :, rows].unsqueeze(-1))
-        dv[:, :, cols] += torch.matmul(r.bwd(p).transpose(-1, -2), do_i)
-        dp = torch.matmul(do_i, v_j.transpose(-1, -2))
-        ds = r.bwd(p * (dp - delta[:, :, rows].unsqueeze(-1)))
-        dq[:, :, rows] += torch.matmul(ds, k_j) * scale
-        dk[:, :, cols] += torch.matmul(ds.transpose(-1, -2), q_i) * scale
+    for c0, c1 in _chunks(q.shape[2], block_q):
+        for first, cols, needs_mask in _key_steps(c0, c1, k.shape[2], block_k, causal):
+            rows = slice(first, c1)
+            mask = full_mask[rows, cols] if needs_mask else None
+            q_i, k_j, v_j, do_i = q[:, :, rows], k[:, :, cols], v[:, :, cols], do[:, :, rows]
+            p = torch.exp(_block_scores(r, q_i, k_j, scale, mask) - lse[:, :, rows].unsqueeze(-1))
+            dv[:, :, cols] += torch.matmul(r.bwd(p).transpose(-1, -2), do_i)
+            dp = torch.matmul(do_i, v_j.transpose(-1, -2))
+            ds = r.bwd(p * (dp - delta[:, :, rows].unsqueeze(-1)))
+            dq[:, :, rows] += torch.matmul(ds, k_j) * scale
+            dk[:, :, cols] += torch.matmul(ds.transpose(-1, -2), q_i) * scale
     return dq, dk, dv
 
 
@@ -214,7 +221,7 @@ class EmulatedAttention(torch.autograd.Function):
 
 
 def emulated_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float,
-                       policy: PrecisionPolicy, rule: ShiftRule, block_q: int = 64,
+                       policy: PrecisionPolicy, rule: ShiftRule, block_q: int | None = None,
                        block_k: int = 64) -> torch.Tensor:
     """The emulated backend (inputs already validated by ``api.flash_attention``)."""
     return EmulatedAttention.apply(q, k, v, causal, scale, policy, rule, block_q, block_k)

@@ -49,7 +49,7 @@ class AttentionChoice:
 
     ``policy`` is None (what a real kernel does for the input dtype), a preset name, or a
     PrecisionPolicy; only the emulated and triton backends take one. ``block`` is the emulated
-    backend's tile size (block_q = block_k). Validated on construction.
+    backend's key block (block_k; its query rows all go at once). Validated on construction.
     """
 
     backend: str = "sdpa"
@@ -98,7 +98,7 @@ class AttentionChoice:
         kw = {"backend": self.backend, "stabilize": False if self.rule == "standard" else self.rule,
               "beta": self.beta, "eps": self.eps, "policy": self.policy}
         if self.backend == "emulated":
-            kw.update(block_q=self.block, block_k=self.block)
+            kw.update(block_k=self.block)
         return kw
 
     @property

@@ -258,9 +258,13 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
             # diagnostics: probes on rank 0, the monitor's decision shared with every rank
             events = monitor.observe_loss(step, loss_val) if dist.is_main else []
             if probes is not None and step % cfg.probe_every == 0:
+                t_probe = time.perf_counter()
                 with autocast():
                     record = probe_record(model, x, y, n_seq=cfg.probe_seqs, delta_layers=cfg.delta_layer_list(),
                                           delta_policy=cfg.delta_policy)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                record["probe_ms"] = (time.perf_counter() - t_probe) * 1e3      # what the probes cost
                 for layer, info in (record.get("delta") or {}).items():
                     info["running_sum"] = tracker.update(step, int(layer), info.get("sum_over_tokens") or 0.0)
                 probes.write(json.dumps({"step": step, **record}) + "\n")
