@@ -8,10 +8,12 @@ import pytest
 import torch
 
 from stableflash.attention.policy import PrecisionPolicy
+from stableflash.diagnostics import probes
 from stableflash.diagnostics.delta import delta_summary
 from stableflash.diagnostics.probes import (AttentionProbe, probe_record, row_max_stats, spectral_norm,
                                             spectral_norms, weight_spectra)
 from stableflash.model import GPT, model_config
+from stableflash.numerics import get_format, round_to
 
 
 def tiny(seed=0, **overrides) -> GPT:
@@ -179,18 +181,24 @@ def test_ties_within_eps_but_not_equal():
     assert st["pbar_one_count"].item() == 1.0              # nor in fp16: exp(−5e-4) < 1 − 2⁻¹¹, its largest value below 1
 
 
-def test_mixed_heads_and_chunked_rows_match_a_direct_count(gen):
-    """T = 300 spans two chunks of rows; compare with a count over the full score matrix."""
+@pytest.mark.parametrize("fmt", ["bf16", "fp16", "e8m4", "fp8_e4m3", "bf16:rtz"])
+def test_mixed_heads_and_chunked_rows_match_a_direct_count(gen, monkeypatch, fmt):
+    """T = 300 spans three chunks of rows; compare with a count over the full score matrix (P̄ = 1
+    by round_to in each format: near-even rounding takes a threshold inside row_max_stats)."""
     B, H, n, d = 2, 3, 300, 8
+    monkeypatch.setattr(probes, "CHUNK_ELEMENTS", B * H * n * 128)
     q = torch.randint(-2, 3, (B, H, n, d), generator=gen).float()
     k = torch.randint(-2, 3, (B, H, n, d), generator=gen).float()     # small integers: many exact ties
+    k[:, 1] += 1e-3 * torch.rand(B, n, d, generator=gen)                # head 1: P̄ just below 1
     k[:, 2] *= 1.0 + torch.rand(B, n, d, generator=gen)                 # head 2: ties are rare
-    st = row_max_stats(q, k, causal=True, scale=0.5)
+    st = row_max_stats(q, k, causal=True, scale=0.5, p_bar_format=fmt)
     s = (q.double() @ k.double().transpose(-1, -2)) * 0.5
     s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), -math.inf)
     rm = s.amax(-1, keepdim=True)
     ties = (s >= rm - 1e-3).sum(-1)
-    p_bar = torch.exp(s - rm).float().to(torch.bfloat16).float()
+    s32 = (torch.matmul(q, k.transpose(-1, -2)) * 0.5).masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), -math.inf)
+    name, _, mode = fmt.partition(":")                  # P̄ as the probe defines it: fp32 scores, fp32 exp
+    p_bar = round_to(torch.exp(s32 - s32.amax(-1, keepdim=True)), get_format(name), mode or "rne")
     torch.testing.assert_close(st["repeated_max_frac"], (ties > 1).double().mean((0, 2)), rtol=0, atol=1e-12)
     torch.testing.assert_close(st["pbar_one_count"], (p_bar == 1).double().sum(-1).mean((0, 2)), rtol=0, atol=1e-12)
     torch.testing.assert_close(st["max_logit"], s.amax((0, 2, 3)), rtol=1e-6, atol=0)

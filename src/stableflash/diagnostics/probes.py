@@ -26,7 +26,7 @@ from stableflash.numerics import round_to
 
 __all__ = ["spectral_norm", "spectral_norms", "weight_spectra", "row_max_stats", "AttentionProbe", "probe_record"]
 
-ROW_CHUNK = 256                  # query rows per chunk in row_max_stats
+CHUNK_ELEMENTS = 1 << 25         # scores per chunk in row_max_stats (128 MiB of fp32)
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _BREAKDOWN = 1e-4                # a Krylov vector this small relative to its image spans nothing new
 
@@ -209,7 +209,8 @@ def row_max_stats(q: torch.Tensor, k: torch.Tensor, *, causal: bool = True, scal
     ``pbar_one_count``: mean over rows of #{j : round(exp(S_j − rm)) = 1} in ``p_bar_format``
     (a format name, optionally with ":mode");
     ``max_logit``: max of S over the visible entries.
-    Rows are processed ``ROW_CHUNK`` queries at a time, so memory is O(B·H·ROW_CHUNK·T_k).
+    Query rows are processed in chunks of at most CHUNK_ELEMENTS scores (B·H·rows·T_k), so a
+    GPT-2 layer with two sequences goes in one chunk (one pass of a few kernels, no host syncs).
     """
     _check_qk(q, k)
     if not isinstance(causal, bool):
@@ -230,8 +231,9 @@ def row_max_stats(q: torch.Tensor, k: torch.Tensor, *, causal: bool = True, scal
     ones = torch.zeros(H, dtype=torch.float64, device=q.device)
     top = torch.full((H,), -math.inf, dtype=torch.float64, device=q.device)
     with torch.no_grad(), torch.autocast(q.device.type, enabled=False):
-        for i0 in range(0, n_q, ROW_CHUNK):
-            i1 = min(i0 + ROW_CHUNK, n_q)
+        rows_per_chunk = max(1, CHUNK_ELEMENTS // (B * H * n_k))
+        for i0 in range(0, n_q, rows_per_chunk):
+            i1 = min(i0 + rows_per_chunk, n_q)
             s = torch.matmul(qf[:, :, i0:i1], kt) * scale                    # (B, H, c, n_k)
             if causal:
                 mask = causal_mask(n_q, n_k, q.device)[i0:i1]
@@ -241,9 +243,12 @@ def row_max_stats(q: torch.Tensor, k: torch.Tensor, *, causal: bool = True, scal
             ties = ((s >= rm - eps) & valid).sum(dim=-1)
             repeated += (ties > 1).sum(dim=(0, 2)).double()
             p_bar = torch.exp(s - torch.where(valid, rm, torch.zeros_like(rm)))
-            near_one = p_bar >= below_one                                      # only these can round to 1
-            hit = torch.zeros_like(near_one)
-            hit[near_one] = round_to(p_bar[near_one], fmt, mode) == 1
+            if mode == "rne":       # rounds to 1 exactly from the midpoint between below_one and 1 up
+                hit = p_bar >= 1.0 - 2.0 ** -(fmt.man_bits + 2)
+            else:
+                near_one = p_bar >= below_one                                  # only these can round to 1
+                hit = torch.zeros_like(near_one)
+                hit[near_one] = round_to(p_bar[near_one], fmt, mode) == 1
             ones += hit.sum(dim=(0, 2, 3)).double()
             top = torch.maximum(top, torch.where(valid, rm, torch.full_like(rm, -math.inf)).amax(dim=(0, 2, 3)).double())
     rows = B * n_q
