@@ -122,3 +122,18 @@ def test_ddp_splits_the_global_batch_like_one_process(data_dir, tmp_path):
     one, two = losses(tmp_path / "one"), losses(tmp_path / "two")
     assert single["status"] == "finished" and len(two) == 5
     assert max(abs(a - b) for a, b in zip(one, two)) < 1e-4, (one, two)
+
+
+def test_tensorboard_gets_the_same_scalars_as_metrics_jsonl(data_dir, tmp_path):
+    """--set tensorboard=true: every per-step number of metrics.jsonl is a TensorBoard scalar."""
+    event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    train(cfg_for(data_dir, "max_iters=12", "eval_every=6", "tensorboard=true"), tmp_path / "run", progress=False)
+    acc = event_accumulator.EventAccumulator(str(tmp_path / "run" / "tensorboard"))
+    acc.Reload()
+    rows = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "event" not in r]
+    tb_loss = {e.step: e.value for e in acc.Scalars("loss")}
+    assert sorted(tb_loss) == [r["step"] for r in rows] and len(rows) == 12
+    for r in rows:
+        assert tb_loss[r["step"]] == pytest.approx(r["loss"], rel=1e-6)       # stored as float32
+    assert {"lr", "grad_norm", "tokens_per_s", "val_loss"} <= set(acc.Tags()["scalars"])
+    assert [e.step for e in acc.Scalars("val_loss")] == [5, 11]
