@@ -162,16 +162,18 @@ def test_non_contiguous_inputs_are_copied(gen):
 
 @pytest.mark.parametrize("case", [CASES[1], CASES[2], CASES[3], CASES[4]])
 @pytest.mark.parametrize("stabilize", [False, True])
-def test_tensor_descriptor_key_loop_gives_the_same_output(gen, case, stabilize, monkeypatch):
-    """The forward's TMA path (tensor descriptors for K and V; rows past n_k read as zeros) is
-    bit-identical to the pointer path, ragged tails and grouped-query attention included."""
+def test_tensor_descriptor_loops_give_the_same_results(gen, case, stabilize, monkeypatch):
+    """The TMA paths (tensor descriptors for the forward's K, V and the backward's Q, dO, K, V; rows
+    past the end read as zeros) are bit-identical to the pointer paths: output and all three
+    gradients, ragged tails and grouped-query attention included."""
     b, h, h_kv, n_q, n_k, d = case
-    q, k, v, _ = make(gen, b, h, n_q, d, n_k, h_kv)
+    q, k, v, do = make(gen, b, h, n_q, d, n_k, h_kv)
     monkeypatch.setattr(triton_op, "TMA", False)
-    pointers = sf.flash_attention(q, k, v, causal=True, stabilize=stabilize, backend="triton")
+    pointers = run(q, k, v, do, causal=True, stabilize=stabilize, backend="triton")
     monkeypatch.setattr(triton_op, "_use_tma", lambda *ts: True)
-    descriptors = sf.flash_attention(q, k, v, causal=True, stabilize=stabilize, backend="triton")
-    assert torch.equal(pointers, descriptors)
+    descriptors = run(q, k, v, do, causal=True, stabilize=stabilize, backend="triton")
+    for name, a, t in zip(("O", "dQ", "dK", "dV"), pointers, descriptors):
+        assert torch.equal(a, t), name
 
 
 def test_torch_compile_traces_through_without_graph_break(gen):

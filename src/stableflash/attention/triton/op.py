@@ -51,16 +51,25 @@ DQ_CONFIGS = [_cfg(64, 64, 4, 3), _cfg(128, 64, 8, 3), _cfg(128, 64, 8, 2), _cfg
               _cfg(64, 16, 4, 2)]
 _KEY = ["n_q", "n_k", "HEAD_DIM", "CAUSAL"]
 _prune = {"early_config_prune": _fits}
-# where TMA is possible the forward's tuner also tries the key loop through tensor descriptors
-# (faster at head_dim 128, slower at 64: benchmarks/results/tune-tma-atomic-H200-2026-11-22.txt)
-FWD_TMA_CONFIGS = ([_cfg(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages, TMA=False)
-                    for c in FWD_CONFIGS]
-                   + [_cfg(64, 64, 4, 3, TMA=True), _cfg(128, 64, 8, 3, TMA=True), _cfg(128, 128, 8, 3, TMA=True)])
+
+
+def _with_tma(configs: list[triton.Config], tma: list[tuple[int, int, int, int]]) -> list[triton.Config]:
+    """The pointer configs (TMA=False) plus the given tiles reading through tensor descriptors."""
+    return ([_cfg(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages, TMA=False) for c in configs]
+            + [_cfg(*t, TMA=True) for t in tma])
+
+
+# where TMA is possible the tuners also try loops through tensor descriptors (the forward: faster at
+# head_dim 128, slower at 64 — benchmarks/results/tune-tma-atomic-H200-2026-11-22.txt)
 _fwd_tuned = triton.autotune(FWD_CONFIGS, key=_KEY + ["STAB", "EMU"], prune_configs_by=_prune)(attn_fwd_kernel)
-_fwd_tma_tuned = triton.autotune(FWD_TMA_CONFIGS, key=_KEY + ["STAB", "EMU"],
-                                 prune_configs_by=_prune)(attn_fwd_kernel)
+_fwd_tma_tuned = triton.autotune(_with_tma(FWD_CONFIGS, [(64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3)]),
+                                 key=_KEY + ["STAB", "EMU"], prune_configs_by=_prune)(attn_fwd_kernel)
 _dkdv_tuned = triton.autotune(DKDV_CONFIGS, key=_KEY + ["EMU"], prune_configs_by=_prune)(attn_bwd_dkdv_kernel)
 _dq_tuned = triton.autotune(DQ_CONFIGS, key=_KEY + ["EMU"], prune_configs_by=_prune)(attn_bwd_dq_kernel)
+_dkdv_tma_tuned = triton.autotune(_with_tma(DKDV_CONFIGS, [(32, 64, 4, 3), (64, 128, 8, 3), (32, 128, 4, 3)]),
+                                  key=_KEY + ["EMU"], prune_configs_by=_prune)(attn_bwd_dkdv_kernel)
+_dq_tma_tuned = triton.autotune(_with_tma(DQ_CONFIGS, [(64, 64, 4, 3), (128, 64, 8, 3), (128, 32, 8, 3)]),
+                                key=_KEY + ["EMU"], prune_configs_by=_prune)(attn_bwd_dq_kernel)
 # under the interpreter: one small tile, so that short test sequences still span several blocks
 _INTERP = {"BLOCK_M": 32, "BLOCK_N": 16}
 # with AUTOTUNE off (the tests: correctness needs no tuning, and tuning compiles every config),
@@ -79,7 +88,16 @@ def key_block(head_dim: int) -> int:
     return _FIXED[_fwd_tuned][head_dim <= 128].kwargs["BLOCK_N"]
 
 
-def _launch(tuned, raw, grid, *args, **meta):
+def _launch(tuned, raw, grid, *args, tma_tuned=None, tma: bool = False, **meta):
+    """Run ``raw`` through its tuner, its fixed config, or the interpreter's tile. With ``tma``
+    (alignment and GPU checked by the caller) the kernel may read through tensor descriptors:
+    the TMA tuner's configs each say whether they do; a fixed config does."""
+    if tma:
+        _ensure_allocator()
+        if AUTOTUNE and not interpreting():
+            tma_tuned[grid](*args, **meta, INTERP=False)
+            return
+    meta["TMA"] = tma
     if interpreting():
         raw[grid(_INTERP)](*args, **meta, **_INTERP, INTERP=True)
     elif AUTOTUNE:
@@ -90,7 +108,7 @@ def _launch(tuned, raw, grid, *args, **meta):
                               INTERP=False)
 
 
-# whether the forward may read K and V through tensor descriptors (Hopper's TMA); the tuner decides
+# whether the kernels may read through tensor descriptors (Hopper's TMA); the tuners decide
 TMA = True
 _allocator_set = False
 
@@ -137,17 +155,9 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sc
     lse = torch.empty(B, H, n_q, dtype=torch.float32, device=q.device)
     scale_u, eps_u, lo, hi, period = _units(emu, scale, eps, min_shift, max_shift)
     grid = lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]), B * H)  # noqa: E731
-    args = (q, k, v, o, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(o), H, H // k.shape[1], n_q, n_k,
-            scale_u, beta, eps_u, lo, hi, period)
-    meta = dict(HEAD_DIM=d, CAUSAL=causal, STAB=rule, EMU=emu)
-    if _use_tma(k, v):
-        _ensure_allocator()
-        if AUTOTUNE:        # each config says whether it uses TMA
-            _fwd_tma_tuned[grid](*args, **meta, INTERP=False)
-        else:
-            _launch(_fwd_tuned, attn_fwd_kernel, grid, *args, **meta, TMA=True)
-    else:
-        _launch(_fwd_tuned, attn_fwd_kernel, grid, *args, **meta, TMA=False)
+    _launch(_fwd_tuned, attn_fwd_kernel, grid, q, k, v, o, lse, *_strides(q), *_strides(k), *_strides(v),
+            *_strides(o), H, H // k.shape[1], n_q, n_k, scale_u, beta, eps_u, lo, hi, period,
+            tma_tuned=_fwd_tma_tuned, tma=_use_tma(k, v), HEAD_DIM=d, CAUSAL=causal, STAB=rule, EMU=emu)
     return o, lse
 
 
@@ -187,12 +197,13 @@ def _backward_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     common = (*_strides(q), *_strides(k), *_strides(v), *_strides(do))
+    tma = _use_tma(q, k, v, do)
     _launch(_dkdv_tuned, attn_bwd_dkdv_kernel, lambda meta: (triton.cdiv(n_k, meta["BLOCK_N"]), B * Hk),
             q, k, v, do, lse, delta, dk, dv, *common, *_strides(dk), H, group, n_q, n_k, scale,
-            HEAD_DIM=d, CAUSAL=causal, EMU=emu)
+            tma_tuned=_dkdv_tma_tuned, tma=tma, HEAD_DIM=d, CAUSAL=causal, EMU=emu)
     _launch(_dq_tuned, attn_bwd_dq_kernel, lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]), B * H),
             q, k, v, do, lse, delta, dq, *common, *_strides(dq), H, group, n_q, n_k, scale,
-            HEAD_DIM=d, CAUSAL=causal, EMU=emu)
+            tma_tuned=_dq_tma_tuned, tma=tma, HEAD_DIM=d, CAUSAL=causal, EMU=emu)
     return dq, dk, dv
 
 
