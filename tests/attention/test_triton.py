@@ -176,6 +176,31 @@ def test_tensor_descriptor_loops_give_the_same_results(gen, case, stabilize, mon
         assert torch.equal(a, t), name
 
 
+def test_tma_allocator_is_set_on_every_thread_and_a_users_is_kept(monkeypatch):
+    """Triton's allocator is per thread (a context variable) and autograd runs the backward on its
+    own thread: a TMA launch on a thread with no allocator must install one; one the user set stays."""
+    import threading
+
+    from triton.runtime import _allocation
+    monkeypatch.setattr(triton_op, "interpreting", lambda: False)
+    seen = {}
+
+    def fresh_thread():
+        seen["before"] = _allocation._allocator.get()
+        triton_op._ensure_allocator()
+        seen["after"] = _allocation._allocator.get()
+        users = lambda size, align, stream: None  # noqa: E731
+        triton.set_allocator(users)
+        triton_op._ensure_allocator()
+        seen["kept"] = _allocation._allocator.get() is users
+
+    t = threading.Thread(target=fresh_thread)
+    t.start()
+    t.join()
+    assert isinstance(seen["before"], _allocation.NullAllocator)
+    assert seen["after"] is triton_op._torch_scratch and seen["kept"]
+
+
 def test_torch_compile_traces_through_without_graph_break(gen):
     q, k, v, do = make(gen, 1, 2, 40, 32)
 

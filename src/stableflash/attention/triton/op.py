@@ -13,6 +13,7 @@ import math
 
 import torch
 import triton
+from triton.runtime import _allocation
 from triton.runtime.interpreter import InterpretedFunction
 
 from stableflash.attention.triton.backward import (attn_bwd_dkdv_kernel, attn_bwd_dq_kernel,
@@ -110,7 +111,6 @@ def _launch(tuned, raw, grid, *args, tma_tuned=None, tma: bool = False, **meta):
 
 # whether the kernels may read through tensor descriptors (Hopper's TMA); the tuners decide
 TMA = True
-_allocator_set = False
 
 
 def _use_tma(*ts: torch.Tensor) -> bool:
@@ -122,12 +122,19 @@ def _use_tma(*ts: torch.Tensor) -> bool:
     return not any(t.data_ptr() % 16 or any((s * bytes_) % 16 for s in t.stride()[:3]) for t in ts)
 
 
+def _torch_scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
 def _ensure_allocator() -> None:
-    """Device-side tensor descriptors need a global scratch buffer, which torch provides."""
-    global _allocator_set
-    if not _allocator_set and not interpreting():
-        triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
-        _allocator_set = True
+    """Device-side tensor descriptors need a global scratch buffer, which torch provides. Triton
+    keeps its allocator in a context variable, i.e. per thread, and autograd runs the backward on
+    its own thread: so check on every TMA launch, and leave an allocator the user set alone."""
+    if interpreting():
+        return
+    current, null = getattr(_allocation, "_allocator", None), getattr(_allocation, "NullAllocator", None)
+    if current is None or null is None or isinstance(current.get(), null):
+        triton.set_allocator(_torch_scratch)
 
 
 def _units(emu: bool, scale: float, eps: float, lo: float, hi: float) -> tuple[float, ...]:
