@@ -2,8 +2,9 @@
 variant gains.
 
 Forward: each config × rule (standard, paper, ours, bounded) × key loop through pointers or
-tensor descriptors (TMA). Backward (unless FWD_ONLY=1): the dK/dV and dQ kernels per config,
-through pointers and through tensor descriptors. BWD_ONLY=1 skips the forward.
+tensor descriptors (TMA). Backward (unless FWD_ONLY=1): the dK/dV and dQ kernels per config.
+BWD_ONLY=1 skips the forward. (Commit 8cabe67 also timed the backward kernels through tensor
+descriptors: benchmarks/results/tune-bwd-tma-H200-2026-11-22.txt; removed, no end-to-end gain.)
 (The one-kernel backward with dQ by atomic adds that commit 58928ed timed here was slower and was
 removed: docs/kernels.md, optimisation log.) Medians of do_bench; the
 best of each is printed last. JSON under $OUT. Env: RULES=0,2,3 to time fewer rules."""
@@ -63,19 +64,18 @@ for shape in SHAPES:
     delta = (o.float() * do.float()).sum(-1)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     common = (*st(q), *st(k), *st(v), *st(do))
-    for tma in (False, True):
-        for bm, bn, w, s in DKDV:
-            def dkdv():
-                bw.attn_bwd_dkdv_kernel[(triton.cdiv(N, bn), B * H)](
-                    q, k, v, do, lse, delta, dk, dv, *common, *st(dk), H, 1, N, N, scale, HEAD_DIM=D, BLOCK_M=bm,
-                    BLOCK_N=bn, CAUSAL=True, EMU=False, TMA=tma, INTERP=False, num_warps=w, num_stages=s)
-            rows.append(dict(shape=shape, kernel="dkdv-tma" if tma else "dkdv", cfg=(bm, bn, w, s), ms=bench(dkdv)))
-        for bm, bn, w, s in DQ:
-            def dq_():
-                bw.attn_bwd_dq_kernel[(triton.cdiv(N, bm), B * H)](
-                    q, k, v, do, lse, delta, dq, *common, *st(dq), H, 1, N, N, scale, HEAD_DIM=D, BLOCK_M=bm,
-                    BLOCK_N=bn, CAUSAL=True, EMU=False, TMA=tma, INTERP=False, num_warps=w, num_stages=s)
-            rows.append(dict(shape=shape, kernel="dq-tma" if tma else "dq", cfg=(bm, bn, w, s), ms=bench(dq_)))
+    for bm, bn, w, s in DKDV:
+        def dkdv():
+            bw.attn_bwd_dkdv_kernel[(triton.cdiv(N, bn), B * H)](
+                q, k, v, do, lse, delta, dk, dv, *common, *st(dk), H, 1, N, N, scale, HEAD_DIM=D, BLOCK_M=bm,
+                BLOCK_N=bn, CAUSAL=True, EMU=False, INTERP=False, num_warps=w, num_stages=s)
+        rows.append(dict(shape=shape, kernel="dkdv", cfg=(bm, bn, w, s), ms=bench(dkdv)))
+    for bm, bn, w, s in DQ:
+        def dq_():
+            bw.attn_bwd_dq_kernel[(triton.cdiv(N, bm), B * H)](
+                q, k, v, do, lse, delta, dq, *common, *st(dq), H, 1, N, N, scale, HEAD_DIM=D, BLOCK_M=bm,
+                BLOCK_N=bn, CAUSAL=True, EMU=False, INTERP=False, num_warps=w, num_stages=s)
+        rows.append(dict(shape=shape, kernel="dq", cfg=(bm, bn, w, s), ms=bench(dq_)))
     torch.cuda.empty_cache()
 
 json.dump(rows, open(os.path.join(os.environ.get("OUT", "/tmp"), "tune.json"), "w"), indent=1)
@@ -90,6 +90,5 @@ for shape in SHAPES:
             best[label] = r
     for label, r in best.items():
         print(f"{str(shape):>20} {label:28} {r['ms']:8.3f} {str(r['cfg']):>18}")
-    for tag in ("", "-tma"):
-        if "dkdv" + tag in best and "dq" + tag in best:
-            print(f"{str(shape):>20} {'bwd (dkdv + dq)' + tag:28} {best['dkdv' + tag]['ms'] + best['dq' + tag]['ms']:8.3f}")
+    if "dkdv" in best and "dq" in best:
+        print(f"{str(shape):>20} {'bwd (dkdv + dq)':28} {best['dkdv']['ms'] + best['dq']['ms']:8.3f}")

@@ -163,9 +163,9 @@ def test_non_contiguous_inputs_are_copied(gen):
 @pytest.mark.parametrize("case", [CASES[1], CASES[2], CASES[3], CASES[4]])
 @pytest.mark.parametrize("stabilize", [False, True])
 def test_tensor_descriptor_loops_give_the_same_results(gen, case, stabilize, monkeypatch):
-    """The TMA paths (tensor descriptors for the forward's K, V and the backward's Q, dO, K, V; rows
-    past the end read as zeros) are bit-identical to the pointer paths: output and all three
-    gradients, ragged tails and grouped-query attention included."""
+    """The forward's TMA path (tensor descriptors for K and V; rows past n_k read as zeros) is
+    bit-identical to the pointer path: output, and the gradients computed from its O and LSE,
+    ragged tails and grouped-query attention included."""
     b, h, h_kv, n_q, n_k, d = case
     q, k, v, do = make(gen, b, h, n_q, d, n_k, h_kv)
     monkeypatch.setattr(triton_op, "TMA", False)

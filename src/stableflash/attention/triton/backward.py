@@ -82,18 +82,12 @@ def delta_pass_kernel(Q, K, V, DO, LSE, DELTA,
 @triton.jit
 def _dkdv_blocks(dk, dv, k, v, Q, DO, LSE, DELTA, stride_qm, stride_dm, offs_n, offs_d, start, stop,
                  n_q, scale, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
-                 EMU: tl.constexpr, TMA: tl.constexpr, INTERP: tl.constexpr):
-    """Lines 10-21 of Algorithm 2 for query blocks [start, stop), transposed (keys as rows).
-    TMA: Q and DO are tensor descriptors (rows past n_q read as zeros)."""
+                 EMU: tl.constexpr, INTERP: tl.constexpr):
+    """Lines 10-21 of Algorithm 2 for query blocks [start, stop), transposed (keys as rows)."""
     offs_m = tl.arange(0, BLOCK_M)
     for start_m in range(start, stop, BLOCK_M):
         rows = start_m + offs_m
-        if TMA:
-            qT = tl.trans(Q.load([start_m, 0]))
-            do = DO.load([start_m, 0])
-            lse = tl.load(LSE + rows, mask=rows < n_q, other=0.0)
-            delta = tl.load(DELTA + rows, mask=rows < n_q, other=0.0)
-        elif MASKED:
+        if MASKED:
             qT = tl.load(Q + rows[None, :] * stride_qm + offs_d[:, None], mask=rows[None, :] < n_q, other=0.0)
             do = tl.load(DO + rows[:, None] * stride_dm + offs_d[None, :], mask=rows[:, None] < n_q, other=0.0)
             lse = tl.load(LSE + rows, mask=rows < n_q, other=0.0)
@@ -123,7 +117,7 @@ def attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
                          stride_dkb, stride_dkh, stride_dkn,
                          n_heads, group, n_q, n_k, scale,
                          HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         CAUSAL: tl.constexpr, EMU: tl.constexpr, TMA: tl.constexpr, INTERP: tl.constexpr):
+                         CAUSAL: tl.constexpr, EMU: tl.constexpr, INTERP: tl.constexpr):
     start_n = tl.program_id(0) * BLOCK_N
     bhk = tl.program_id(1)
     n_kv_heads = n_heads // group
@@ -145,20 +139,15 @@ def attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
         h = hk * group + g
         q_ptr = Q + b * stride_qb + h * stride_qh
         do_ptr = DO + b * stride_db + h * stride_dh
-        if TMA:
-            q_ptr = tl.make_tensor_descriptor(q_ptr, shape=[n_q, HEAD_DIM], strides=[stride_qm, 1],
-                                              block_shape=[BLOCK_M, HEAD_DIM])
-            do_ptr = tl.make_tensor_descriptor(do_ptr, shape=[n_q, HEAD_DIM], strides=[stride_dm, 1],
-                                               block_shape=[BLOCK_M, HEAD_DIM])
         lse_ptr = LSE + (b * n_heads + h) * n_q
         delta_ptr = DELTA + (b * n_heads + h) * n_q
         dk, dv = _dkdv_blocks(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, stride_qm, stride_dm,
-                              offs_n, offs_d, start, diag_end, n_q, scale, BLOCK_M, CAUSAL, True, EMU, TMA, INTERP)
+                              offs_n, offs_d, start, diag_end, n_q, scale, BLOCK_M, CAUSAL, True, EMU, INTERP)
         dk, dv = _dkdv_blocks(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, stride_qm, stride_dm,
-                              offs_n, offs_d, diag_end, full, n_q, scale, BLOCK_M, CAUSAL, False, EMU, TMA, INTERP)
+                              offs_n, offs_d, diag_end, full, n_q, scale, BLOCK_M, CAUSAL, False, EMU, INTERP)
         dk, dv = _dkdv_blocks(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, stride_qm, stride_dm,
                               offs_n, offs_d, tl.maximum(full, diag_end), n_q, n_q, scale, BLOCK_M, CAUSAL,
-                              True, EMU, TMA, INTERP)
+                              True, EMU, INTERP)
     out = b * stride_dkb + hk * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :]
     tl.store(DK + out, cast(dk * scale, DK.dtype.element_ty, INTERP), mask=cols)
     tl.store(DV + out, cast(dv, DV.dtype.element_ty, INTERP), mask=cols)
@@ -167,15 +156,11 @@ def attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
 @triton.jit
 def _dq_blocks(dq, q, do, lse, delta, K, V, stride_kn, stride_vn, offs_m, offs_d, start, stop, n_k,
                scale, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr, EMU: tl.constexpr,
-               TMA: tl.constexpr, INTERP: tl.constexpr):
-    """dQ for key blocks [start, stop). TMA: K and V are tensor descriptors."""
+               INTERP: tl.constexpr):
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in range(start, stop, BLOCK_N):
         cols = start_n + offs_n
-        if TMA:
-            kT = tl.trans(K.load([start_n, 0]))
-            vT = tl.trans(V.load([start_n, 0]))
-        elif MASKED:
+        if MASKED:
             kT = tl.load(K + cols[None, :] * stride_kn + offs_d[:, None], mask=cols[None, :] < n_k, other=0.0)
             vT = tl.load(V + cols[None, :] * stride_vn + offs_d[:, None], mask=cols[None, :] < n_k, other=0.0)
         else:
@@ -200,7 +185,7 @@ def attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
                        stride_dqb, stride_dqh, stride_dqm,
                        n_heads, group, n_q, n_k, scale,
                        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       CAUSAL: tl.constexpr, EMU: tl.constexpr, TMA: tl.constexpr, INTERP: tl.constexpr):
+                       CAUSAL: tl.constexpr, EMU: tl.constexpr, INTERP: tl.constexpr):
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1)
     b, h = bh // n_heads, bh % n_heads
@@ -214,19 +199,14 @@ def attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
     delta = tl.load(DELTA + bh * n_q + offs_m, mask=offs_m < n_q, other=0.0)
     K += b * stride_kb + hk * stride_kh
     V += b * stride_vb + hk * stride_vh
-    if TMA:
-        K = tl.make_tensor_descriptor(K, shape=[n_k, HEAD_DIM], strides=[stride_kn, 1],
-                                      block_shape=[BLOCK_N, HEAD_DIM])
-        V = tl.make_tensor_descriptor(V, shape=[n_k, HEAD_DIM], strides=[stride_vn, 1],
-                                      block_shape=[BLOCK_N, HEAD_DIM])
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     stop = tl.minimum(n_k, start_m + BLOCK_M) if CAUSAL else n_k
     full = (n_k // BLOCK_N) * BLOCK_N
     if CAUSAL:
         full = tl.minimum(full, (start_m // BLOCK_N) * BLOCK_N)
     dq = _dq_blocks(dq, q, do, lse, delta, K, V, stride_kn, stride_vn, offs_m, offs_d, 0, full, n_k, scale,
-                    BLOCK_N, CAUSAL, False, EMU, TMA, INTERP)
+                    BLOCK_N, CAUSAL, False, EMU, INTERP)
     dq = _dq_blocks(dq, q, do, lse, delta, K, V, stride_kn, stride_vn, offs_m, offs_d, full, stop, n_k, scale,
-                    BLOCK_N, CAUSAL, True, EMU, TMA, INTERP)
+                    BLOCK_N, CAUSAL, True, EMU, INTERP)
     out = b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :]
     tl.store(DQ + out, cast(dq * scale, DQ.dtype.element_ty, INTERP), mask=rows)

@@ -60,17 +60,14 @@ def _with_tma(configs: list[triton.Config], tma: list[tuple[int, int, int, int]]
             + [_cfg(*t, TMA=True) for t in tma])
 
 
-# where TMA is possible the tuners also try loops through tensor descriptors (the forward: faster at
-# head_dim 128, slower at 64 — benchmarks/results/tune-tma-atomic-H200-2026-11-22.txt)
+# where TMA is possible the forward's tuner also tries the key loop through tensor descriptors
+# (faster at head_dim 128, slower at 64: benchmarks/results/tune-tma-atomic-H200-2026-11-22.txt;
+# the backward kernels gained nothing end to end: tune-bwd-tma-H200-2026-11-22.txt)
 _fwd_tuned = triton.autotune(FWD_CONFIGS, key=_KEY + ["STAB", "EMU"], prune_configs_by=_prune)(attn_fwd_kernel)
 _fwd_tma_tuned = triton.autotune(_with_tma(FWD_CONFIGS, [(64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3)]),
                                  key=_KEY + ["STAB", "EMU"], prune_configs_by=_prune)(attn_fwd_kernel)
 _dkdv_tuned = triton.autotune(DKDV_CONFIGS, key=_KEY + ["EMU"], prune_configs_by=_prune)(attn_bwd_dkdv_kernel)
 _dq_tuned = triton.autotune(DQ_CONFIGS, key=_KEY + ["EMU"], prune_configs_by=_prune)(attn_bwd_dq_kernel)
-_dkdv_tma_tuned = triton.autotune(_with_tma(DKDV_CONFIGS, [(32, 64, 4, 3), (64, 128, 8, 3), (32, 128, 4, 3)]),
-                                  key=_KEY + ["EMU"], prune_configs_by=_prune)(attn_bwd_dkdv_kernel)
-_dq_tma_tuned = triton.autotune(_with_tma(DQ_CONFIGS, [(64, 64, 4, 3), (128, 64, 8, 3), (128, 32, 8, 3)]),
-                                key=_KEY + ["EMU"], prune_configs_by=_prune)(attn_bwd_dq_kernel)
 # under the interpreter: one small tile, so that short test sequences still span several blocks
 _INTERP = {"BLOCK_M": 32, "BLOCK_N": 16}
 # with AUTOTUNE off (the tests: correctness needs no tuning, and tuning compiles every config),
@@ -89,16 +86,17 @@ def key_block(head_dim: int) -> int:
     return _FIXED[_fwd_tuned][head_dim <= 128].kwargs["BLOCK_N"]
 
 
-def _launch(tuned, raw, grid, *args, tma_tuned=None, tma: bool = False, **meta):
-    """Run ``raw`` through its tuner, its fixed config, or the interpreter's tile. With ``tma``
-    (alignment and GPU checked by the caller) the kernel may read through tensor descriptors:
-    the TMA tuner's configs each say whether they do; a fixed config does."""
+def _launch(tuned, raw, grid, *args, tma_tuned=None, tma: bool | None = None, **meta):
+    """Run ``raw`` through its tuner, its fixed config, or the interpreter's tile. A kernel with a
+    TMA switch gets ``tma`` (alignment and GPU checked by the caller): when true it may read through
+    tensor descriptors — each config of ``tma_tuned`` says whether it does; a fixed config does."""
     if tma:
         _ensure_allocator()
         if AUTOTUNE and not interpreting():
             tma_tuned[grid](*args, **meta, INTERP=False)
             return
-    meta["TMA"] = tma
+    if tma is not None:
+        meta["TMA"] = tma
     if interpreting():
         raw[grid(_INTERP)](*args, **meta, **_INTERP, INTERP=True)
     elif AUTOTUNE:
@@ -109,7 +107,7 @@ def _launch(tuned, raw, grid, *args, tma_tuned=None, tma: bool = False, **meta):
                               INTERP=False)
 
 
-# whether the kernels may read through tensor descriptors (Hopper's TMA); the tuners decide
+# whether the forward may read K and V through tensor descriptors (Hopper's TMA); its tuner decides
 TMA = True
 
 
@@ -204,13 +202,12 @@ def _backward_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     common = (*_strides(q), *_strides(k), *_strides(v), *_strides(do))
-    tma = _use_tma(q, k, v, do)
     _launch(_dkdv_tuned, attn_bwd_dkdv_kernel, lambda meta: (triton.cdiv(n_k, meta["BLOCK_N"]), B * Hk),
             q, k, v, do, lse, delta, dk, dv, *common, *_strides(dk), H, group, n_q, n_k, scale,
-            tma_tuned=_dkdv_tma_tuned, tma=tma, HEAD_DIM=d, CAUSAL=causal, EMU=emu)
+            HEAD_DIM=d, CAUSAL=causal, EMU=emu)
     _launch(_dq_tuned, attn_bwd_dq_kernel, lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]), B * H),
             q, k, v, do, lse, delta, dq, *common, *_strides(dq), H, group, n_q, n_k, scale,
-            tma_tuned=_dq_tma_tuned, tma=tma, HEAD_DIM=d, CAUSAL=causal, EMU=emu)
+            HEAD_DIM=d, CAUSAL=causal, EMU=emu)
     return dq, dk, dv
 
 
