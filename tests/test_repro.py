@@ -19,6 +19,18 @@ def test_cpu_demo_paired_runs_share_their_batches_and_report(tmp_path):
     assert "did not diverge" in result["verdict"]
 
 
+def test_parallel_runs_match_the_sequential_ones(tmp_path):
+    """--parallel runs the same trainings in worker processes: same losses, same batches, same order."""
+    one = run_repro("cpu-demo", tmp_path / "seq", seeds=(0, 1), steps=6, progress=False)
+    two = run_repro("cpu-demo", tmp_path / "par", seeds=(0, 1), steps=6, progress=False, parallel=2)
+    assert [(r["seed"], r["role"]) for r in two["rows"]] == [(r["seed"], r["role"]) for r in one["rows"]]
+    for a, b in zip(one["rows"], two["rows"]):
+        assert b["same_batches_as_baseline"] and b["steps"] == 6
+        assert b["final_loss"] == pytest.approx(a["final_loss"], rel=1e-6), (a["seed"], a["role"])
+    with pytest.raises(ValueError, match=r"parallel=0 is invalid; accepted: an int >= 1"):
+        run_repro("cpu-demo", tmp_path / "bad", parallel=0)
+
+
 def test_verdict_is_honest_about_every_case():
     base = {"role": "baseline", "seed": 0, "explosion_step": None}
     assert "did not diverge" in verdict([base])

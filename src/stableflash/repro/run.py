@@ -3,10 +3,14 @@ attention on the same batch order, then report.
 
 The batch order is a pure function of the seed (train/data.py), so the three runs of a seed see
 identical batches by construction; the recorded batch files are compared afterwards to prove it.
+With ``parallel`` > 1 the runs go as that many worker processes at once (one GPU shares well
+between small models whose steps are short: a reproduction must fit in minutes).
 """
 from __future__ import annotations
 
 import json
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from stableflash.repro.presets import REPRO_PRESETS, ReproPreset
@@ -25,38 +29,58 @@ def _same_batches(dirs: list[Path]) -> bool:
     return all(b[:n] == blobs[0][:n] for b in blobs)
 
 
+def _train_one(job: tuple) -> dict:
+    """One run (top level, so that worker processes can be handed it)."""
+    train_preset, overrides, run_dir, progress = job
+    return train(make_config(train_preset, overrides=overrides), Path(run_dir), progress=progress)
+
+
 def run_repro(preset: str | ReproPreset, out_dir: Path, seeds: tuple[int, ...] = (0,), steps: int | None = None,
-              extra: tuple[str, ...] = (), progress: bool = True) -> dict:
-    """Run the paired runs of ``preset`` for each seed into out_dir/seed<k>/<role>, then the report."""
+              extra: tuple[str, ...] = (), progress: bool = True, parallel: int = 1) -> dict:
+    """Run the paired runs of ``preset`` for each seed into out_dir/seed<k>/<role>, then the report.
+    ``parallel``: how many runs at once (worker processes; 1 runs them in this process, in order)."""
     p = preset if isinstance(preset, ReproPreset) else REPRO_PRESETS.get(preset)
     if p is None:
         raise ValueError(f"preset={preset!r} is unknown; accepted: {', '.join(REPRO_PRESETS)}")
+    if isinstance(parallel, bool) or not isinstance(parallel, int) or parallel < 1:
+        raise ValueError(f"parallel={parallel!r} is invalid; accepted: an int >= 1")
     out_dir = Path(out_dir)
-    rows, run_dirs = [], []
+    jobs = []
     for seed in seeds:
-        dirs = []
         for role, attention in p.attentions().items():
             overrides = [*p.overrides, f"seed={seed}", f"attention={attention}", *extra]
             if steps is not None:
                 overrides.append(f"max_iters={steps}")
-            cfg = make_config(p.train_preset, overrides=overrides)
-            run_dir = out_dir / f"seed{seed}" / role
-            summary = train(cfg, run_dir, progress=progress)
-            run = load_run(run_dir)
-            exploded = explosion_step(run)
-            rows.append({"seed": seed, "role": role, "attention": attention, "status": summary["status"],
-                         "steps": summary["steps"], "final_loss": summary["final_loss"],
-                         "best_val_loss": summary["best_val_loss"], "explosion_step": exploded,
-                         "first_warning": next((e["step"] for e in run.events if e.get("event") == "monitor_warning"),
-                                               None), "run_dir": str(run_dir)})
-            dirs.append(run_dir)
-        rows_seed = [r for r in rows if r["seed"] == seed]
-        for r in rows_seed:
-            r["same_batches_as_baseline"] = _same_batches(dirs)
-        run_dirs += dirs
+            make_config(p.train_preset, overrides=overrides)          # a bad override fails before any run
+            jobs.append((seed, role, attention, (p.train_preset, overrides, str(out_dir / f"seed{seed}" / role))))
+    if parallel == 1:
+        summaries = [_train_one((*job, progress)) for *_, job in jobs]
+    else:
+        from tqdm.auto import tqdm
+        # spawn: CUDA cannot be used in a forked child
+        with ProcessPoolExecutor(parallel, mp_context=multiprocessing.get_context("spawn")) as pool:
+            futures = [pool.submit(_train_one, (*job, False)) for *_, job in jobs]
+            for f in tqdm(futures, desc="repro runs", disable=not progress):
+                f.result()
+            summaries = [f.result() for f in futures]
+    rows, run_dirs = [], []
+    for (seed, role, attention, job), summary in zip(jobs, summaries):
+        run_dir = Path(job[2])
+        run = load_run(run_dir)
+        rows.append({"seed": seed, "role": role, "attention": attention, "status": summary["status"],
+                     "steps": summary["steps"], "final_loss": summary["final_loss"],
+                     "best_val_loss": summary["best_val_loss"], "explosion_step": explosion_step(run),
+                     "first_warning": next((e["step"] for e in run.events if e.get("event") == "monitor_warning"),
+                                           None), "run_dir": str(run_dir)})
+        run_dirs.append(run_dir)
+    for seed in seeds:
+        same = _same_batches([Path(r["run_dir"]) for r in rows if r["seed"] == seed])
+        for r in rows:
+            if r["seed"] == seed:
+                r["same_batches_as_baseline"] = same
     report = build_report(run_dirs, out_dir / "report.html")
     result = {"preset": p.name, "description": p.description, "accelerated": p.accelerated, "seeds": list(seeds),
-              "rows": rows, "report": str(report), "verdict": verdict(rows)}
+              "parallel": parallel, "rows": rows, "report": str(report), "verdict": verdict(rows)}
     (out_dir / "repro.json").write_text(json.dumps(result, indent=2, default=str))
     return result
 
