@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from stableflash.numerics import ROUNDING_MODES, decode, encode, get_format, round_to, ulp
+from stableflash.numerics.rounding import _round_exact
 
 SEED = 20251004
 TORCH_CASTS = [
@@ -14,6 +15,15 @@ TORCH_CASTS = [
 ]
 INF = math.inf
 F32_MAX = torch.finfo(torch.float32).max
+
+
+def exact(x, name, mode="rne", generator=None):
+    """The general algorithm, bypassing round_to's fast paths for float32 (torch's cast, e8mY bits)."""
+    return _round_exact(x, get_format(name), mode, generator)
+
+
+# every check against torch's casts runs on round_to (fast paths) and on the exact algorithm
+ROUNDERS = [pytest.param(round_to, id="round_to"), pytest.param(exact, id="exact")]
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -96,10 +106,11 @@ def random_patterns() -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- bitwise vs torch
 
+@pytest.mark.parametrize("fn", ROUNDERS)
 @pytest.mark.parametrize("name,dtype", TORCH_CASTS)
-def test_matches_torch_on_random_bit_patterns(random_patterns, name, dtype):
+def test_matches_torch_on_random_bit_patterns(fn, random_patterns, name, dtype):
     x = random_patterns
-    assert_same_bits(round_to(x, name), torch_cast(x, dtype), x, f"{name}, seed {SEED}")
+    assert_same_bits(fn(x, name), torch_cast(x, dtype), x, f"{name}, seed {SEED}")
 
 
 SCALES = {
@@ -110,16 +121,18 @@ SCALES = {
 }
 
 
+@pytest.mark.parametrize("fn", ROUNDERS)
 @pytest.mark.parametrize("name,dtype", TORCH_CASTS)
-def test_matches_torch_on_scaled_normals(name, dtype):
+def test_matches_torch_on_scaled_normals(fn, name, dtype):
     seed = SEED + 1
     g = torch.Generator().manual_seed(seed)
     x = torch.cat([torch.randn(1 << 18, generator=g) * s for s in SCALES[name]]).float()
-    assert_same_bits(round_to(x, name), torch_cast(x, dtype), x, f"{name}, seed {seed}")
+    assert_same_bits(fn(x, name), torch_cast(x, dtype), x, f"{name}, seed {seed}")
 
 
+@pytest.mark.parametrize("fn", ROUNDERS)
 @pytest.mark.parametrize("name,dtype", TORCH_CASTS)
-def test_matches_torch_near_ties(name, dtype):
+def test_matches_torch_near_ties(fn, name, dtype):
     """Representable values of fmt plus half an ulp (the ties), plus or minus a few float32 ulps."""
     seed = SEED + 2
     g = torch.Generator().manual_seed(seed)
@@ -136,7 +149,7 @@ def test_matches_torch_near_ties(name, dtype):
             parts.append(nxt)
     x = torch.cat(parts)
     x = x[torch.isfinite(x)]
-    assert_same_bits(round_to(x, name), torch_cast(x, dtype), x, f"{name}, seed {seed}")
+    assert_same_bits(fn(x, name), torch_cast(x, dtype), x, f"{name}, seed {seed}")
 
 
 def hard_cases(name: str) -> list[tuple[float, float]]:
@@ -173,15 +186,37 @@ def hard_cases(name: str) -> list[tuple[float, float]]:
     return cases
 
 
+@pytest.mark.parametrize("fn", ROUNDERS)
 @pytest.mark.parametrize("name,dtype", TORCH_CASTS)
-def test_hard_cases(name, dtype):
+def test_hard_cases(fn, name, dtype):
     cases = hard_cases(name)
     x = torch.tensor([c[0] for c in cases], dtype=torch.float32)
     assert x.double().tolist() == [c[0] for c in cases], "a hard case is not a float32 value"
     expected = torch.tensor([c[1] for c in cases], dtype=torch.float32)
-    got = round_to(x, name)
+    got = fn(x, name)
     assert_same_bits(got, expected, x, f"{name} vs hand-written expectations")
     assert_same_bits(torch_cast(x, dtype), expected, x, f"torch {dtype} vs hand-written expectations")
+
+
+@pytest.mark.parametrize("name", ["e8m1", "e8m3", "e8m4", "e8m5", "e8m10", "e8m20"])
+def test_e8_bit_trick_equals_the_exact_algorithm(random_patterns, name):
+    """Formats with float32's exponent range round float32 by an integer trick on the bits: equal to
+    the exact algorithm on 4M random patterns, on values near every tie, and on the hard cases."""
+    x = random_patterns
+    assert_same_bits(round_to(x, name), exact(x, name), x, f"{name} bit trick vs exact, seed {SEED}")
+    fmt = get_format(name)
+    g = torch.Generator().manual_seed(SEED + 5)
+    base = torch.randn(1 << 16, generator=g) * torch.exp2(torch.randint(-140, 128, (1 << 16,), generator=g).float())
+    base = exact(base[torch.isfinite(base)], name)
+    tie = base + torch.sign(base) * ulp(base, fmt).float() / 2
+    near = torch.cat([tie, torch.nextafter(tie, torch.tensor(INF)), torch.nextafter(tie, torch.tensor(-INF))])
+    near = near[torch.isfinite(near)]
+    assert_same_bits(round_to(near, name), exact(near, name), near, f"{name} near ties")
+    cases = hard_cases(name)
+    x = torch.tensor([c[0] for c in cases], dtype=torch.float32)
+    assert x.double().tolist() == [c[0] for c in cases], "a hard case is not a float32 value"
+    expected = torch.tensor([c[1] for c in cases], dtype=torch.float32)
+    assert_same_bits(round_to(x, name), expected, x, f"{name} vs hand-written expectations")
 
 
 def test_nan_stays_nan_and_shape_dtype_kept():

@@ -6,12 +6,18 @@ where it differs from torch: torch's casts from float64 to a narrower format go 
 and can round twice (``1 + 2**-8 + 2**-40`` in float64 casts to bfloat16 as 1.0, the correctly
 rounded result is ``1 + 2**-7``). From float32, bfloat16 and float16 inputs the results agree with
 torch's casts bit for bit.
+
+Nearest-even rounding of float32 tensors takes a fast path where one exists (the emulated
+attention rounds every tile, so this is its inner loop): torch's own cast for bf16, fp16 and the
+two fp8 formats — proven equal to the exact algorithm from float32 — and an integer trick on the
+bit pattern for custom formats with float32's exponent range (e8mY). Tests hold both fast paths
+to the exact algorithm, ``_round_exact``, bit for bit.
 """
 from __future__ import annotations
 
 import torch
 
-from stableflash.numerics.formats import FloatFormat, get_format
+from stableflash.numerics.formats import BF16, FP8_E4M3, FP8_E5M2, FP16, FloatFormat, get_format
 
 __all__ = ["ROUNDING_MODES", "round_to", "ulp", "encode", "decode"]
 
@@ -95,7 +101,33 @@ def round_to(x: torch.Tensor, fmt: FloatFormat | torch.dtype | str, mode: str = 
     if mode not in ROUNDING_MODES:
         raise ValueError(f"mode must be one of {ROUNDING_MODES}, got {mode!r}")
     _check_fits(fmt, x.dtype)
+    if mode == "rne" and x.dtype == torch.float32:
+        if fmt in _TORCH_CASTS:
+            return x.to(_TORCH_CASTS[fmt]).to(torch.float32)
+        if fmt.exp_bits == 8 and fmt.bias == 127 and fmt.has_inf and fmt.overflow == "inf" and fmt.man_bits < 23:
+            return _rne_e8_fp32(x, fmt.man_bits)
+    return _round_exact(x, fmt, mode, generator)
 
+
+# float32 → these formats by torch's cast is the correctly rounded result (tests/numerics)
+_TORCH_CASTS = {BF16: torch.bfloat16, FP16: torch.float16, FP8_E4M3: torch.float8_e4m3fn, FP8_E5M2: torch.float8_e5m2}
+
+
+def _rne_e8_fp32(x: torch.Tensor, man_bits: int) -> torch.Tensor:
+    """float32 x rounded to nearest-even with ``man_bits`` mantissa bits and float32's exponent
+    range, on the bit pattern: add half a quantum minus one plus the kept last bit, clear the
+    dropped bits. A carry out of the mantissa raises the exponent (to inf past the largest
+    binade); subnormals round on the same bit positions, which is their quantum 2^(−126−m)."""
+    drop = 23 - man_bits
+    bits = x.contiguous().view(torch.int32)
+    up = bits + ((1 << (drop - 1)) - 1) + ((bits >> drop) & 1)
+    out = (up & -(1 << drop)).view(torch.float32)
+    return torch.where(torch.isnan(x), x, out)
+
+
+def _round_exact(x: torch.Tensor, fmt: FloatFormat, mode: str,
+                 generator: torch.Generator | None) -> torch.Tensor:
+    """The general algorithm: float64, power-of-two scaling, one integer rounding."""
     x64 = x.to(torch.float64)
     a = x64.abs()
     finite = torch.isfinite(a)
