@@ -4,7 +4,6 @@ For each case: fraction of elements that differ, the largest difference in bf16 
 tensor's largest value, and both backends' error against float64 (‖err‖/‖ref‖)."""
 import json
 import os
-import sys
 
 import torch
 

@@ -23,6 +23,15 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor, floor: float = 0.0) ->
     return (a - e).abs().max().item() / (denom if denom > 0 else 1.0)
 
 
+@pytest.fixture(scope="session")
+def data_dir(tmp_path_factory):
+    """Token files of the first 2 MB of the embedded corpus, prepared once for the whole run."""
+    from stableflash.train import corpus
+    out = tmp_path_factory.mktemp("corpus")
+    corpus.prepare_embedded(out, max_bytes=2_000_000)
+    return out
+
+
 @pytest.fixture
 def gen(request) -> torch.Generator:
     """A generator seeded from the test's name, so each test has its own reproducible draw."""

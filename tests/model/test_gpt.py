@@ -50,11 +50,12 @@ def test_flops_per_token_and_mfu():
 
 
 def test_presets():
-    assert [(c.n_layer, c.n_head, c.n_embd, c.block_size, c.vocab_size) for c in MODEL_PRESETS.values()] == [
+    gpt = [c for c in MODEL_PRESETS.values() if isinstance(c, GPTConfig)]
+    assert [(c.n_layer, c.n_head, c.n_embd, c.block_size, c.vocab_size) for c in gpt] == [
         (2, 2, 64, 64, 256), (4, 4, 128, 256, 256), (6, 6, 384, 512, 256), (12, 12, 768, 1024, 50304),
         (24, 16, 1024, 1024, 50304)]
     assert model_config("tiny", n_layer=3, dropout=0.1) == GPTConfig(3, 2, 64, 64, 256, dropout=0.1)
-    with pytest.raises(ValueError, match="'huge'.*tiny, mini, small, gpt2-small, gpt2-medium"):
+    with pytest.raises(ValueError, match="'huge'.*tiny, mini, small, gpt2-small, gpt2-medium, llama-tiny"):
         model_config("huge")
     with pytest.raises(TypeError, match="n_layers.*n_layer"):
         model_config("tiny", n_layers=3)

@@ -4,20 +4,12 @@ import json
 import pytest
 
 from stableflash.cli import main
-from stableflash.train import corpus
 from stableflash.train.config import make_config
 from stableflash.train.loop import train
 from stableflash.train.metrics import read_metrics
 
 # thresholds low enough that the monitor fires on a healthy tiny run: this tests the plumbing
 TRIGGER = ("monitor_repeated_max=1e-9", "monitor_growth=1e-9", "monitor_patience=1", "monitor_spectral_ratio=1e9")
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("corpus")
-    corpus.prepare_embedded(out, max_bytes=1_000_000)
-    return out
 
 
 def run(data_dir, path, *extra):

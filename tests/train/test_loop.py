@@ -5,17 +5,9 @@ import pytest
 import torch
 
 from stableflash.cli import main
-from stableflash.train import corpus
 from stableflash.train.config import make_config
 from stableflash.train.loop import train
 from stableflash.train.metrics import read_metrics
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("corpus")
-    corpus.prepare_embedded(out, max_bytes=2_000_000)
-    return out
 
 
 def cfg_for(data_dir, *extra):

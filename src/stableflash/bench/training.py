@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from stableflash.bench.attention import environment
-from stableflash.model import GPT, model_config, parse_attention_spec
+from stableflash.model import build_model, model_config, parse_attention_spec
 
 log = logging.getLogger(__name__)
 DEFAULT_ATTENTIONS = ("sdpa", "triton rule=ours", "triton", "emulated policy=fa2", "emulated policy=paper")
@@ -44,7 +44,7 @@ def time_attention(spec: str, cfg: TrainBenchConfig, device: torch.device) -> di
     """Median step time of one attention choice; the model is rebuilt from the same seed."""
     torch.manual_seed(cfg.seed)
     mcfg = model_config(cfg.model)
-    model = GPT(mcfg, attention=spec).to(device)
+    model = build_model(mcfg, attention=spec).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), fused=True)
     net = torch.compile(model) if cfg.compile else model
     gen = torch.Generator(device=device).manual_seed(cfg.seed)

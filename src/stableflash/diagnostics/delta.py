@@ -107,12 +107,15 @@ def delta_errors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Te
     ``output_error`` (B, H, T, d) = O_lp − O_hp; ``sign_agreement`` (H, d) = fraction of the
     (batch, token) positions where sign(dO) = sign(O_lp − O_hp), over positions where neither is
     exactly 0 (NaN where there is none); and ``delta_lp``, ``delta_hp`` (B, H, T).
+    k and v may have fewer heads, each shared by H / H_k query heads (grouped-query attention).
     """
     for name, t in (("q", q), ("k", k), ("v", v), ("do", do)):
         _check_tensor(name, t, 4)
-    if k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
-        raise ValueError(f"k and v must have one shape (B, H, T_k, d) matching q's batch, heads and head_dim; "
-                         f"got q={tuple(q.shape)}, k={tuple(k.shape)}, v={tuple(v.shape)}")
+    if (k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[1] % k.shape[1] or q.shape[3] != k.shape[3]):
+        raise ValueError(f"k and v must have one shape (B, H_k, T_k, d) matching q's batch and head_dim, with "
+                         f"q's heads a multiple of H_k; got q={tuple(q.shape)}, k={tuple(k.shape)}, v={tuple(v.shape)}")
+    if k.shape[1] != q.shape[1]:                          # grouped-query attention: one K/V head per group
+        k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
     if do.shape != q.shape:
         raise ValueError(f"do must have q's shape {tuple(q.shape)}; got {tuple(do.shape)}")
     if not isinstance(causal, bool):

@@ -14,13 +14,14 @@ Differences from GPT-2 / nanoGPT, on purpose:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from stableflash.attention import flash_attention
+from stableflash.model.base import DecoderLM, check_tokens
 from stableflash.model.spec import AttentionChoice, AttentionSpec, as_attention_spec
 
 
@@ -56,29 +57,6 @@ class GPTConfig:
     @property
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
-
-
-MODEL_PRESETS: dict[str, GPTConfig] = {
-    # trains on 2 CPU cores in seconds
-    "tiny": GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=64, vocab_size=256),
-    "mini": GPTConfig(n_layer=4, n_head=4, n_embd=128, block_size=256, vocab_size=256),
-    # byte-level model of the first reproduction runs
-    "small": GPTConfig(n_layer=6, n_head=6, n_embd=384, block_size=512, vocab_size=256),
-    # the paper's GPT-2 (124M); vocab 50257 padded to a multiple of 64, as nanoGPT does
-    "gpt2-small": GPTConfig(n_layer=12, n_head=12, n_embd=768, block_size=1024, vocab_size=50304),
-    "gpt2-medium": GPTConfig(n_layer=24, n_head=16, n_embd=1024, block_size=1024, vocab_size=50304),
-}
-
-
-def model_config(name: str, **overrides) -> GPTConfig:
-    """The preset ``name`` of MODEL_PRESETS with some fields replaced (validated again)."""
-    if name not in MODEL_PRESETS:
-        raise ValueError(f"model preset {name!r} is unknown; accepted: {', '.join(MODEL_PRESETS)}")
-    known = [f.name for f in fields(GPTConfig)]
-    unknown = [k for k in overrides if k not in known]
-    if unknown:
-        raise TypeError(f"model_config: unknown field(s) {', '.join(unknown)}; accepted: {', '.join(known)}")
-    return replace(MODEL_PRESETS[name], **overrides)
 
 
 class CausalSelfAttention(nn.Module):
@@ -155,7 +133,7 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
-class GPT(nn.Module):
+class GPT(DecoderLM):
     """GPT-2: token and learned position embeddings, ``n_layer`` blocks, final LayerNorm, and an
     output head tied to the token embedding.
 
@@ -198,7 +176,7 @@ class GPT(nn.Module):
 
         The loss is the mean float32 cross-entropy over every position whose target is not -1.
         """
-        self._check_idx(idx, targets)
+        check_tokens(idx, targets, self.config.block_size)
         T = idx.shape[1]
         pos = torch.arange(T, dtype=torch.long, device=idx.device)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
@@ -210,37 +188,11 @@ class GPT(nn.Module):
         loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-1)
         return logits, loss
 
-    def _check_idx(self, idx: torch.Tensor, targets: torch.Tensor | None) -> None:
-        if not isinstance(idx, torch.Tensor) or idx.dtype not in (torch.int64, torch.int32):
-            raise TypeError(f"idx must be an int64 (or int32) tensor of token ids; got "
-                            f"{idx.dtype if isinstance(idx, torch.Tensor) else type(idx).__name__}")
-        if idx.dim() != 2:
-            raise ValueError(f"idx must have shape (batch, T); got shape {tuple(idx.shape)}")
-        T = idx.shape[1]
-        if not 1 <= T <= self.config.block_size:
-            raise ValueError(f"sequence length T={T} is out of range; accepted: 1 <= T <= "
-                             f"block_size={self.config.block_size}")
-        if targets is not None:
-            if not isinstance(targets, torch.Tensor) or targets.dtype != torch.int64:
-                raise TypeError(f"targets must be an int64 tensor; got "
-                                f"{targets.dtype if isinstance(targets, torch.Tensor) else type(targets).__name__}")
-            if targets.shape != idx.shape:
-                raise ValueError(f"targets has shape {tuple(targets.shape)}; accepted: idx's shape "
-                                 f"{tuple(idx.shape)}")
-
     # ---- attention routing ----------------------------------------------------------------
 
     def attention_layers(self) -> list[CausalSelfAttention]:
         """The attention module of each layer, in order."""
         return [block.attn for block in self.transformer.h]
-
-    def set_attention(self, attention: AttentionSpec | AttentionChoice | str) -> None:
-        """Switch every layer to the attention ``attention`` routes it to (validated first)."""
-        spec = as_attention_spec(attention)
-        spec.check(self.config.n_layer, self.config.n_head)
-        for i, module in enumerate(self.attention_layers()):
-            module.choice = spec.choice(i)
-        self.attention_spec = spec
 
     # ---- size and cost --------------------------------------------------------------------
 
@@ -251,18 +203,3 @@ class GPT(nn.Module):
         if non_embedding:
             n -= self.transformer.wpe.weight.numel()
         return n
-
-    def flops_per_token(self) -> int:
-        """Training FLOPs per token (forward + backward), nanoGPT's estimate from the PaLM paper:
-        6N for the weights plus 12·L·H·Q·T for attention (T = block_size)."""
-        c = self.config
-        return 6 * self.num_params() + 12 * c.n_layer * c.n_head * c.head_dim * c.block_size
-
-    def estimate_mfu(self, tokens_per_second: float, peak_flops: float) -> float:
-        """Model FLOPs utilisation: achieved training FLOP/s over ``peak_flops`` (FLOP/s of the hardware)."""
-        for name, value in (("tokens_per_second", tokens_per_second), ("peak_flops", peak_flops)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-                raise ValueError(f"{name}={value!r} is invalid; accepted: a number >= 0")
-        if peak_flops == 0:
-            raise ValueError("peak_flops=0 is invalid; accepted: a number > 0")
-        return self.flops_per_token() * tokens_per_second / peak_flops

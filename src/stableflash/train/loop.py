@@ -22,7 +22,7 @@ import torch.distributed as torch_dist
 from stableflash.diagnostics.delta import DeltaTracker
 from stableflash.diagnostics.monitor import Monitor, stabilized_choice_spec
 from stableflash.diagnostics.probes import probe_record
-from stableflash.model import GPT, model_config
+from stableflash.model import build_model as _build, model_config
 from stableflash.train import checkpoint
 from stableflash.train.config import DistInfo, TrainConfig, monitor_config, validate
 from stableflash.train.data import BatchRecorder, BatchSampler, ReplaySampler, eval_batches, load_split, read_meta
@@ -83,8 +83,9 @@ class GlobalReplay:
                          f"({len(self.samplers)} rank files)")
 
 
-def build_model(cfg: TrainConfig, vocab_size: int) -> GPT:
-    """The GPT of ``cfg``: a model preset with the explicit overrides, vocab at least the data's."""
+def build_model(cfg: TrainConfig, vocab_size: int):
+    """The model of ``cfg`` (GPT or Llama, by preset): the preset with the explicit overrides, vocab
+    at least the data's."""
     overrides = {k: getattr(cfg, k) for k in ("n_layer", "n_head", "n_embd", "block_size", "bias", "dropout")
                  if getattr(cfg, k) is not None}
     mcfg = model_config(cfg.model, **overrides)
@@ -92,7 +93,7 @@ def build_model(cfg: TrainConfig, vocab_size: int) -> GPT:
     if vocab < vocab_size:
         raise ValueError(f"vocab_size={vocab} is smaller than the data's vocabulary ({vocab_size}); "
                          f"accepted: >= {vocab_size}")
-    return GPT(replace(mcfg, vocab_size=vocab), attention=cfg.attention)
+    return _build(replace(mcfg, vocab_size=vocab), attention=cfg.attention)
 
 
 def _restore(run_dir: Path, cfg: TrainConfig, model, optimizer, device: torch.device) -> dict:
