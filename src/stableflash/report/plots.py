@@ -25,9 +25,9 @@ def _new_figure(width: float, height: float):
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
-    except ImportError as exc:            # matplotlib is the optional "plot" extra
-        raise ImportError("the report needs matplotlib; install it with `pip install stableflash[plot]` "
-                          "or `pip install matplotlib`") from exc
+    except ImportError as exc:            # a dependency of the package, but an environment may lack it
+        raise ImportError("the report needs matplotlib (a dependency of stableflash); install it with "
+                          "`pip install matplotlib`") from exc
     fig = Figure(figsize=(width, height), dpi=100, layout="constrained")
     FigureCanvasAgg(fig)
     return fig
