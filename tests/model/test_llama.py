@@ -135,6 +135,8 @@ def test_bad_configs_are_named(kw, exc, match):
 def test_a_gpt_only_field_is_rejected_by_name():
     with pytest.raises(TypeError, match=r"unknown field\(s\) bias for LlamaConfig preset 'llama-tiny'"):
         model_config("llama-tiny", bias=True)
+    with pytest.raises(TypeError, match=r"unknown field\(s\) bias for LlamaConfig"):     # at config time
+        make_config("tiny", overrides=["model=llama-tiny", "bias=true"])
     with pytest.raises(TypeError, match="accepted: a LlamaConfig"):
         Llama(model_config("tiny"))
     assert isinstance(model_config("llama-small-qknorm"), LlamaConfig) and model_config("llama-small-qknorm").qk_norm

@@ -73,6 +73,11 @@ class TrainConfig:
     monitor_delta_drift: float | None = None
     notes: str = ""
 
+    def model_overrides(self) -> dict:
+        """The model fields this config sets explicitly (None means: the preset's value)."""
+        return {k: getattr(self, k) for k in ("n_layer", "n_head", "n_embd", "block_size", "bias", "dropout")
+                if getattr(self, k) is not None}
+
     def delta_layer_list(self) -> tuple[int, ...]:
         """``delta_layers`` as a tuple of ints ("2,5" → (2, 5))."""
         text = self.delta_layers.strip()
@@ -242,9 +247,10 @@ def validate(cfg: TrainConfig) -> None:
     monitor_config(cfg)
     if cfg.device not in ("auto", "cpu", "cuda") and not cfg.device.startswith("cuda:"):
         raise ValueError(f"device={cfg.device!r} is invalid; accepted: auto, cpu, cuda, cuda:N")
-    from stableflash.model import MODEL_PRESETS, parse_attention_spec
+    from stableflash.model import MODEL_PRESETS, model_config, parse_attention_spec
     if cfg.model not in MODEL_PRESETS:
         raise ValueError(f"model={cfg.model!r} is unknown; accepted: {', '.join(MODEL_PRESETS)}")
+    model_config(cfg.model, **cfg.model_overrides())        # a field the model family lacks, named now
     parse_attention_spec(cfg.attention)
 
 

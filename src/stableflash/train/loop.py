@@ -86,9 +86,7 @@ class GlobalReplay:
 def build_model(cfg: TrainConfig, vocab_size: int):
     """The model of ``cfg`` (GPT or Llama, by preset): the preset with the explicit overrides, vocab
     at least the data's."""
-    overrides = {k: getattr(cfg, k) for k in ("n_layer", "n_head", "n_embd", "block_size", "bias", "dropout")
-                 if getattr(cfg, k) is not None}
-    mcfg = model_config(cfg.model, **overrides)
+    mcfg = model_config(cfg.model, **cfg.model_overrides())
     vocab = cfg.vocab_size or mcfg.vocab_size
     if vocab < vocab_size:
         raise ValueError(f"vocab_size={vocab} is smaller than the data's vocabulary ({vocab_size}); "
