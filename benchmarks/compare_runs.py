@@ -7,10 +7,11 @@ import os
 import statistics
 from pathlib import Path
 
+from stableflash.train.metrics import read_metrics
+
 
 def records(run: Path) -> list[dict]:
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return [r for r in rows if "event" not in r and "loss" in r]
+    return [r for r in read_metrics(run / "metrics.jsonl") if "event" not in r and "loss" in r]
 
 
 def main() -> None:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from stableflash.model.spec import AttentionChoice, AttentionSpec, as_attention_spec
 
@@ -39,6 +40,13 @@ class DecoderLM(nn.Module):
     """A causal language model whose layers' attention modules (``attention_layers()``, each with a
     ``choice``) route through ``flash_attention``; ``config`` has n_layer, n_head, head_dim and
     block_size, and the subclass counts its parameters (``num_params``)."""
+
+    @staticmethod
+    def _with_loss(logits: torch.Tensor, targets: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(logits, mean float32 cross-entropy over positions whose target is not -1, or None)."""
+        if targets is None:
+            return logits, None
+        return logits, F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-1)
 
     def attention_layers(self) -> list[nn.Module]:
         raise NotImplementedError

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from stableflash.attention import flash_attention
 from stableflash.model.base import DecoderLM, check_tokens
@@ -182,11 +181,7 @@ class GPT(DecoderLM):
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
         for block in self.transformer.h:
             x = block(x)
-        logits = self.lm_head(self.transformer.ln_f(x))
-        if targets is None:
-            return logits, None
-        loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-1)
-        return logits, loss
+        return self._with_loss(self.lm_head(self.transformer.ln_f(x)), targets)
 
     # ---- attention routing ----------------------------------------------------------------
 

@@ -201,11 +201,7 @@ class Llama(DecoderLM):
         x = self.drop(self.tok_embeddings(idx))
         for layer in self.layers:
             x = layer(x, self.rope_cos, self.rope_sin)
-        logits = self.output(self.norm(x))
-        if targets is None:
-            return logits, None
-        loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-1)
-        return logits, loss
+        return self._with_loss(self.output(self.norm(x)), targets)
 
     def attention_layers(self) -> list[LlamaAttention]:
         return [layer.attn for layer in self.layers]
