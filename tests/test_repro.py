@@ -29,6 +29,14 @@ def test_parallel_runs_match_the_sequential_ones(tmp_path):
         assert b["final_loss"] == pytest.approx(a["final_loss"], rel=1e-6), (a["seed"], a["role"])
     with pytest.raises(ValueError, match=r"parallel=0 is invalid; accepted: an int >= 1"):
         run_repro("cpu-demo", tmp_path / "bad", parallel=0)
+    with pytest.raises(ValueError, match=r"roles=\['base'\] is invalid; accepted: one or more of baseline"):
+        run_repro("cpu-demo", tmp_path / "bad", roles=("base",))
+
+
+def test_roles_select_the_runs(tmp_path):
+    result = run_repro("cpu-demo", tmp_path, seeds=(0,), steps=3, progress=False, roles=("baseline",))
+    assert [r["role"] for r in result["rows"]] == ["baseline"]
+    assert not (tmp_path / "seed0" / "control").exists()
 
 
 def test_verdict_is_honest_about_every_case():
@@ -37,6 +45,8 @@ def test_verdict_is_honest_about_every_case():
     boom = dict(base, explosion_step=300)
     ok = {"role": "stabilized", "seed": 0, "explosion_step": None}
     assert "diverged in 1 of 1" in verdict([boom, ok]) and "did not" in verdict([boom, ok])
+    assert verdict([boom, ok]).endswith("the stabilized run did not (the fp32 control not run).")
+    assert verdict([boom]).endswith("(the stabilized run and the fp32 control were not run).")
     both = {"role": "control", "seed": 0, "explosion_step": 500}
     assert "control (seed 0) also diverged at step 500" in verdict([boom, ok, both])
 
@@ -51,6 +61,27 @@ def test_cli_repro_bad_preset_and_gpu_presets(capsys):
             main(["repro", "--preset", "leads-e8m5", "--no-probe"])
         assert "needs a GPU" in capsys.readouterr().err
     assert REPRO_PRESETS["leads-e8m5"].accelerated and not REPRO_PRESETS["leads-bf16"].accelerated
+
+
+@pytest.mark.parametrize("name", sorted(REPRO_PRESETS))
+def test_every_preset_builds_its_three_runs(name):
+    """Each role's config is valid before any GPU time is spent; the control holds P̄, Ō, ℓ and O in
+    fp32 with the baseline's scores; the stabilized run is the baseline with our rule."""
+    from stableflash.model import parse_attention_spec
+    from stableflash.train.config import make_config
+    p = REPRO_PRESETS[name]
+    choices = {}
+    for role, attention in p.attentions().items():
+        cfg = make_config(p.train_preset, overrides=[*p.overrides, f"attention={attention}"])
+        choices[role] = parse_attention_spec(cfg.attention).default
+    pol = choices["control"].policy
+    assert (pol.p_bar, pol.acc, pol.row_sum, pol.out) == ("fp32",) * 4
+    assert choices["stabilized"].rule == "ours" and choices["baseline"].rule == "standard"
+    assert choices["stabilized"].policy == choices["baseline"].policy
+    from stableflash.attention.policy import resolve_policy
+    import torch
+    assert pol.scores == resolve_policy(choices["baseline"].policy, torch.bfloat16).scores
+    assert (p.accelerated is not None) == any(f"e8m{m}" in p.baseline for m in range(1, 7))
 
 
 def test_ladder_rungs_are_the_papers_experiments():

@@ -165,7 +165,7 @@ def _cmd_repro(args: argparse.Namespace) -> int:
         (out / "probe.json").write_text(json.dumps(probe, indent=2))
         print(format_table(probe))
     result = run_repro(preset, out, seeds=tuple(args.seeds), steps=args.steps, extra=tuple(args.set or ()),
-                       progress=not args.quiet, parallel=args.parallel)
+                       progress=not args.quiet, parallel=args.parallel, roles=tuple(args.roles))
     print(json.dumps(result, indent=2, default=str) if args.json else repro_table(result))
     return 0
 
@@ -294,6 +294,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, help="override the preset's number of steps")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="extra training config override")
     p.add_argument("--no-probe", action="store_true", help="skip the kernel-level probe")
+    p.add_argument("--roles", nargs="+", choices=("baseline", "stabilized", "control"),
+                   default=["baseline", "stabilized", "control"],
+                   help="which runs of each seed (default: all three; a search may run the baseline alone)")
     p.add_argument("--parallel", type=int, default=1,
                    help="runs at once, as worker processes sharing the machine (default: 1, one after another)")
     p.add_argument("--ladder", action="store_true",

@@ -8,7 +8,7 @@ import torch
 
 import stableflash as sf
 from stableflash.attention import PrecisionPolicy, reference
-from stableflash.numerics import ulp
+from stableflash.numerics import round_to, ulp
 from tests.conftest import DEVICE, rel_err
 
 triton = pytest.importorskip("triton")
@@ -108,6 +108,27 @@ def test_kernel_agrees_with_the_emulated_policy(gen, policy, stabilize, causal):
     emulated = run(q, k, v, do, backend="emulated", block_q=32, block_k=triton_op.key_block(32), **kw)
     for name, a, b in zip(("O", "dQ", "dK", "dV"), fused, emulated):
         ok, msg = agree(a, b, 2.0, O_FRAC if name == "O" else 1.0)
+        assert ok, (name, msg)
+
+
+NARROW = [PrecisionPolicy.preset("paper").replace(acc=f, row_sum=f, out=f) for f in ("e8m5", "e8m4", "e8m2")]
+NARROW += [PrecisionPolicy.preset("fa2").replace(out="e8m4")]
+
+
+@pytest.mark.parametrize("policy", NARROW, ids=lambda p: f"{p.name}-{p.out}")
+@pytest.mark.parametrize("stabilize", [False, True])
+def test_narrow_formats_agree_with_the_emulated_policy(gen, policy, stabilize):
+    """The accelerated stand-ins (ℓ, Ō and O in e8mY): the kernel rounds where the emulation does,
+    and the result really is narrower than bf16 (every O exactly representable in e8mY)."""
+    q, k, v, do = make(gen, 2, 2, 70, 32)
+    kw = dict(causal=True, stabilize=stabilize, policy=policy)
+    fused = run(q, k, v, do, backend="triton", **kw)
+    emulated = run(q, k, v, do, backend="emulated", block_q=32, block_k=triton_op.key_block(32), **kw)
+    fmt = policy.point("out")[0]
+    assert torch.equal(fused[0].float(), round_to(fused[0].float(), fmt))
+    assert not torch.equal(fused[0], run(q, k, v, do, backend="triton", causal=True, stabilize=stabilize)[0])
+    for name, a, b in zip(("O", "dQ", "dK", "dV"), fused, emulated):
+        ok, msg = agree(a, b, 2.0 * 2.0 ** (7 - fmt.man_bits), O_FRAC if name == "O" else 1.0)
         assert ok, (name, msg)
 
 
@@ -219,7 +240,7 @@ def test_torch_compile_traces_through_without_graph_break(gen):
 
 def test_custom_ops_pass_the_opcheck(gen):
     q, k, v, _ = make(gen, 1, 2, 20, 16)
-    args = (q, k, v, True, 0.25, 2, 2.0, 1e-3, 0.13, 8.4, False, 0)
+    args = (q, k, v, True, 0.25, 2, 2.0, 1e-3, 0.13, 8.4, False, 0, 0)
     torch.library.opcheck(triton_op.attn_fwd, args, test_utils=("test_schema", "test_faketensor"))
 
 
@@ -229,6 +250,9 @@ BAD = [
     (dict(policy="fp32"), ValueError, r"not implemented by backend='triton'"),
     (dict(policy="paper", dtype=torch.float16), ValueError, r"not implemented by backend='triton'"),
     (dict(policy=PrecisionPolicy.preset("fa2").replace(hp_heads=(0,))), ValueError, r"not implemented"),
+    (dict(policy=PrecisionPolicy.preset("paper").replace(out="e8m4")), ValueError, r"in one format e8m1-e8m6"),
+    (dict(policy=PrecisionPolicy.preset("fa2").replace(out="e8m4:stochastic")), ValueError, r"not implemented"),
+    (dict(policy=PrecisionPolicy.preset("fa2").replace(out="e5m2")), ValueError, r"not implemented"),
 ]
 
 

@@ -23,6 +23,7 @@ class ReproPreset:
     baseline: str
     accelerated: str | None = None              # what makes it faster to fail than bf16, if anything
     gpu: bool = True
+    control_attention: str | None = None        # when the baseline's backend cannot hold O in fp32
 
     @property
     def stabilized(self) -> str:
@@ -30,7 +31,12 @@ class ReproPreset:
 
     @property
     def control(self) -> str:
-        return f"{self.baseline} {FP32_O}"
+        """The baseline with P̄, Ō, ℓ and O in fp32 (its own narrower settings of those replaced)."""
+        if self.control_attention:
+            return self.control_attention
+        fp32 = {t.split("=")[0] for t in FP32_O.split()}
+        kept = [t for t in self.baseline.split() if t.split("=")[0] not in fp32]
+        return " ".join([*kept, FP32_O])
 
     def attentions(self) -> dict[str, str]:
         return {"baseline": self.baseline, "stabilized": self.stabilized, "control": self.control}
@@ -51,6 +57,30 @@ def _leads(name: str, mbits: int | None) -> ReproPreset:
     )
 
 
+def _kernel(name: str, policy: str, mbits: int | None) -> ReproPreset:
+    """The leads' model and data with the fused Triton kernels (key block 64, as in real flash
+    attention), so that thousands of steps take minutes. The fp32-O control runs on the emulated
+    backend (same scores and tiling, P̄, Ō, ℓ and O in fp32): the kernels store O in bf16."""
+    fmt = f"e8m{mbits}" if mbits else None
+    narrowed = ("out",) if policy == "fa2" else ("acc", "row_sum", "out")
+    rounding = "".join(f" {f}={fmt}" for f in narrowed) if fmt else ""
+    what = {"fa2": "real flash-attention-2 arithmetic (fp32 scores and Ō, P̄ in bf16)",
+            "paper": "the authors' bf16 emulation (bf16 scores, Ō and ℓ rounded to bf16 after every key block)"}[policy]
+    scores = "" if policy == "fa2" else " scores=bf16"
+    return ReproPreset(
+        name=name,
+        description="the leads' model and data (6 layers × 384, context 512, batch 64, byte-level stdlib corpus, "
+                    f"AdamW lr 3e-3 constant after 200 warm-up steps) on the fused Triton kernels: {what}"
+                    + (f", with {', '.join(narrowed)} rounded to {fmt}" if fmt else ""),
+        train_preset="small",
+        overrides=("max_iters=4000", "probe_every=100", "monitor=warn", "eval_every=500", "ckpt_every=500"),
+        baseline=f"triton policy={policy}{rounding}",
+        accelerated=(f"{', '.join(narrowed)} rounded to {fmt} ({mbits} mantissa bits instead of bf16's 7)"
+                     if fmt else None),
+        control_attention=f"emulated policy={policy}{scores} {FP32_O}",
+    )
+
+
 REPRO_PRESETS: dict[str, ReproPreset] = {
     "cpu-demo": ReproPreset(
         name="cpu-demo",
@@ -65,6 +95,11 @@ REPRO_PRESETS: dict[str, ReproPreset] = {
     "leads-bf16": _leads("leads-bf16", None),
     "leads-e8m5": _leads("leads-e8m5", 5),
     "leads-e8m4": _leads("leads-e8m4", 4),
+    "kernel-fa2": _kernel("kernel-fa2", "fa2", None),
+    "kernel-paper": _kernel("kernel-paper", "paper", None),
+    "kernel-paper-e8m5": _kernel("kernel-paper-e8m5", "paper", 5),
+    "kernel-paper-e8m4": _kernel("kernel-paper-e8m4", "paper", 4),
+    "kernel-fa2-e8m4": _kernel("kernel-fa2-e8m4", "fa2", 4),
 }
 
 

@@ -36,18 +36,25 @@ def _train_one(job: tuple) -> dict:
 
 
 def run_repro(preset: str | ReproPreset, out_dir: Path, seeds: tuple[int, ...] = (0,), steps: int | None = None,
-              extra: tuple[str, ...] = (), progress: bool = True, parallel: int = 1) -> dict:
+              extra: tuple[str, ...] = (), progress: bool = True, parallel: int = 1,
+              roles: tuple[str, ...] = ROLES) -> dict:
     """Run the paired runs of ``preset`` for each seed into out_dir/seed<k>/<role>, then the report.
-    ``parallel``: how many runs at once (worker processes; 1 runs them in this process, in order)."""
+    ``parallel``: how many runs at once (worker processes; 1 runs them in this process, in order).
+    ``roles``: which of baseline, stabilized, control to run (a search may run the baseline alone)."""
     p = preset if isinstance(preset, ReproPreset) else REPRO_PRESETS.get(preset)
     if p is None:
         raise ValueError(f"preset={preset!r} is unknown; accepted: {', '.join(REPRO_PRESETS)}")
     if isinstance(parallel, bool) or not isinstance(parallel, int) or parallel < 1:
         raise ValueError(f"parallel={parallel!r} is invalid; accepted: an int >= 1")
+    bad = [r for r in roles if r not in ROLES]
+    if bad or not roles:
+        raise ValueError(f"roles={list(roles)!r} is invalid; accepted: one or more of {', '.join(ROLES)}")
     out_dir = Path(out_dir)
     jobs = []
     for seed in seeds:
         for role, attention in p.attentions().items():
+            if role not in roles:
+                continue
             overrides = [*p.overrides, f"seed={seed}", f"attention={attention}", *extra]
             if steps is not None:
                 overrides.append(f"max_iters={steps}")
@@ -98,7 +105,13 @@ def verdict(rows: list[dict]) -> str:
     if others:
         return text + "; but " + ", ".join(f"{r['role']} (seed {r['seed']}) also diverged at step "
                                             f"{r['explosion_step']}" for r in others) + "."
-    return text + "; the stabilized run and the fp32 control did not."
+    ran = {r["role"] for r in rows}
+    names = {"stabilized": "the stabilized run", "control": "the fp32 control"}
+    held = [names[x] for x in names if x in ran]
+    if not held:
+        return text + " (the stabilized run and the fp32 control were not run)."
+    missing = "" if len(held) == 2 else f" ({[names[x] for x in names if x not in ran][0]} not run)"
+    return text + f"; {' and '.join(held)} did not{missing}."
 
 
 def format_table(result: dict) -> str:

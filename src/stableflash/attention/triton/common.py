@@ -89,6 +89,20 @@ def to_bf16(x, INTERP: tl.constexpr):
 
 
 @triton.jit
+def round_mantissa(x, MBITS: tl.constexpr, INTERP: tl.constexpr):
+    """x (fp32) rounded to nearest-even with MBITS mantissa bits and fp32's exponent range (the
+    e8mY formats; MBITS = 0 means bfloat16, e8m7), returned as fp32. On the bit pattern: add half a
+    quantum minus one plus the kept last bit, then clear the dropped bits (a carry raises the
+    exponent), as ``numerics.round_to`` does for these formats."""
+    if MBITS == 0:
+        return to_bf16(x, INTERP)
+    DROP: tl.constexpr = 23 - MBITS
+    bits = x.to(tl.int32, bitcast=True)
+    bits = (bits + ((1 << (DROP - 1)) - 1) + ((bits >> DROP) & 1)) & -(1 << DROP)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def mma(a, b, INTERP: tl.constexpr):
     """a @ b with fp32 accumulation. INTERP multiplies in fp32 ("ieee"): the Triton CPU
     interpreter's bf16 dot is wrong; bf16 and fp16 products are exact in fp32, so the result is

@@ -10,12 +10,15 @@ Two arithmetic modes, chosen at compile time:
 - EMU = 1 ("paper", bf16 only): the authors' emulation, matching the emulated backend's "paper"
   policy — S, the shift and S − m in bf16 (natural units), and ℓ and Ō rounded to bf16 after every
   key block.
+MBITS > 0 narrows the "paper" mode's ℓ, Ō and O (and the "fa2" mode's O) to MBITS mantissa bits
+(the e8mY formats, rounded to nearest-even): the accelerated stand-ins of the reproduction, where
+the bias bf16 shows over thousands of steps appears in hundreds. O is stored in bf16 exactly.
 """
 import triton
 import triton.language as tl
 
-from stableflash.attention.triton.common import (cast, count_ties, mma, next_shift, round_up_bf16,
-                                                 shift_from_ties, to_bf16)
+from stableflash.attention.triton.common import (cast, count_ties, mma, next_shift, round_mantissa,
+                                                 round_up_bf16, shift_from_ties, to_bf16)
 
 LOG2E = 1.4426950408889634
 
@@ -24,7 +27,8 @@ LOG2E = 1.4426950408889634
 def _fwd_blocks(acc, l_i, m_i, r_i, q, K, V, stride_kn, stride_vn, offs_m, offs_d, start, stop, n_k,
                 scale, beta, eps, lo, hi, period,
                 BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
-                STAB: tl.constexpr, EMU: tl.constexpr, TMA: tl.constexpr, INTERP: tl.constexpr):
+                STAB: tl.constexpr, EMU: tl.constexpr, MBITS: tl.constexpr, TMA: tl.constexpr,
+                INTERP: tl.constexpr):
     """Lines 6-11 of Algorithm 1 for key blocks [start, stop). TMA: K and V are tensor
     descriptors (rows past n_k come back as zeros) instead of pointers."""
     offs_n = tl.arange(0, BLOCK_N)
@@ -51,8 +55,8 @@ def _fwd_blocks(acc, l_i, m_i, r_i, q, K, V, stride_kn, stride_vn, offs_m, offs_
             m_new = round_up_bf16(m_new)
             p = tl.exp2(to_bf16(s - m_new[:, None], INTERP) * 1.4426950408889634)
             alpha = tl.exp2((m_i - m_new) * 1.4426950408889634)
-            l_i = to_bf16(l_i * alpha + tl.sum(p, 1), INTERP)
-            acc = to_bf16(acc * alpha[:, None] + mma(cast(p, v.dtype, INTERP), v, INTERP), INTERP)
+            l_i = round_mantissa(l_i * alpha + tl.sum(p, 1), MBITS, INTERP)
+            acc = round_mantissa(acc * alpha[:, None] + mma(cast(p, v.dtype, INTERP), v, INTERP), MBITS, INTERP)
         else:                                      # log2 units; the scale is applied per row and in one FMA
             rm = tl.max(qk, 1) * scale
             ties = rm * 0.0
@@ -73,8 +77,8 @@ def attn_fwd_kernel(Q, K, V, O, LSE,
                     stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om,
                     n_heads, group, n_q, n_k, scale, beta, eps, lo, hi, period,
                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    CAUSAL: tl.constexpr, STAB: tl.constexpr, EMU: tl.constexpr, TMA: tl.constexpr,
-                    INTERP: tl.constexpr):
+                    CAUSAL: tl.constexpr, STAB: tl.constexpr, EMU: tl.constexpr, MBITS: tl.constexpr,
+                    TMA: tl.constexpr, INTERP: tl.constexpr):
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1)
     b, h = bh // n_heads, bh % n_heads
@@ -103,16 +107,18 @@ def attn_fwd_kernel(Q, K, V, O, LSE,
         full = tl.minimum(full, (start_m // BLOCK_N) * BLOCK_N)
     acc, l_i, m_i, r_i = _fwd_blocks(acc, l_i, m_i, r_i, q, K, V, stride_kn, stride_vn, offs_m, offs_d,
                                      0, full, n_k, scale, beta, eps, lo, hi, period,
-                                     BLOCK_N, CAUSAL, False, STAB, EMU, TMA, INTERP)
+                                     BLOCK_N, CAUSAL, False, STAB, EMU, MBITS, TMA, INTERP)
     acc, l_i, m_i, r_i = _fwd_blocks(acc, l_i, m_i, r_i, q, K, V, stride_kn, stride_vn, offs_m, offs_d,
                                      full, stop, n_k, scale, beta, eps, lo, hi, period,
-                                     BLOCK_N, CAUSAL, True, STAB, EMU, TMA, INTERP)
+                                     BLOCK_N, CAUSAL, True, STAB, EMU, MBITS, TMA, INTERP)
     if EMU:
         o = acc / l_i[:, None]
         lse = m_i + tl.log(l_i)
     else:
         o = acc / l_i[:, None]
         lse = (m_i + tl.log2(l_i)) * 0.6931471805599453
+    if MBITS > 0:
+        o = round_mantissa(o, MBITS, INTERP)
     O += b * stride_ob + h * stride_oh
     tl.store(O + offs_m[:, None] * stride_om + offs_d[None, :], cast(o, O.dtype.element_ty, INTERP),
              mask=offs_m[:, None] < n_q)

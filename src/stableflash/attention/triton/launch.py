@@ -5,14 +5,15 @@ from dataclasses import replace
 
 import torch
 
-from stableflash.attention.policy import PrecisionPolicy, memoize
+from stableflash.attention.policy import PrecisionPolicy, memoize, parse_point
 from stableflash.attention.shift import ShiftRule
 from stableflash.attention.triton.op import DELTA_SOURCES, DTYPES, HEAD_DIMS, RULE_CODES, attention, interpreting
 
 SUPPORT = {
     "head_dims": HEAD_DIMS,
     "dtypes": DTYPES,
-    "policies": "'fa2' (bf16 or fp16) or 'paper' (bf16), with delta 'dO·O', 'dP·P' or 'recompute_fp32'",
+    "policies": "'fa2' (bf16 or fp16) or 'paper' (bf16), with delta 'dO·O', 'dP·P' or 'recompute_fp32'; "
+                "for bf16, 'fa2' with out, or 'paper' with acc, row_sum and out all, in one format e8m1-e8m6",
 }
 
 
@@ -31,15 +32,30 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor) -> None:
                          "for grouped-query attention")
 
 
+def _narrow_bits(point: str) -> int | None:
+    """0 for bf16, Y for an e8mY format with 1 ≤ Y ≤ 6 rounded to nearest-even, None otherwise."""
+    fmt, mode = parse_point(point)
+    if fmt.name == "bf16" and mode == "rne":
+        return 0
+    narrow = fmt.exp_bits == 8 and fmt.bias == 127 and fmt.has_inf and 1 <= fmt.man_bits <= 6
+    return fmt.man_bits if narrow and mode == "rne" else None
+
+
 @memoize
-def kernel_mode(policy: PrecisionPolicy, dtype: torch.dtype) -> tuple[bool, int]:
-    """(emu, delta source code) of the kernels that implement ``policy``; ValueError otherwise."""
+def kernel_mode(policy: PrecisionPolicy, dtype: torch.dtype) -> tuple[bool, int, int]:
+    """(emu, mantissa bits, delta source code) of the kernels that implement ``policy``; ValueError
+    otherwise. Mantissa bits > 0: the e8mY format of O ("fa2") or of ℓ, Ō and O ("paper")."""
     low = "fp16" if dtype == torch.float16 else "bf16"
-    base = replace(policy, delta="dO·O", name="custom")
-    for name, emu in (("fa2", False), ("paper", True)):
+    for name, emu, narrowed in (("fa2", False, ("out",)), ("paper", True, ("acc", "row_sum", "out"))):
         preset = replace(PrecisionPolicy.preset(name, low), name="custom")
-        if base == preset and not (emu and low != "bf16"):
-            return emu, DELTA_SOURCES[policy.delta]
+        base = replace(policy, delta="dO·O", name="custom", **{f: getattr(preset, f) for f in narrowed})
+        if base != preset or (emu and low != "bf16"):
+            continue
+        bits = {_narrow_bits(getattr(policy, f)) if low == "bf16" else None for f in narrowed}
+        if len(bits) == 1 and None not in bits:
+            return emu, bits.pop(), DELTA_SOURCES[policy.delta]
+        if all(getattr(policy, f) == getattr(preset, f) for f in narrowed):
+            return emu, 0, DELTA_SOURCES[policy.delta]
     raise ValueError(f"policy={policy.describe()} is not implemented by backend='triton'; accepted: "
                      f"{SUPPORT['policies']} — use backend='emulated' for any other policy")
 
@@ -47,6 +63,6 @@ def kernel_mode(policy: PrecisionPolicy, dtype: torch.dtype) -> tuple[bool, int]
 def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float,
                      rule: ShiftRule, policy: PrecisionPolicy) -> torch.Tensor:
     """The fused kernels, differentiable. Inputs validated by ``flash_attention`` and ``check_inputs``."""
-    emu, delta_src = kernel_mode(policy, q.dtype)
+    emu, mbits, delta_src = kernel_mode(policy, q.dtype)
     return attention(q, k, v, causal, scale, RULE_CODES[rule.kind], float(rule.beta), float(rule.eps),
-                     float(rule.min_shift), float(rule.max_shift), emu, delta_src)
+                     float(rule.min_shift), float(rule.max_shift), emu, mbits, delta_src)

@@ -63,9 +63,9 @@ def _with_tma(configs: list[triton.Config], tma: list[tuple[int, int, int, int]]
 # where TMA is possible the forward's tuner also tries the key loop through tensor descriptors
 # (faster at head_dim 128, slower at 64: benchmarks/results/tune-tma-atomic-H200-2026-11-22.txt;
 # the backward kernels gained nothing end to end: tune-bwd-tma-H200-2026-11-22.txt)
-_fwd_tuned = triton.autotune(FWD_CONFIGS, key=_KEY + ["STAB", "EMU"], prune_configs_by=_prune)(attn_fwd_kernel)
+_fwd_tuned = triton.autotune(FWD_CONFIGS, key=_KEY + ["STAB", "EMU", "MBITS"], prune_configs_by=_prune)(attn_fwd_kernel)
 _fwd_tma_tuned = triton.autotune(_with_tma(FWD_CONFIGS, [(64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3)]),
-                                 key=_KEY + ["STAB", "EMU"], prune_configs_by=_prune)(attn_fwd_kernel)
+                                 key=_KEY + ["STAB", "EMU", "MBITS"], prune_configs_by=_prune)(attn_fwd_kernel)
 _dkdv_tuned = triton.autotune(DKDV_CONFIGS, key=_KEY + ["EMU"], prune_configs_by=_prune)(attn_bwd_dkdv_kernel)
 _dq_tuned = triton.autotune(DQ_CONFIGS, key=_KEY + ["EMU"], prune_configs_by=_prune)(attn_bwd_dq_kernel)
 # under the interpreter: one small tile, so that short test sequences still span several blocks
@@ -79,27 +79,30 @@ _FIXED = {_fwd_tuned: {True: _cfg(64, 64, 4, 3), False: _cfg(64, 32, 4, 2)},
 
 
 def key_block(head_dim: int) -> int:
-    """The forward's key block size when AUTOTUNE is off (or under the interpreter): an emulation
-    that is to match the kernel bit for bit must use the same block_k."""
+    """The forward's key block size under the "paper" emulation, and whenever AUTOTUNE is off (or
+    under the interpreter): an emulation that is to match the kernel must use the same block_k."""
     if interpreting():
         return _INTERP["BLOCK_N"]
     return _FIXED[_fwd_tuned][head_dim <= 128].kwargs["BLOCK_N"]
 
 
-def _launch(tuned, raw, grid, *args, tma_tuned=None, tma: bool | None = None, **meta):
+def _launch(tuned, raw, grid, *args, tma_tuned=None, tma: bool | None = None, fixed: bool = False, **meta):
     """Run ``raw`` through its tuner, its fixed config, or the interpreter's tile. A kernel with a
     TMA switch gets ``tma`` (alignment and GPU checked by the caller): when true it may read through
-    tensor descriptors — each config of ``tma_tuned`` says whether it does; a fixed config does."""
+    tensor descriptors — each config of ``tma_tuned`` says whether it does; a fixed config does.
+    ``fixed``: use the fixed config even when tuning — the forward's "paper" emulation rounds Ō and
+    ℓ after every key block, so its key block is part of its arithmetic (``key_block``)."""
+    tune = AUTOTUNE and not fixed
     if tma:
         _ensure_allocator()
-        if AUTOTUNE and not interpreting():
+        if tune and not interpreting():
             tma_tuned[grid](*args, **meta, INTERP=False)
             return
     if tma is not None:
         meta["TMA"] = tma
     if interpreting():
         raw[grid(_INTERP)](*args, **meta, **_INTERP, INTERP=True)
-    elif AUTOTUNE:
+    elif tune:
         tuned[grid](*args, **meta, INTERP=False)
     else:
         cfg = _FIXED[tuned][meta["HEAD_DIM"] <= 128]
@@ -151,7 +154,8 @@ def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
 
 
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, rule: int,
-             beta: float, eps: float, min_shift: float, max_shift: float, emu: bool) -> tuple[torch.Tensor, torch.Tensor]:
+             beta: float, eps: float, min_shift: float, max_shift: float, emu: bool,
+             mbits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(O, LSE): O like q, LSE (B, H, Nq) fp32 in natural log."""
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     B, H, n_q, d = q.shape
@@ -162,20 +166,21 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sc
     grid = lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]), B * H)  # noqa: E731
     _launch(_fwd_tuned, attn_fwd_kernel, grid, q, k, v, o, lse, *_strides(q), *_strides(k), *_strides(v),
             *_strides(o), H, H // k.shape[1], n_q, n_k, scale_u, beta, eps_u, lo, hi, period,
-            tma_tuned=_fwd_tma_tuned, tma=_use_tma(k, v), HEAD_DIM=d, CAUSAL=causal, STAB=rule, EMU=emu)
+            tma_tuned=_fwd_tma_tuned, tma=_use_tma(k, v), fixed=emu, HEAD_DIM=d, CAUSAL=causal, STAB=rule,
+            EMU=emu, MBITS=mbits)
     return o, lse
 
 
 @torch.library.custom_op("stableflash::attn_fwd", mutates_args=())
 def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, rule: int,
-             beta: float, eps: float, min_shift: float, max_shift: float, emu: bool,
+             beta: float, eps: float, min_shift: float, max_shift: float, emu: bool, mbits: int,
              delta_src: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(O, LSE): O like q, LSE (B, H, Nq) fp32 in natural log. ``delta_src`` is for the backward."""
-    return _forward(q, k, v, causal, scale, rule, beta, eps, min_shift, max_shift, emu)
+    return _forward(q, k, v, causal, scale, rule, beta, eps, min_shift, max_shift, emu, mbits)
 
 
 @attn_fwd.register_fake
-def _(q, k, v, causal, scale, rule, beta, eps, min_shift, max_shift, emu, delta_src):
+def _(q, k, v, causal, scale, rule, beta, eps, min_shift, max_shift, emu, mbits, delta_src):
     return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
@@ -225,7 +230,7 @@ def _(do, q, k, v, o, lse, causal, scale, emu, delta_src):
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, causal, scale, _rule, _beta, _eps, _lo, _hi, emu, delta_src = inputs
+    q, k, v, causal, scale, _rule, _beta, _eps, _lo, _hi, emu, _mbits, delta_src = inputs
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse)
     ctx.args = (causal, scale, emu, delta_src)
@@ -235,7 +240,7 @@ def _backward(ctx, do, _dlse):
     q, k, v, o, lse = ctx.saved_tensors
     causal, scale, emu, delta_src = ctx.args
     dq, dk, dv = attn_bwd(do, q, k, v, o, lse, causal, scale, emu, delta_src)
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None
 
 
 attn_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -245,8 +250,8 @@ class _EagerAttention(torch.autograd.Function):
     """The same kernels without the custom-op dispatch, for eager mode."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, rule, beta, eps, min_shift, max_shift, emu, delta_src):
-        o, lse = _forward(q, k, v, causal, scale, rule, beta, eps, min_shift, max_shift, emu)
+    def forward(ctx, q, k, v, causal, scale, rule, beta, eps, min_shift, max_shift, emu, mbits, delta_src):
+        o, lse = _forward(q, k, v, causal, scale, rule, beta, eps, min_shift, max_shift, emu, mbits)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.args = (causal, scale, emu, delta_src)
         return o
@@ -255,13 +260,15 @@ class _EagerAttention(torch.autograd.Function):
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
         dq, dk, dv = _backward_impl(do, q, k, v, o, lse, *ctx.args)
-        return dq, dk, dv, None, None, None, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None, None, None, None
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, rule: int,
-              beta: float, eps: float, min_shift: float, max_shift: float, emu: bool, delta_src: int) -> torch.Tensor:
-    """O, differentiable: the custom op under torch.compile, the autograd.Function in eager mode."""
-    args = (q, k, v, causal, scale, rule, beta, eps, min_shift, max_shift, emu, delta_src)
+              beta: float, eps: float, min_shift: float, max_shift: float, emu: bool, mbits: int,
+              delta_src: int) -> torch.Tensor:
+    """O, differentiable: the custom op under torch.compile, the autograd.Function in eager mode.
+    ``mbits`` > 0 narrows the forward's O (and, with ``emu``, ℓ and Ō) to that many mantissa bits."""
+    args = (q, k, v, causal, scale, rule, beta, eps, min_shift, max_shift, emu, mbits, delta_src)
     if torch.compiler.is_compiling():
         return attn_fwd(*args)[0]
     return _EagerAttention.apply(*args)
