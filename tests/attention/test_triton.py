@@ -113,6 +113,8 @@ def test_kernel_agrees_with_the_emulated_policy(gen, policy, stabilize, causal):
 
 NARROW = [PrecisionPolicy.preset("paper").replace(acc=f, row_sum=f, out=f) for f in ("e8m5", "e8m4", "e8m2")]
 NARROW += [PrecisionPolicy.preset("fa2").replace(out="e8m4")]
+WIDE = [PrecisionPolicy.preset("paper").replace(acc="fp32", row_sum="fp32", out="fp32", delta="recompute_fp32"),
+        PrecisionPolicy.preset("fa2").replace(out="fp32", delta="dP·P")]
 
 
 @pytest.mark.parametrize("policy", NARROW, ids=lambda p: f"{p.name}-{p.out}")
@@ -129,6 +131,19 @@ def test_narrow_formats_agree_with_the_emulated_policy(gen, policy, stabilize):
     assert not torch.equal(fused[0], run(q, k, v, do, backend="triton", causal=True, stabilize=stabilize)[0])
     for name, a, b in zip(("O", "dQ", "dK", "dV"), fused, emulated):
         ok, msg = agree(a, b, 2.0 * 2.0 ** (7 - fmt.man_bits), O_FRAC if name == "O" else 1.0)
+        assert ok, (name, msg)
+
+
+@pytest.mark.parametrize("policy", WIDE, ids=lambda p: f"{p.name}-{p.delta}")
+def test_fp32_outputs_agree_with_the_emulated_policy(gen, policy):
+    """The high-precision control: ℓ, Ō and O in fp32, rounded once to bf16 when stored (the emulated
+    backend hands O back in the input dtype too), δ not from the stored O."""
+    q, k, v, do = make(gen, 2, 2, 70, 32)
+    kw = dict(causal=True, stabilize=False, policy=policy)
+    fused = run(q, k, v, do, backend="triton", **kw)
+    emulated = run(q, k, v, do, backend="emulated", block_q=32, block_k=triton_op.key_block(32), **kw)
+    for name, a, b in zip(("O", "dQ", "dK", "dV"), fused, emulated):
+        ok, msg = agree(a, b, 2.0, O_FRAC if name == "O" else 1.0)
         assert ok, (name, msg)
 
 
@@ -253,6 +268,7 @@ BAD = [
     (dict(policy=PrecisionPolicy.preset("paper").replace(out="e8m4")), ValueError, r"in one format e8m1-e8m6"),
     (dict(policy=PrecisionPolicy.preset("fa2").replace(out="e8m4:stochastic")), ValueError, r"not implemented"),
     (dict(policy=PrecisionPolicy.preset("fa2").replace(out="e5m2")), ValueError, r"not implemented"),
+    (dict(policy=PrecisionPolicy.preset("fa2").replace(out="fp32")), ValueError, r"or fp32 with delta 'dP·P'"),
 ]
 
 

@@ -91,11 +91,13 @@ def to_bf16(x, INTERP: tl.constexpr):
 @triton.jit
 def round_mantissa(x, MBITS: tl.constexpr, INTERP: tl.constexpr):
     """x (fp32) rounded to nearest-even with MBITS mantissa bits and fp32's exponent range (the
-    e8mY formats; MBITS = 0 means bfloat16, e8m7), returned as fp32. On the bit pattern: add half a
-    quantum minus one plus the kept last bit, then clear the dropped bits (a carry raises the
-    exponent), as ``numerics.round_to`` does for these formats."""
+    e8mY formats; MBITS = 0 means bfloat16, e8m7; 23 means fp32: x unchanged), returned as fp32. On
+    the bit pattern: add half a quantum minus one plus the kept last bit, then clear the dropped bits
+    (a carry raises the exponent), as ``numerics.round_to`` does for these formats."""
     if MBITS == 0:
         return to_bf16(x, INTERP)
+    if MBITS == 23:
+        return x
     DROP: tl.constexpr = 23 - MBITS
     bits = x.to(tl.int32, bitcast=True)
     bits = (bits + ((1 << (DROP - 1)) - 1) + ((bits >> DROP) & 1)) & -(1 << DROP)

@@ -13,6 +13,7 @@ Two arithmetic modes, chosen at compile time:
 MBITS > 0 narrows the "paper" mode's ℓ, Ō and O (and the "fa2" mode's O) to MBITS mantissa bits
 (the e8mY formats, rounded to nearest-even): the accelerated stand-ins of the reproduction, where
 the bias bf16 shows over thousands of steps appears in hundreds. O is stored in bf16 exactly.
+MBITS = 23 keeps them in fp32 (the high-precision control; O is then rounded once, on the store).
 """
 import triton
 import triton.language as tl

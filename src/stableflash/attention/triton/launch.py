@@ -13,7 +13,8 @@ SUPPORT = {
     "head_dims": HEAD_DIMS,
     "dtypes": DTYPES,
     "policies": "'fa2' (bf16 or fp16) or 'paper' (bf16), with delta 'dO·O', 'dP·P' or 'recompute_fp32'; "
-                "for bf16, 'fa2' with out, or 'paper' with acc, row_sum and out all, in one format e8m1-e8m6",
+                "for bf16, 'fa2' with out, or 'paper' with acc, row_sum and out all, in one format e8m1-e8m6, "
+                "or fp32 with delta 'dP·P' or 'recompute_fp32'",
 }
 
 
@@ -33,8 +34,11 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor) -> None:
 
 
 def _narrow_bits(point: str) -> int | None:
-    """0 for bf16, Y for an e8mY format with 1 ≤ Y ≤ 6 rounded to nearest-even, None otherwise."""
+    """0 for bf16, Y for an e8mY format with 1 ≤ Y ≤ 6 rounded to nearest-even, 23 for fp32, None
+    otherwise."""
     fmt, mode = parse_point(point)
+    if fmt.name == "fp32":
+        return 23
     if fmt.name == "bf16" and mode == "rne":
         return 0
     narrow = fmt.exp_bits == 8 and fmt.bias == 127 and fmt.has_inf and 1 <= fmt.man_bits <= 6
@@ -44,7 +48,9 @@ def _narrow_bits(point: str) -> int | None:
 @memoize
 def kernel_mode(policy: PrecisionPolicy, dtype: torch.dtype) -> tuple[bool, int, int]:
     """(emu, mantissa bits, delta source code) of the kernels that implement ``policy``; ValueError
-    otherwise. Mantissa bits > 0: the e8mY format of O ("fa2") or of ℓ, Ō and O ("paper")."""
+    otherwise. Mantissa bits > 0: the e8mY format of O ("fa2") or of ℓ, Ō and O ("paper"); 23 keeps
+    them in fp32. The kernels store O in the input dtype, so an fp32 O (which the emulated backend
+    also hands back in the input dtype) needs a δ that does not read the stored O."""
     low = "fp16" if dtype == torch.float16 else "bf16"
     for name, emu, narrowed in (("fa2", False, ("out",)), ("paper", True, ("acc", "row_sum", "out"))):
         preset = replace(PrecisionPolicy.preset(name, low), name="custom")
@@ -52,7 +58,7 @@ def kernel_mode(policy: PrecisionPolicy, dtype: torch.dtype) -> tuple[bool, int,
         if base != preset or (emu and low != "bf16"):
             continue
         bits = {_narrow_bits(getattr(policy, f)) if low == "bf16" else None for f in narrowed}
-        if len(bits) == 1 and None not in bits:
+        if len(bits) == 1 and None not in bits and not (bits == {23} and policy.delta == "dO·O"):
             return emu, bits.pop(), DELTA_SOURCES[policy.delta]
         if all(getattr(policy, f) == getattr(preset, f) for f in narrowed):
             return emu, 0, DELTA_SOURCES[policy.delta]
