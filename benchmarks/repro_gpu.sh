@@ -13,8 +13,8 @@ python3 -c "from stableflash.train.corpus import default_data_dir as d; d()" 2>/
 timeout "$limit" python3 -m stableflash.cli repro --preset "$preset" --no-probe -q --out "$runs" "$@" \
     > "$out/repro-$preset.txt" 2>&1
 echo "exit $? (124: cut off at ${limit}s)" >> "$out/repro-$preset.txt"
-# worker processes outlive a killed parent: stop them before packing
-pkill -f 'multiprocessing.spawn' ; sleep 2
+# timeout signals its whole process group, the worker processes included
+sleep 3
 tar czf "$out/runs-$preset.tgz" --exclude='*.pt' -C "$runs" .
 grep -v '^step .*monitor' "$out/repro-$preset.txt" | tail -20
 for f in "$runs"/seed*/*/metrics.jsonl; do

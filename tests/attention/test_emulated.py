@@ -1,4 +1,6 @@
 """The tiled emulation (Algorithms 1-2) against the float64 reference, under each policy."""
+import math
+
 import pytest
 import torch
 
@@ -187,3 +189,40 @@ def test_stochastic_rounding_point_is_seeded_and_unbiased(gen):
     # averaging independent stochastic roundings converges to the fp32 result
     mean = torch.stack([flash_attention(q, k, v, backend="emulated", policy=pol) for _ in range(64)]).mean(0)
     assert rel_err(mean, want) <= 2e-3
+
+
+def huge_tied_logits(dtype=torch.bfloat16, n=40, d=16):
+    """Every row's scores are 128·x_j for bf16 x_j: two keys tie at the top, 16 512 (where a bf16 step
+    is 128), the rest lower. Seen in a training run whose attention logits had grown that large."""
+    q = torch.zeros(1, 1, n, d)
+    q[..., 0] = 128.0
+    k = torch.zeros(1, 1, n, d)
+    k[..., 0] = torch.linspace(100.0, 127.0, n)
+    k[..., 5, 0] = k[..., 17, 0] = 129.0
+    v = torch.randn(1, 1, n, d, generator=torch.Generator().manual_seed(3))
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+@pytest.mark.parametrize("stabilize", [True, "bounded"])
+def test_bounded_rules_stay_finite_when_bf16_scores_cannot_hold_the_shift(stabilize):
+    """With bf16 scores the shift is rounded up into bf16; at 16 512 the next bf16 value is 128 higher
+    and every P̄ would underflow (ℓ = 0, O = NaN). The bounded rules fall back to the standard shift
+    there, so O stays finite and as accurate as bf16 allows."""
+    q, k, v = huge_tied_logits()
+    want = reference.attention(q.double(), k.double(), v.double(), causal=False, scale=1.0)
+    for block in (8, 64):
+        got = flash_attention(q, k, v, scale=1.0, stabilize=stabilize, backend="emulated", policy="paper",
+                              block_k=block)
+        assert torch.isfinite(got).all(), block
+        assert rel_err(got, want) <= 1e-2, (block, rel_err(got, want))
+
+
+def test_bound_rounded_shift_only_touches_the_bounded_rules():
+    from stableflash.attention.shift import bound_rounded_shift
+    m, prev, r = torch.tensor([16640.0, 10.5]), torch.tensor([16000.0, 9.0]), torch.tensor([16512.0, 10.0])
+    bf16_limit = 126 * math.log(2.0)                 # exp(−limit) is bf16's smallest normal number
+    for kind in ("ours", "bounded"):
+        assert bound_rounded_shift(m, prev, r, ShiftRule(kind), bf16_limit).tolist() == [16512.0, 10.5]
+        assert bound_rounded_shift(m, prev, r, ShiftRule(kind), 0.25).tolist() == [16512.0, 10.0]
+    for kind in ("paper", "standard"):
+        assert bound_rounded_shift(m, prev, r, ShiftRule(kind), bf16_limit).tolist() == [16640.0, 10.5]

@@ -21,7 +21,7 @@ import torch
 
 from stableflash.attention.policy import PrecisionPolicy
 from stableflash.attention.reference import causal_mask
-from stableflash.attention.shift import ShiftRule, next_shift
+from stableflash.attention.shift import ShiftRule, bound_rounded_shift, next_shift
 from stableflash.numerics import round_to, ulp
 
 Rounder = Callable[[torch.Tensor], torch.Tensor]
@@ -89,7 +89,9 @@ class _Rounders:
         for field in ("inputs", "scores", "p_bar", "acc", "row_sum", "out", "bwd"):
             setattr(self, field, _rounder(policy, field, n_heads, device))
         fmt, _ = policy.point("scores")
-        self.shift = (lambda m: m) if fmt.name == policy.compute else (lambda m: _round_up(m, fmt))
+        self.rounds_shift = fmt.name != policy.compute
+        self.shift_limit = -math.log(policy.point("p_bar")[0].min_normal)   # P̄ of the row max stays normal
+        self.shift = (lambda m: _round_up(m, fmt)) if self.rounds_shift else (lambda m: m)
 
 
 def _round_up(m: torch.Tensor, fmt) -> torch.Tensor:
@@ -135,7 +137,8 @@ def emulated_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causa
             m_a = m[:, :, a:]
             s = _block_scores(r, q[:, :, first:c1], k[:, :, cols], scale, mask)
             m_new, rmax[:, :, a:] = next_shift(s, m_a, rmax[:, :, a:], rule)   # row max (or the stabilized shift)
-            m_new = r.shift(m_new)
+            if r.rounds_shift:
+                m_new = bound_rounded_shift(r.shift(m_new), m_a, rmax[:, :, a:], rule, r.shift_limit)
             p = torch.exp(r.scores(s - m_new.unsqueeze(-1)))  # P̄ = exp(S − m)
             alpha = torch.exp(m_a - m_new)                    # rescale what came before
             ell[:, :, a:] = r.row_sum(alpha * ell[:, :, a:] + p.sum(dim=-1))

@@ -140,6 +140,25 @@ def next_shift(s: torch.Tensor, m_prev: torch.Tensor, r_prev: torch.Tensor,
     return torch.maximum(m_prev, m), r_new
 
 
+def bound_rounded_shift(m_new: torch.Tensor, m_prev: torch.Tensor, r_new: torch.Tensor, rule: ShiftRule,
+                        limit: float) -> torch.Tensor:
+    """The shift after it was rounded up into a narrow score format (the paper's emulation keeps S
+    and m in bf16), kept from underflowing the row.
+
+    Rounding up can move m far past rm + max_shift where the format is coarse: at |rm| ≥ 2¹³ a bf16
+    step is ≥ 64, and at 16 512 the only bf16 value above rm is rm + 128, which puts every P̄ of the
+    row at exp(−128) = 0: ℓ = 0 and O = 0/0 (seen in training once the attention logits had grown
+    that large). Where the rounded shift exceeds ``limit`` (the largest shift at which the row
+    maximum's P̄ is still a normal number of the P̄ format: 87.3 for bf16), the rules "ours" and
+    "bounded" fall back to the standard shift max(m_prev, r_new), which the format holds exactly.
+    Overshoots below ``limit`` (a bf16 step at ordinary logits) are harmless and kept. "paper" is
+    left as the authors wrote it.
+    """
+    if rule.kind not in ("ours", "bounded"):
+        return m_new
+    return torch.where(m_new - r_new > limit, torch.maximum(m_prev, r_new), m_new)
+
+
 def _fold(d: torch.Tensor, lo: float, hi: float) -> torch.Tensor:
     """d raised to ``lo`` from below, and above ``hi`` folded into (hi − ln 2, hi]."""
     excess = torch.remainder(d - hi, LN_2)

@@ -95,13 +95,29 @@ def round_mantissa(x, MBITS: tl.constexpr, INTERP: tl.constexpr):
     the bit pattern: add half a quantum minus one plus the kept last bit, then clear the dropped bits
     (a carry raises the exponent), as ``numerics.round_to`` does for these formats."""
     if MBITS == 0:
-        return to_bf16(x, INTERP)
-    if MBITS == 23:
-        return x
-    DROP: tl.constexpr = 23 - MBITS
-    bits = x.to(tl.int32, bitcast=True)
-    bits = (bits + ((1 << (DROP - 1)) - 1) + ((bits >> DROP) & 1)) & -(1 << DROP)
-    return bits.to(tl.float32, bitcast=True)
+        y = to_bf16(x, INTERP)
+    elif MBITS == 23:
+        y = x
+    else:
+        DROP: tl.constexpr = 23 - MBITS
+        bits = x.to(tl.int32, bitcast=True)
+        bits = (bits + ((1 << (DROP - 1)) - 1) + ((bits >> DROP) & 1)) & -(1 << DROP)
+        y = bits.to(tl.float32, bitcast=True)
+    return y
+
+
+# the largest shift at which the row maximum's P̄ = exp(−shift) is a normal bf16 number: 126·ln 2
+BF16_SHIFT_LIMIT = tl.constexpr(87.33654475055310)
+
+
+@triton.jit
+def bound_rounded_shift(m_new, m_prev, r_new, STAB: tl.constexpr):
+    """After the shift was rounded up into bf16 (``shift.bound_rounded_shift``): where that put it
+    more than BF16_SHIFT_LIMIT above the row maximum r_new, the bounded rules fall back to the
+    standard shift max(m_prev, r_new), which bf16 holds exactly. Natural units."""
+    if STAB == OURS or STAB == BOUNDED:
+        m_new = tl.where(m_new - r_new > BF16_SHIFT_LIMIT, tl.maximum(m_prev, r_new), m_new)
+    return m_new
 
 
 @triton.jit

@@ -18,8 +18,8 @@ MBITS = 23 keeps them in fp32 (the high-precision control; O is then rounded onc
 import triton
 import triton.language as tl
 
-from stableflash.attention.triton.common import (cast, count_ties, mma, next_shift, round_mantissa,
-                                                 round_up_bf16, shift_from_ties, to_bf16)
+from stableflash.attention.triton.common import (bound_rounded_shift, cast, count_ties, mma, next_shift,
+                                                 round_mantissa, round_up_bf16, shift_from_ties, to_bf16)
 
 LOG2E = 1.4426950408889634
 
@@ -53,7 +53,7 @@ def _fwd_blocks(acc, l_i, m_i, r_i, q, K, V, stride_kn, stride_vn, offs_m, offs_
         if EMU:                                    # the "paper" policy: bf16 scores, natural units
             s = to_bf16(qk * scale, INTERP)
             m_new, r_i = next_shift(s, m_i, r_i, STAB, beta, eps, lo, hi, period)
-            m_new = round_up_bf16(m_new)
+            m_new = bound_rounded_shift(round_up_bf16(m_new), m_i, r_i, STAB)
             p = tl.exp2(to_bf16(s - m_new[:, None], INTERP) * 1.4426950408889634)
             alpha = tl.exp2((m_i - m_new) * 1.4426950408889634)
             l_i = round_mantissa(l_i * alpha + tl.sum(p, 1), MBITS, INTERP)
