@@ -186,7 +186,7 @@ def attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
                        n_heads, group, n_q, n_k, scale,
                        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        CAUSAL: tl.constexpr, EMU: tl.constexpr, INTERP: tl.constexpr):
-    start_m = tl.program_id(0) * BLOCK_M
+    start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M     # longest first, as in the forward
     bh = tl.program_id(1)
     b, h = bh // n_heads, bh % n_heads
     hk = h // group

@@ -42,7 +42,7 @@ def shift_from_ties(rm, ties, m_prev, r_prev, STAB: tl.constexpr, beta, eps, lo,
                 tied = rm > float("-inf")
             d = (beta - 1.0) * tl.abs(rm)
             excess = d - hi
-            folded = hi - (excess - tl.floor(excess / period) * period)
+            folded = hi - (excess - tl.floor(excess * (1.0 / period)) * period)   # 1/period: once per program
             d = tl.maximum(tl.where(d > hi, folded, d), lo)
             m = tl.where(tied, rm + d, rm)
     return tl.maximum(m_prev, m), r_new

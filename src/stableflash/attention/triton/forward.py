@@ -62,7 +62,7 @@ def _fwd_blocks(acc, l_i, m_i, r_i, q, K, V, stride_kn, stride_vn, offs_m, offs_
             rm = tl.max(qk, 1) * scale
             ties = rm * 0.0
             if STAB == 1 or STAB == 2:             # PAPER, OURS: count entries within eps of the max
-                ties = count_ties(qk, (rm - eps) / scale)
+                ties = count_ties(qk, (rm - eps) * (1.0 / scale))   # 1/scale: once per program, not per row
             m_new, r_i = shift_from_ties(rm, ties, m_i, r_i, STAB, beta, eps, lo, hi, period)
             p = tl.exp2(qk * scale - m_new[:, None])
             alpha = tl.exp2(m_i - m_new)
@@ -80,7 +80,9 @@ def attn_fwd_kernel(Q, K, V, O, LSE,
                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     CAUSAL: tl.constexpr, STAB: tl.constexpr, EMU: tl.constexpr, MBITS: tl.constexpr,
                     TMA: tl.constexpr, INTERP: tl.constexpr):
-    start_m = tl.program_id(0) * BLOCK_M
+    # the last query blocks see the most keys under a causal mask: launch them first, so that the
+    # grid's tail is made of short programs (longest-processing-time-first scheduling)
+    start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
     bh = tl.program_id(1)
     b, h = bh // n_heads, bh % n_heads
     hk = h // group
