@@ -13,7 +13,7 @@ import json
 import logging
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 from urllib.parse import quote
@@ -100,6 +100,21 @@ def _slug(name: str, taken: set[str]) -> str:
         slug, n = f"{base}-{n}", n + 1
     taken.add(slug)
     return slug
+
+
+def distinct_names(runs: list[Run]) -> list[Run]:
+    """The runs, renamed with as many parent folders as it takes for no two to share a name: the
+    runs of a reproduction are all called baseline/stabilized/control, one of each per seed folder
+    (seed0/baseline, seed1/baseline, ...)."""
+    depth = 1
+    while True:
+        names = ["/".join(run.path.resolve().parts[-depth:]) for run in runs]
+        if len(set(names)) == len(names) or depth > max(len(run.path.resolve().parts) for run in runs):
+            break
+        depth += 1
+    if depth == 1:
+        return runs
+    return [replace(run, name=name) for run, name in zip(runs, names)]
 
 
 def _figure_specs(runs: list[Run]) -> list[_FigureSpec]:
@@ -254,7 +269,7 @@ def build_report(run_dirs: list[Path], out: Path | None = None) -> Path:
     run_dirs = [Path(p) for p in run_dirs]
     if not run_dirs:
         raise ValueError("run_dirs is empty; accepted: one or more run folders holding metrics.jsonl")
-    runs = [load_run(p) for p in run_dirs]
+    runs = distinct_names([load_run(p) for p in run_dirs])
     out = Path(out) if out is not None else run_dirs[0] / "report.html"
     out.parent.mkdir(parents=True, exist_ok=True)
     files_dir = out.parent / f"{out.stem}_files"

@@ -43,9 +43,28 @@ def _plain(text: object, limit: int = _MAX_LABEL) -> str:
     return " " + text if text.startswith("_") else text
 
 
+def _compact(value: float) -> str:
+    """A number in at most four characters for a heatmap cell: 8.17, 26.9, 328, 5.1k, 2e+05."""
+    if abs(value) < 1000:
+        return f"{value:.3g}"
+    if abs(value) < 99_950:
+        return f"{value / 1000:.2g}k" if abs(value) < 9_950 else f"{value / 1000:.0f}k"
+    return f"{value:.0e}".replace("e+0", "e")
+
+
+def _middle(text: str, limit: int) -> str:
+    """``text`` shortened in the middle: attention specs differ most in their last words (rule=…)."""
+    text = " ".join(str(text).split())
+    if len(text) <= limit:
+        return text
+    head = (limit - 1) // 2
+    return text[:head] + "…" + text[len(text) - (limit - 1 - head):]
+
+
 def _run_label(run: Run) -> str:
     attention = run.attention
-    return _plain(run.name) + (f" ({_plain(attention, 32)})" if attention else " (attention: not recorded)")
+    return _plain(run.name) + (f" ({_plain(_middle(attention, 40), 40)})" if attention
+                               else " (attention: not recorded)")
 
 
 def _no_data(ax, message: str, keep_x: bool = False) -> None:
@@ -101,8 +120,13 @@ def _legend(ax, inside_max: int = 6) -> None:
     if len(handles) <= inside_max:
         ax.legend(handles, labels, fontsize=8, framealpha=0.9, loc="best")
     else:
-        ax.figure.legend(handles, labels, fontsize=8, loc="outside lower center", frameon=False,
-                         ncol=3 if len(handles) > 8 else min(len(handles), 2))
+        # as many columns as the longest label allows across the figure (~16 characters of 8-point
+        # text per inch), so that no label runs off the page
+        # (the figure grows by each legend row, so that the plot keeps its height)
+        per_row = int(ax.figure.get_figwidth() * 16 // max(len(label) for label in labels))
+        ncol = max(1, min(per_row, 3 if len(handles) > 8 else 2, len(handles)))
+        ax.figure.set_figheight(ax.figure.get_figheight() + 0.17 * math.ceil(len(handles) / ncol))
+        ax.figure.legend(handles, labels, fontsize=8, loc="outside lower center", frameon=False, ncol=ncol)
 
 
 def _style_key(ax, **shown: bool) -> None:
@@ -233,7 +257,7 @@ def spectral_heatmap(run: Run, matrix: str = "q"):
             for (layer, head), value in np.ndenumerate(last):
                 if math.isfinite(value):
                     shade = float(norm(value))
-                    ax_head.text(head, layer, f"{value:.3g}", ha="center", va="center", fontsize=8,
+                    ax_head.text(head, layer, _compact(value), ha="center", va="center", fontsize=8,
                                  color="black" if shade > 0.6 else "white")
     else:
         ax_head.set_title("per head, last probe", fontsize=10)
