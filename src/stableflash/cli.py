@@ -284,11 +284,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run the kernel-level probe, then for each seed train the preset's baseline attention, the "
                     "same with our stabilized row maximum, and a control with O in fp32, on the same batch order; "
                     "print whether each run exploded (and when the monitor warned), and write an HTML report. "
-                    "Without a GPU the default preset is cpu-demo (minutes on 2 cores); with one, leads-e8m5 "
+                    "Without a GPU the default preset is cpu-demo (minutes on 2 cores); with one, kernel-paper-e8m5 "
                     "(an accelerated, labelled stand-in). Presets: " + ", ".join(
                         f"{k} ({'GPU' if v.gpu else 'CPU'})" for k, v in REPRO_PRESETS.items()),
     )
-    p.add_argument("--preset", help="reproduction preset (default: cpu-demo without a GPU, leads-e8m5 with one)")
+    p.add_argument("--preset", help="reproduction preset (default: cpu-demo without a GPU, kernel-paper-e8m5 with one)")
     p.add_argument("--out", type=Path, help="output folder (default: runs/repro-PRESET)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0], help="seeds (default: 0)")
     p.add_argument("--steps", type=int, help="override the preset's number of steps")

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Reproduction runs that outlive one device call (each call may run 10 minutes; a machine stays
+# held for up to 30 while calls follow each other closely). Three verbs:
+#   bash benchmarks/repro_detached.sh start NAME PRESET [repro options ...]
+#       starts `stableflash repro --preset PRESET --no-probe -q --out /tmp/detached/NAME ...` in its
+#       own process session (it keeps running after the call returns)
+#   bash benchmarks/repro_detached.sh wait SECONDS
+#       sleeps, then packs every run's metrics, probes and events (no checkpoints) into
+#       $OUT/detached.tgz and prints each run's last logged loss and step
+#   bash benchmarks/repro_detached.sh solo PRESET STEPS [repro options ...]
+#       stops the detached runs, then times PRESET's baseline alone for STEPS steps (ms per step)
+set -u
+root=/tmp/detached; mkdir -p $root
+export PYTHONPATH=$PWD/src:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp}
+case $1 in
+  start)
+    name=$2; preset=$3; shift 3
+    python3 -c "from stableflash.train.corpus import default_data_dir as d; d()" 2>/dev/null
+    setsid nohup python3 -m stableflash.cli repro --preset "$preset" --no-probe -q --out "$root/$name" "$@" \
+      > "$root/$name.log" 2>&1 < /dev/null &
+    echo "started $name: $preset $*";;
+  wait)
+    sleep "$2"
+    tar czf "$OUT/detached.tgz" --exclude='*.pt' --exclude=batches -C "$root" .
+    for f in "$root"/*/seed*/*/metrics.jsonl; do
+      python3 - "$f" <<'PY'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if '"loss"' in l]
+if rows:
+    print(f"{sys.argv[1].split('detached/')[1]:48s} step {rows[-1]['step']:>6} loss {rows[-1]['loss']:7.3f}"
+          f" min {min(r['loss'] for r in rows):.3f} ms {rows[-1].get('ms', 0):.0f}")
+PY
+    done
+    grep -l -i "error\|traceback" "$root"/*.log 2>/dev/null | head;;
+  solo)
+    pkill -f "stableflash.cli repro" ; sleep 5
+    preset=$2; steps=$3; shift 3
+    python3 -m stableflash.cli repro --preset "$preset" --no-probe -q --roles baseline --steps "$steps" \
+      --out "$root/solo-$preset" "$@" > "$root/solo-$preset.log" 2>&1
+    python3 - "$root/solo-$preset/seed0/baseline/metrics.jsonl" <<'PY'
+import json, statistics, sys
+ms = [json.loads(l)["ms"] for l in open(sys.argv[1]) if '"ms"' in l][2:]
+print(f"solo baseline: median {statistics.median(ms):.1f} ms per step over {len(ms)} logged steps")
+PY
+    tar czf "$OUT/detached.tgz" --exclude='*.pt' --exclude=batches -C "$root" .;;
+esac
