@@ -87,6 +87,21 @@ def test_stabilized_choice(current, cuda, want):
     assert stabilized_choice_spec(current, cuda) == want
 
 
+@pytest.mark.parametrize("current,cuda,switch_to,want", [
+    ("triton policy=paper acc=e8m5 row_sum=e8m5 out=e8m5", True, "delta=dP*P",
+     "triton policy=paper acc=e8m5 row_sum=e8m5 out=e8m5 delta=dP*P"),
+    ("triton rule=ours delta=dO*O", True, "delta=dP*P rule=paper beta=4", "triton delta=dP*P rule=paper beta=4"),
+    ("sdpa", False, "delta=dP*P", "emulated policy=fa2 delta=dP*P")])
+def test_switch_target_replaces_only_the_keys_it_names(current, cuda, switch_to, want):
+    assert stabilized_choice_spec(current, cuda, switch_to) == want
+
+
+@pytest.mark.parametrize("bad", ["", "oops", "delta=", "=dP*P"])
+def test_bad_switch_target_is_named(bad):
+    with pytest.raises(ValueError, match="monitor_switch_to="):
+        stabilized_choice_spec("sdpa", True, bad)
+
+
 def test_bad_config():
     with pytest.raises(ValueError, match="action='panic'"):
         MonitorConfig(action="panic")

@@ -44,6 +44,20 @@ def test_monitor_switch_moves_flagged_layers_to_stabilized_attention(data_dir, t
     assert summary["final_attention"] == "sdpa; 0-1: emulated rule=ours policy=fa2"
 
 
+def test_monitor_switch_to_another_mitigation(data_dir, tmp_path):
+    """monitor_switch_to picks what a flagged layer changes to: here δ from dP·P, keeping the policy."""
+    summary = run(data_dir, tmp_path / "r", "probe_every=5", "monitor=switch", *TRIGGER,
+                  "attention=emulated policy=paper", "monitor_switch_to=delta=dP*P")
+    actions = [r for r in read_metrics(tmp_path / "r" / "metrics.jsonl") if r.get("event") == "monitor_action"]
+    assert len(actions) == 1 and "(delta=dP*P)" in actions[0]["message"]
+    assert summary["final_attention"] == "emulated policy=paper; 0-1: emulated policy=paper delta=dP·P"
+
+
+def test_bad_switch_target_fails_before_training(data_dir, tmp_path):
+    with pytest.raises(ValueError, match="monitor_switch_to='rule=nonsense' is invalid: .*rule='nonsense'"):
+        make_config("tiny", overrides=[f"data={data_dir}", "monitor_switch_to=rule=nonsense"])
+
+
 def test_monitor_rollback_restores_the_checkpoint_then_continues_stabilized(data_dir, tmp_path):
     # patience 2: the warning comes at the second probe (step 7), after the checkpoint of step 5
     summary = run(data_dir, tmp_path / "r", "probe_every=7", "monitor=rollback", *TRIGGER, "monitor_patience=2")

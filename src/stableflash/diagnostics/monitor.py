@@ -142,11 +142,25 @@ class Monitor:
                 "value": value, "threshold": limit, "message": message}
 
 
-def stabilized_choice_spec(current_choice_text: str, on_cuda: bool) -> str:
-    """The attention a flagged layer switches to: the same backend and policy with our rule, or,
-    for SDPA (which cannot be stabilized), the fused kernel on CUDA and the fa2 emulation elsewhere."""
+DEFAULT_SWITCH = "rule=ours"
+
+
+def stabilized_choice_spec(current_choice_text: str, on_cuda: bool, switch_to: str = DEFAULT_SWITCH) -> str:
+    """The attention a flagged layer switches to: the same backend and policy with ``switch_to``'s
+    key=value settings in place of its own (default: our rule), or, for SDPA (which can be neither
+    stabilized nor re-precisioned), the fused kernel on CUDA and the fa2 emulation elsewhere with
+    those settings. ``switch_to`` "delta=dP*P" takes δ from dP·P instead, the fix that held where the
+    row-maximum rules did not (docs/mitigations.md)."""
+    settings = switch_to.split()
+    bad = [s for s in settings if "=" not in s or not s.split("=", 1)[0] or not s.split("=", 1)[1]]
+    if bad or not settings:
+        raise ValueError(f"monitor_switch_to={switch_to!r} is invalid; accepted: space-separated key=value "
+                         "attention settings, e.g. 'rule=ours' or 'delta=dP*P' or 'rule=paper beta=4'")
+    keys = {s.split("=", 1)[0] for s in settings}
     backend = current_choice_text.split()[0]
     if backend == "sdpa":
-        return "triton rule=ours" if on_cuda else "emulated policy=fa2 rule=ours"
-    parts = [p for p in current_choice_text.split()[1:] if not p.startswith("rule=")]
-    return " ".join([backend, *parts, "rule=ours"])
+        base = ["triton"] if on_cuda else ["emulated", "policy=fa2"]
+    else:
+        base = [backend, *current_choice_text.split()[1:]]
+    kept = [base[0], *(p for p in base[1:] if p.split("=", 1)[0] not in keys)]
+    return " ".join([*kept, *settings])

@@ -71,6 +71,7 @@ class TrainConfig:
     monitor_loss_spike: float = 1.5
     monitor_patience: int = 2
     monitor_delta_drift: float | None = None
+    monitor_switch_to: str = "rule=ours"      # what "switch"/"rollback" change on a flagged layer
     notes: str = ""
 
     def model_overrides(self) -> dict:
@@ -245,6 +246,15 @@ def validate(cfg: TrainConfig) -> None:
         if layer < 0:
             raise ValueError(f"delta_layers={cfg.delta_layers!r} has a negative layer; accepted: indices >= 0")
     monitor_config(cfg)
+    from stableflash.diagnostics.monitor import stabilized_choice_spec
+    from stableflash.model import parse_attention_spec as _parse
+    for current in ("sdpa", "emulated policy=paper"):         # a bad switch target is named now, not mid-run
+        try:
+            _parse(stabilized_choice_spec(current, False, cfg.monitor_switch_to))
+        except ValueError as exc:
+            if str(exc).startswith("monitor_switch_to="):
+                raise
+            raise ValueError(f"monitor_switch_to={cfg.monitor_switch_to!r} is invalid: {exc}") from None
     if cfg.device not in ("auto", "cpu", "cuda") and not cfg.device.startswith("cuda:"):
         raise ValueError(f"device={cfg.device!r} is invalid; accepted: auto, cpu, cuda, cuda:N")
     from stableflash.model import MODEL_PRESETS, model_config, parse_attention_spec

@@ -281,7 +281,8 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
                 spec = model.attention_spec
                 for layer in act:
                     spec = spec.with_layers([layer], stabilized_choice_spec(str(spec.choice(layer)),
-                                                                            device.type == "cuda"))
+                                                                            device.type == "cuda",
+                                                                            cfg.monitor_switch_to))
                 if monitor.config.action == "rollback" and (run_dir / checkpoint.CHECKPOINT).exists():
                     state = _restore(run_dir, cfg, model, optimizer, device)
                     metrics.write({"step": step, "loss": loss_val, "event": "monitor_action", "action": "rollback",
@@ -294,7 +295,8 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
                 model.set_attention(spec)
                 metrics.write({"step": step, "loss": loss_val, "event": "monitor_action", "action": "switch",
                                "layers": act, "attention": str(spec),
-                               "message": f"layers {act} switched to stabilized attention from step {done}"})
+                               "message": f"layers {act} switched to stabilized attention "
+                                          f"({cfg.monitor_switch_to}) from step {done}"})
             if dist.is_main and (done % cfg.ckpt_every == 0 or done == cfg.max_iters) and done == step + 1:
                 save_checkpoint(done)
             bar.n = step = done
