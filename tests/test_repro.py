@@ -108,6 +108,45 @@ def test_ladder_rungs_are_the_papers_experiments():
         rungs("sdpa; 1: emulated policy=paper", 1, [0], 64)
 
 
+def test_ladder_rungs_of_a_narrowed_policy_replace_its_settings():
+    """The accelerated baselines set acc/row_sum/out already: a rung sets them anew (a spec that named
+    a key twice would be rejected)."""
+    from stableflash.model import parse_attention_spec
+    from stableflash.repro.ladder import rungs
+    r = rungs("emulated policy=paper acc=e8m5 row_sum=e8m5 out=e8m5", layer=1, heads=[0], seq_len=512)
+    fwd = parse_attention_spec(r["O in fp32 (forward)"]).default.policy
+    assert (fwd.acc, fwd.row_sum, fwd.out) == ("fp32", "fp32", "fp32")
+    only = parse_attention_spec(r["only Ō = P̄V in fp32"]).default.policy
+    assert (only.p_bar, only.acc, only.row_sum, only.out) == ("fp32", "fp32", "e8m5", "e8m5")
+    assert all(parse_attention_spec(v) for v in r.values())
+
+
+def test_ladder_on_the_kernels_moves_only_what_they_cannot_run_to_the_emulation():
+    pytest.importorskip("triton")
+    from stableflash.model import parse_attention_spec
+    from stableflash.repro.ladder import rungs
+    r = rungs("triton policy=paper acc=e8m5 row_sum=e8m5 out=e8m5", layer=1, heads=[0, 2], seq_len=512)
+    on = {name: parse_attention_spec(text) for name, text in r.items()}
+    kernel = {n for n, s in on.items() if all(c.backend in ("triton", "sdpa") for c in s.choices(6))}
+    assert kernel == {"baseline", "failing attention in layer 1 only", "SDPA in layer 1 only", "δ from dP·P",
+                      "O recomputed in fp32 for δ"}
+    assert on["tiling off (block = sequence) [emulated backend]"].default.block == 512
+    heads = on["O in fp32 for heads 0,2 of layer 1 [emulated backend]"]
+    assert heads.choice(0).backend == "triton" and heads.choice(1).backend == "emulated"
+    assert heads.choice(1).policy.hp_heads == (0, 2) and heads.choice(1).policy.acc == "e8m5"
+    assert on["δ from dP·P"].default.policy.delta == "dP·P" and on["δ from dP·P"].default.policy.out == "e8m5"
+
+
+def test_ladder_rungs_in_parallel_match_the_sequential_ladder(tmp_path):
+    from stableflash.repro.ladder import run_ladder
+    one = run_ladder("cpu-demo", tmp_path / "seq", steps=3, progress=False)
+    two = run_ladder("cpu-demo", tmp_path / "par", steps=3, progress=False, parallel=2)
+    assert [r["rung"] for r in one["rows"]] == [r["rung"] for r in two["rows"]]
+    assert [r["final_loss"] for r in one["rows"]] == [r["final_loss"] for r in two["rows"]]
+    with pytest.raises(ValueError, match="parallel=0 is invalid"):
+        run_ladder("cpu-demo", tmp_path / "bad", steps=3, progress=False, parallel=0)
+
+
 def test_ladder_runs_every_rung_on_the_same_batches(tmp_path):
     from stableflash.repro.ladder import run_ladder
     result = run_ladder("cpu-demo", tmp_path, steps=4, progress=False)

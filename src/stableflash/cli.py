@@ -155,7 +155,7 @@ def _cmd_repro(args: argparse.Namespace) -> int:
     if args.ladder:
         from stableflash.repro.ladder import format_ladder, run_ladder
         result = run_ladder(preset, out, seed=args.seeds[0], steps=args.steps, extra=tuple(args.set or ()),
-                            progress=not args.quiet)
+                            progress=not args.quiet, parallel=args.parallel)
         print(json.dumps(result, indent=2, default=str) if args.json else format_ladder(result))
         return 0
     if not args.no_probe:
@@ -298,7 +298,7 @@ def build_parser() -> argparse.ArgumentParser:
                    default=["baseline", "stabilized", "control"],
                    help="which runs of each seed (default: all three; a search may run the baseline alone)")
     p.add_argument("--parallel", type=int, default=1,
-                   help="runs at once, as worker processes sharing the machine (default: 1, one after another)")
+                   help="runs at once, as worker processes sharing the machine (default: 1, one after another); with --ladder, the rungs after the baseline")
     p.add_argument("--ladder", action="store_true",
                    help="run the paper's isolation experiments instead (first seed only): tiling off, the failing "
                         "layer alone, δ from dP·P, O in fp32 (backward recompute / forward / chosen heads), Ō only")

@@ -50,6 +50,27 @@ def test_auto_says_when_it_falls_back_to_the_emulation(gen, monkeypatch):
     assert rel_err(out, reference.attention(q, k, v)) <= 1e-5
 
 
+def test_auto_honours_a_key_block_through_the_emulation(gen, monkeypatch):
+    """Only the emulated backend takes block_k: 'auto' never hands another key block to the kernels,
+    which would ignore it (here the kernels are made to look available, as on a GPU)."""
+    from stableflash.attention import api
+
+    class NoKernels:
+        def __getattr__(self, name):
+            raise AssertionError("the kernels were called with block_k=8")
+
+    monkeypatch.setattr(api, "_triton_reason", lambda *a: None)
+    monkeypatch.setattr(api, "_triton_module", lambda: NoKernels())
+    q, k, v = (t.bfloat16() for t in qkv(gen, 1, 2, 40, 16))
+    with pytest.raises(AssertionError, match="kernels were called"):     # the default block goes to them
+        sf.flash_attention(q, k, v, causal=True, policy="paper")
+    got = sf.flash_attention(q, k, v, causal=True, policy="paper", block_k=8)
+    want = sf.flash_attention(q, k, v, causal=True, policy="paper", block_k=8, backend="emulated")
+    assert torch.equal(got, want)
+    other = sf.flash_attention(q, k, v, causal=True, policy="paper", block_k=40, backend="emulated")
+    assert not torch.equal(got, other)                       # the block changes the rounding here
+
+
 def test_policy_presets_resolve_by_dtype():
     assert resolve_policy(None, torch.bfloat16) == PrecisionPolicy.preset("fa2")
     assert resolve_policy(None, torch.float16).p_bar == "fp16"
@@ -105,6 +126,8 @@ BAD_OPTIONS = [
     ({"scale": float("inf")}, ValueError, r"scale=inf is invalid"),
     ({"causal": 1}, TypeError, r"causal=1 must be a bool"),
     ({"block_k": 0}, ValueError, r"block_k=0 is invalid; accepted: a positive int"),
+    ({"backend": "triton", "block_k": 128}, ValueError,
+     r"block_k=128 sets the emulated backend's key block; backend='triton' chooses its own"),
     ({"policy": PrecisionPolicy.preset("paper").replace(hp_heads=(1, 5))}, ValueError,
      r"hp_heads=\(1, 5\) names heads \[5\], but q has 3 heads"),
 ]

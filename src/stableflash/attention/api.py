@@ -120,11 +120,14 @@ def _expand_kv(q: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     return t if group == 1 else t.repeat_interleave(group, dim=1)
 
 
+DEFAULT_BLOCK_K = 64           # the emulated backend's key block unless block_k says otherwise
+
+
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
                     scale: float | None = None, stabilize: bool | str | ShiftRule = True, beta: float = 2.0,
                     eps: float = 1e-3, backend: str = "auto",
                     policy: PrecisionPolicy | str | None = None, block_q: int | None = None,
-                    block_k: int = 64) -> torch.Tensor:
+                    block_k: int = DEFAULT_BLOCK_K) -> torch.Tensor:
     """softmax(QKᵀ·scale)·V with a stabilized row maximum, in the layout of torch's SDPA.
 
     q: (batch, heads, seq_q, head_dim); k, v: (batch, heads, seq_k, head_dim); one floating dtype
@@ -152,7 +155,13 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     resolved = resolve_policy(policy, q.dtype)          # validates the policy argument (memoized)
     if backend == "auto":
         backend = _pick_auto(q, k, rule, policy, resolved)
+        if backend == "triton" and block_k != DEFAULT_BLOCK_K:
+            backend = "emulated"                   # only the emulation takes another key block
         log.info("flash_attention: backend='auto' picked %r", backend)
+    elif backend == "triton" and block_k != DEFAULT_BLOCK_K:
+        raise ValueError(f"block_k={block_k} sets the emulated backend's key block; backend='triton' chooses "
+                         f"its own (stableflash.attention.triton.op.key_block); accepted with triton: the "
+                         f"default block_k={DEFAULT_BLOCK_K}, or backend='emulated' for another key block")
     if policy is not None and backend in ("reference", "sdpa"):
         raise ValueError(f"policy={policy!r} is honoured only by backend='emulated' or 'triton'; "
                          f"got backend={backend!r}")

@@ -8,17 +8,20 @@ from __future__ import annotations
 
 import datetime as dt
 import platform
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 from stableflash.attention import flash_attention, reference
+from stableflash.attention.policy import PrecisionPolicy
 
 DEFAULT_SHAPES = ((32, 12, 1024, 64), (8, 16, 4096, 64), (4, 16, 8192, 128))
-PROVIDERS = ("ours-stable", "ours-bounded", "ours-standard", "ours-paper-rule", "sdpa-flash", "sdpa-cudnn",
-             "sdpa-efficient", "flex")
+PROVIDERS = ("ours-stable", "ours-bounded", "ours-standard", "ours-paper-rule", "ours-dpp", "ours-recompute",
+             "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex")
+# ours-dpp / ours-recompute: our rule with δ from dP·P / from an fp32 recompute of O (the mitigations
+# that held where row-maximum rules did not, docs/mitigations.md): one more pass over the keys
 PEERS = ("sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex")
 
 
@@ -74,9 +77,16 @@ def provider_fn(name: str, shape, causal: bool, device) -> Callable:
 
     if name.startswith("ours"):
         stabilize = {"ours-stable": True, "ours-bounded": "bounded", "ours-standard": False,
-                     "ours-paper-rule": "paper"}[name]
-        return lambda q, k, v, causal: flash_attention(q, k, v, causal=causal, stabilize=stabilize,
-                                                       backend="triton")
+                     "ours-paper-rule": "paper", "ours-dpp": True, "ours-recompute": True}[name]
+        delta = {"ours-dpp": "dP·P", "ours-recompute": "recompute_fp32"}.get(name)
+
+        def ours(q, k, v, causal):
+            policy = None
+            if delta is not None:
+                low = "fp16" if q.dtype == torch.float16 else "bf16"
+                policy = replace(PrecisionPolicy.preset("fa2", low), delta=delta)
+            return flash_attention(q, k, v, causal=causal, stabilize=stabilize, backend="triton", policy=policy)
+        return ours
     if name == "flex":
         return _flex(shape, causal, device)
     return _sdpa({"sdpa-flash": SDPBackend.FLASH_ATTENTION, "sdpa-cudnn": SDPBackend.CUDNN_ATTENTION,

@@ -10,13 +10,18 @@ baseline's probes (the layer whose W_Q norm grew most; its heads with the larges
 from __future__ import annotations
 
 import json
+import multiprocessing
+import re
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+
+import torch
 
 from stableflash.model import parse_attention_spec
 from stableflash.repro.presets import REPRO_PRESETS, ReproPreset
+from stableflash.repro.run import train_job
 from stableflash.report.runs import explosion_step, load_run
 from stableflash.train.config import make_config
-from stableflash.train.loop import train
 
 
 def failing_layer_and_heads(run_dir: Path, n_heads: int = 3) -> tuple[int, list[int]]:
@@ -33,57 +38,107 @@ def failing_layer_and_heads(run_dir: Path, n_heads: int = 3) -> tuple[int, list[
     return layer, sorted(order[:n_heads])
 
 
+def _kernel_can_run(choice_text: str) -> bool:
+    """Whether the fused kernels implement this single attention choice (policy and tile)."""
+    from stableflash.attention.policy import resolve_policy
+    try:
+        from stableflash.attention.triton.launch import kernel_mode
+        choice = parse_attention_spec(choice_text).default
+        kernel_mode(resolve_policy(choice.policy, torch.bfloat16), torch.bfloat16)
+    except (ImportError, ValueError):
+        return False
+    return True
+
+
+def _with(choice_text: str, settings: str) -> str:
+    """A single attention choice with ``settings`` (key=value words) in place of its own values of
+    those keys: 'emulated policy=paper acc=e8m5' with 'acc=fp32' is 'emulated policy=paper acc=fp32'."""
+    keys = {w.split("=", 1)[0] for w in settings.split()}
+    backend, *words = choice_text.split()
+    return " ".join([backend, *(w for w in words if w.split("=", 1)[0] not in keys), *settings.split()])
+
+
 def rungs(baseline: str, layer: int, heads: list[int], seq_len: int) -> dict[str, str]:
-    """The attention spec of every rung, from a single-choice baseline spec."""
+    """The attention spec of every rung, from a single-choice baseline spec.
+
+    A rung the fused kernels cannot express (another key block, fp32 P̄, fp32 O for some heads, an
+    fp32 O whose δ reads the stored O) runs on the emulated backend under the same policy, and its
+    name says so: the kernels' "paper" switch computes what the emulated "paper" policy does with
+    the kernels' key block of 64 (tests/attention/test_triton.py), so the rung changes only what it
+    names."""
     spec = parse_attention_spec(baseline)
     if spec.overrides:
         raise ValueError(f"baseline={baseline!r}: the ladder needs one attention for every layer; "
                          "accepted: a single-choice spec such as 'emulated policy=paper'")
     base = str(spec.default)
-    tiled = " ".join(p for p in base.split() if not p.startswith("block="))
-    return {
+    kernel = spec.default.backend == "triton"
+    emulated = " ".join(["emulated", *base.split()[1:]]) if kernel else base
+
+    def choice(settings: str) -> tuple[str, str]:
+        """(suffix for the rung's name, the choice) of the baseline with ``settings`` set."""
+        text = _with(base, settings)
+        if kernel and not _kernel_can_run(text):
+            return " [emulated backend]", _with(emulated, settings)
+        return "", text
+
+    heads_text = ",".join(map(str, heads))
+    table = {
         "baseline": base,
-        "tiling off (block = sequence)": f"{tiled} block={seq_len}",
+        "tiling off (block = sequence)" + (" [emulated backend]" if kernel else ""): _with(emulated, f"block={seq_len}"),
         f"failing attention in layer {layer} only": f"sdpa; {layer}: {base}",
         f"SDPA in layer {layer} only": f"{base}; {layer}: sdpa",
-        "δ from dP·P": f"{base} delta=dP*P",
-        "O recomputed in fp32 for δ": f"{base} delta=recompute_fp32",
-        "O in fp32 (forward)": f"{base} acc=fp32 row_sum=fp32 out=fp32",
-        f"O in fp32 for heads {','.join(map(str, heads))} of layer {layer}":
-            f"{base}; {layer}: {base} hp_heads={','.join(map(str, heads))}",
-        "only Ō = P̄V in fp32": f"{base} p_bar=fp32 acc=fp32",
     }
+    for name, settings in (("δ from dP·P", "delta=dP*P"), ("O recomputed in fp32 for δ", "delta=recompute_fp32"),
+                           ("O in fp32 (forward)", "acc=fp32 row_sum=fp32 out=fp32")):
+        suffix, text = choice(settings)
+        table[name + suffix] = text
+    suffix, text = choice(f"hp_heads={heads_text}")
+    table[f"O in fp32 for heads {heads_text} of layer {layer}" + suffix] = f"{base}; {layer}: {text}"
+    suffix, text = choice("p_bar=fp32 acc=fp32")
+    table["only Ō = P̄V in fp32" + suffix] = text
+    return table
 
 
 def run_ladder(preset: str | ReproPreset, out_dir: Path, seed: int = 0, steps: int | None = None,
-               extra: tuple[str, ...] = (), progress: bool = True) -> dict:
-    """Train the baseline, then every other rung on the same seed (hence the same batch order)."""
+               extra: tuple[str, ...] = (), progress: bool = True, parallel: int = 1) -> dict:
+    """Train the baseline, then every other rung on the same seed (hence the same batch order);
+    ``parallel`` > 1 trains that many rungs at once as worker processes (as ``run_repro`` does)."""
     p = preset if isinstance(preset, ReproPreset) else REPRO_PRESETS.get(preset)
     if p is None:
         raise ValueError(f"preset={preset!r} is unknown; accepted: {', '.join(REPRO_PRESETS)}")
+    if isinstance(parallel, bool) or not isinstance(parallel, int) or parallel < 1:
+        raise ValueError(f"parallel={parallel!r} is invalid; accepted: an int >= 1")
     out_dir = Path(out_dir)
 
-    def run(name: str, attention: str) -> dict:
+    def job(name: str, attention: str) -> tuple:
         overrides = [*p.overrides, f"seed={seed}", f"attention={attention}", *extra]
         if steps is not None:
             overrides.append(f"max_iters={steps}")
-        cfg = make_config(p.train_preset, overrides=overrides)
-        run_dir = out_dir / name.replace(" ", "_").replace("/", "-").replace("·", "")
-        summary = train(cfg, run_dir, progress=progress)
-        return {"rung": name, "attention": attention, "status": summary["status"], "steps": summary["steps"],
-                "exploded_at": explosion_step(load_run(run_dir)), "final_loss": summary["final_loss"],
-                "run_dir": str(run_dir)}
+        make_config(p.train_preset, overrides=overrides)          # a bad rung fails before any training
+        return p.train_preset, overrides, str(out_dir / re.sub(r"[^A-Za-z0-9_.,=-]+", "_", name).strip("_"))
 
-    rows = [run("baseline", p.baseline)]
+    def row(name: str, attention: str, run_dir: str, summary: dict) -> dict:
+        return {"rung": name, "attention": attention, "status": summary["status"], "steps": summary["steps"],
+                "exploded_at": explosion_step(load_run(Path(run_dir))), "final_loss": summary["final_loss"],
+                "run_dir": run_dir}
+
+    base_job = job("baseline", p.baseline)
+    rows = [row("baseline", p.baseline, base_job[2], train_job((*base_job, progress)))]
     layer, heads = failing_layer_and_heads(Path(rows[0]["run_dir"]))
     seq_len = make_config(p.train_preset, overrides=list(p.overrides)).block_size
     if seq_len is None:
         from stableflash.model import model_config
         seq_len = model_config(make_config(p.train_preset).model).block_size
-    for name, attention in list(rungs(p.baseline, layer, heads, seq_len).items())[1:]:
-        rows.append(run(name, attention))
+    todo = [(name, attention, job(name, attention))
+            for name, attention in list(rungs(p.baseline, layer, heads, seq_len).items())[1:]]
+    if parallel == 1:
+        summaries = [train_job((*j, progress)) for _, _, j in todo]
+    else:
+        with ProcessPoolExecutor(parallel, mp_context=multiprocessing.get_context("spawn")) as pool:
+            summaries = list(pool.map(train_job, [(*j, False) for _, _, j in todo]))
+    rows += [row(name, attention, j[2], summary) for (name, attention, j), summary in zip(todo, summaries)]
     result = {"preset": p.name, "accelerated": p.accelerated, "seed": seed, "failing_layer": layer,
-              "heads": heads, "rows": rows}
+              "heads": heads, "parallel": parallel, "rows": rows}
     (out_dir / "ladder.json").write_text(json.dumps(result, indent=2, default=str))
     return result
 

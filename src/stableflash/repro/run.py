@@ -29,7 +29,7 @@ def _same_batches(dirs: list[Path]) -> bool:
     return all(b[:n] == blobs[0][:n] for b in blobs)
 
 
-def _train_one(job: tuple) -> dict:
+def train_job(job: tuple) -> dict:
     """One run (top level, so that worker processes can be handed it)."""
     train_preset, overrides, run_dir, progress = job
     return train(make_config(train_preset, overrides=overrides), Path(run_dir), progress=progress)
@@ -61,12 +61,12 @@ def run_repro(preset: str | ReproPreset, out_dir: Path, seeds: tuple[int, ...] =
             make_config(p.train_preset, overrides=overrides)          # a bad override fails before any run
             jobs.append((seed, role, attention, (p.train_preset, overrides, str(out_dir / f"seed{seed}" / role))))
     if parallel == 1:
-        summaries = [_train_one((*job, progress)) for *_, job in jobs]
+        summaries = [train_job((*job, progress)) for *_, job in jobs]
     else:
         from tqdm.auto import tqdm
         # spawn: CUDA cannot be used in a forked child
         with ProcessPoolExecutor(parallel, mp_context=multiprocessing.get_context("spawn")) as pool:
-            futures = [pool.submit(_train_one, (*job, False)) for *_, job in jobs]
+            futures = [pool.submit(train_job, (*job, False)) for *_, job in jobs]
             for f in tqdm(futures, desc="repro runs", disable=not progress):
                 f.result()
             summaries = [f.result() for f in futures]

@@ -1,0 +1,26 @@
+"""The benchmark's providers of our kernels compute attention (run through the Triton interpreter
+without a GPU), including the δ-source variants that docs/mitigations.md times."""
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from stableflash.attention import reference  # noqa: E402
+from stableflash.bench.attention import PROVIDERS, provider_fn  # noqa: E402
+
+
+@pytest.mark.parametrize("name", [p for p in PROVIDERS if p.startswith("ours")])
+def test_our_providers_match_float64_with_gradients(name):
+    gen = torch.Generator().manual_seed(0)
+    shape = (1, 2, 40, 16)
+    q, k, v, do = (torch.randn(*shape, generator=gen).bfloat16() for _ in range(4))
+    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+    want = reference.attention(q64, k64, v64, causal=True)
+    want.backward(do.double())
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    got = provider_fn(name, shape, True, "cpu")(q, k, v, True)
+    got.backward(do)
+    # bf16 inputs and outputs: the tolerance is a few bf16 rounding steps of these O(1) values
+    assert (got.double() - want).abs().max().item() <= 2e-2
+    for g, w in ((q.grad, q64.grad), (k.grad, k64.grad), (v.grad, v64.grad)):
+        assert (g.double() - w).abs().max().item() <= 5e-2 * max(1.0, w.abs().max().item())
