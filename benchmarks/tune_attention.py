@@ -53,14 +53,14 @@ for shape in SHAPES:
                 def fwd():
                     attn_fwd_kernel[(triton.cdiv(N, bm), B * H)](
                         q, k, v, o, lse, *st(q), *st(k), *st(v), *st(o), H, 1, N, N, scale * LOG2E, 2.0,
-                        1e-3 * LOG2E, 0.13 * LOG2E, 8.4 * LOG2E, 1.0, HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn,
-                        CAUSAL=True, STAB=stab, EMU=False, MBITS=0, TMA=tma, INTERP=False, num_warps=w, num_stages=s)
+                        1e-3 * LOG2E, 0.13 * LOG2E, 8.4 * LOG2E, 1.0, 0, HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn,
+                        CAUSAL=True, STAB=stab, EMU=False, MBITS=0, SR=False, TMA=tma, INTERP=False, num_warps=w, num_stages=s)
                 rows.append(dict(shape=shape, kernel="fwd-tma" if tma else "fwd", cfg=(bm, bn, w, s), stab=stab,
                                  ms=bench(fwd)))
     if os.environ.get("FWD_ONLY") == "1":
         continue
     # the backward needs a real lse and delta
-    o, lse = op.attn_fwd(q, k, v, True, scale, 0, 2.0, 1e-3, 0.13, 8.4, False, 0, 0)
+    o, lse = op.attn_fwd(q, k, v, True, scale, 0, 2.0, 1e-3, 0.13, 8.4, False, 0, False, 0)
     delta = (o.float() * do.float()).sum(-1)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     common = (*st(q), *st(k), *st(v), *st(do))

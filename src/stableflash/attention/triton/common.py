@@ -106,6 +106,35 @@ def round_mantissa(x, MBITS: tl.constexpr, INTERP: tl.constexpr):
     return y
 
 
+@triton.jit
+def round_mantissa_stochastic(x, MBITS: tl.constexpr, seed, offsets):
+    """x (fp32) rounded stochastically to MBITS mantissa bits (0: bfloat16; 23: unchanged), returned
+    as fp32: a uniform random integer below the dropped bits' range is added to the bit pattern
+    and the dropped bits are cleared, so the magnitude rounds up with probability equal to its
+    distance from the lower neighbour in quanta — unbiased, whatever the sign. ``offsets``
+    (int32, x's shape) and ``seed`` pick independent Philox streams; infinities and NaN pass
+    unchanged."""
+    if MBITS == 23:
+        y = x
+    else:
+        DROP: tl.constexpr = 16 if MBITS == 0 else 23 - MBITS
+        r = (tl.randint(seed, offsets) & ((1 << DROP) - 1)).to(tl.int32, bitcast=True)   # Philox: uint32
+        bits = x.to(tl.int32, bitcast=True)
+        y = ((bits + r) & -(1 << DROP)).to(tl.float32, bitcast=True)
+        y = tl.where(tl.abs(x) < float("inf"), y, x)
+    return y
+
+
+@triton.jit
+def narrow(x, MBITS: tl.constexpr, SR: tl.constexpr, seed, offsets, INTERP: tl.constexpr):
+    """One narrowing point: nearest-even (``round_mantissa``) or, with SR, stochastic."""
+    if SR:
+        y = round_mantissa_stochastic(x, MBITS, seed, offsets)
+    else:
+        y = round_mantissa(x, MBITS, INTERP)
+    return y
+
+
 # the largest shift at which the row maximum's P̄ = exp(−shift) is a normal bf16 number: 126·ln 2
 BF16_SHIFT_LIMIT = tl.constexpr(87.33654475055310)
 

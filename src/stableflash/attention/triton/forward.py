@@ -14,24 +14,28 @@ MBITS > 0 narrows the "paper" mode's ℓ, Ō and O (and the "fa2" mode's O) to M
 (the e8mY formats, rounded to nearest-even): the accelerated stand-ins of the reproduction, where
 the bias bf16 shows over thousands of steps appears in hundreds. O is stored in bf16 exactly.
 MBITS = 23 keeps them in fp32 (the high-precision control; O is then rounded once, on the store).
+SR = 1 rounds those narrowing points, and the bf16 O store, stochastically instead of to nearest
+(unbiased; ``seed`` and the element's place pick the random bits, so a call is reproducible).
 """
 import triton
 import triton.language as tl
 
-from stableflash.attention.triton.common import (bound_rounded_shift, cast, count_ties, mma, next_shift,
-                                                 round_mantissa, round_up_bf16, shift_from_ties, to_bf16)
+from stableflash.attention.triton.common import (bound_rounded_shift, cast, count_ties, mma, narrow, next_shift,
+                                                 round_up_bf16, shift_from_ties, to_bf16)
 
 LOG2E = 1.4426950408889634
 
 
 @triton.jit
 def _fwd_blocks(acc, l_i, m_i, r_i, q, K, V, stride_kn, stride_vn, offs_m, offs_d, start, stop, n_k,
-                scale, beta, eps, lo, hi, period,
+                scale, beta, eps, lo, hi, period, seed, rows,
                 BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
-                STAB: tl.constexpr, EMU: tl.constexpr, MBITS: tl.constexpr, TMA: tl.constexpr,
+                STAB: tl.constexpr, EMU: tl.constexpr, MBITS: tl.constexpr, SR: tl.constexpr, TMA: tl.constexpr,
                 INTERP: tl.constexpr):
     """Lines 6-11 of Algorithm 1 for key blocks [start, stop). TMA: K and V are tensor
-    descriptors (rows past n_k come back as zeros) instead of pointers."""
+    descriptors (rows past n_k come back as zeros) instead of pointers. ``rows``: the rows' indices
+    over the whole (batch, head, query) grid, which with ``seed`` and the key block number pick the
+    random streams of stochastic rounding (SR)."""
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in range(start, stop, BLOCK_N):
         cols = start_n + offs_n
@@ -56,8 +60,10 @@ def _fwd_blocks(acc, l_i, m_i, r_i, q, K, V, stride_kn, stride_vn, offs_m, offs_
             m_new = bound_rounded_shift(round_up_bf16(m_new), m_i, r_i, STAB)
             p = tl.exp2(to_bf16(s - m_new[:, None], INTERP) * 1.4426950408889634)
             alpha = tl.exp2((m_i - m_new) * 1.4426950408889634)
-            l_i = round_mantissa(l_i * alpha + tl.sum(p, 1), MBITS, INTERP)
-            acc = round_mantissa(acc * alpha[:, None] + mma(cast(p, v.dtype, INTERP), v, INTERP), MBITS, INTERP)
+            blk = 3 * (start_n // BLOCK_N)         # streams 3b (Ō) and 3b + 1 (ℓ) of key block b
+            l_i = narrow(l_i * alpha + tl.sum(p, 1), MBITS, SR, seed + blk + 1, rows, INTERP)
+            acc = narrow(acc * alpha[:, None] + mma(cast(p, v.dtype, INTERP), v, INTERP), MBITS, SR, seed + blk,
+                         rows[:, None] * acc.shape[1] + offs_d[None, :], INTERP)
         else:                                      # log2 units; the scale is applied per row and in one FMA
             rm = tl.max(qk, 1) * scale
             ties = rm * 0.0
@@ -76,10 +82,10 @@ def _fwd_blocks(acc, l_i, m_i, r_i, q, K, V, stride_kn, stride_vn, offs_m, offs_
 def attn_fwd_kernel(Q, K, V, O, LSE,
                     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
                     stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om,
-                    n_heads, group, n_q, n_k, scale, beta, eps, lo, hi, period,
+                    n_heads, group, n_q, n_k, scale, beta, eps, lo, hi, period, seed,
                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     CAUSAL: tl.constexpr, STAB: tl.constexpr, EMU: tl.constexpr, MBITS: tl.constexpr,
-                    TMA: tl.constexpr, INTERP: tl.constexpr):
+                    SR: tl.constexpr, TMA: tl.constexpr, INTERP: tl.constexpr):
     # the last query blocks see the most keys under a causal mask: launch them first, so that the
     # grid's tail is made of short programs (longest-processing-time-first scheduling)
     start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
@@ -98,6 +104,7 @@ def attn_fwd_kernel(Q, K, V, O, LSE,
                                       block_shape=[BLOCK_N, HEAD_DIM])
     q = tl.load(Q + offs_m[:, None] * stride_qm + offs_d[None, :], mask=offs_m[:, None] < n_q, other=0.0)
 
+    rows = bh * n_q + offs_m                   # this program's rows over the whole grid (SR streams)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     r_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -109,19 +116,19 @@ def attn_fwd_kernel(Q, K, V, O, LSE,
     if CAUSAL:
         full = tl.minimum(full, (start_m // BLOCK_N) * BLOCK_N)
     acc, l_i, m_i, r_i = _fwd_blocks(acc, l_i, m_i, r_i, q, K, V, stride_kn, stride_vn, offs_m, offs_d,
-                                     0, full, n_k, scale, beta, eps, lo, hi, period,
-                                     BLOCK_N, CAUSAL, False, STAB, EMU, MBITS, TMA, INTERP)
+                                     0, full, n_k, scale, beta, eps, lo, hi, period, seed, rows,
+                                     BLOCK_N, CAUSAL, False, STAB, EMU, MBITS, SR, TMA, INTERP)
     acc, l_i, m_i, r_i = _fwd_blocks(acc, l_i, m_i, r_i, q, K, V, stride_kn, stride_vn, offs_m, offs_d,
-                                     full, stop, n_k, scale, beta, eps, lo, hi, period,
-                                     BLOCK_N, CAUSAL, True, STAB, EMU, MBITS, TMA, INTERP)
+                                     full, stop, n_k, scale, beta, eps, lo, hi, period, seed, rows,
+                                     BLOCK_N, CAUSAL, True, STAB, EMU, MBITS, SR, TMA, INTERP)
     if EMU:
         o = acc / l_i[:, None]
         lse = m_i + tl.log(l_i)
     else:
         o = acc / l_i[:, None]
         lse = (m_i + tl.log2(l_i)) * 0.6931471805599453
-    if MBITS > 0:
-        o = round_mantissa(o, MBITS, INTERP)
+    if MBITS > 0 or SR:                        # the O store: e8mY, or bf16 rounded stochastically
+        o = narrow(o, MBITS, SR, seed - 1, rows[:, None] * HEAD_DIM + offs_d[None, :], INTERP)
     O += b * stride_ob + h * stride_oh
     tl.store(O + offs_m[:, None] * stride_om + offs_d[None, :], cast(o, O.dtype.element_ty, INTERP),
              mask=offs_m[:, None] < n_q)

@@ -13,8 +13,8 @@ SUPPORT = {
     "head_dims": HEAD_DIMS,
     "dtypes": DTYPES,
     "policies": "'fa2' (bf16 or fp16) or 'paper' (bf16), with delta 'dO·O', 'dP·P' or 'recompute_fp32'; "
-                "for bf16, 'fa2' with out, or 'paper' with acc, row_sum and out all, in one format e8m1-e8m6, "
-                "or fp32 with delta 'dP·P' or 'recompute_fp32'",
+                "for bf16, 'fa2' with out, or 'paper' with acc, row_sum and out all, in one format bf16 or "
+                "e8m1-e8m6 (nearest-even, or ':stochastic'), or fp32 with delta 'dP·P' or 'recompute_fp32'",
 }
 
 
@@ -33,35 +33,42 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor) -> None:
                          "for grouped-query attention")
 
 
-def _narrow_bits(point: str) -> int | None:
-    """0 for bf16, Y for an e8mY format with 1 ≤ Y ≤ 6 rounded to nearest-even, 23 for fp32, None
-    otherwise."""
+def _narrow_bits(point: str) -> tuple[int, bool] | None:
+    """(mantissa bits, stochastic) of a narrowing point the kernels implement: 0 for bf16, Y for an
+    e8mY format with 1 ≤ Y ≤ 6, each rounded to nearest-even or stochastically; (23, False) for
+    fp32; None otherwise."""
     fmt, mode = parse_point(point)
     if fmt.name == "fp32":
-        return 23
-    if fmt.name == "bf16" and mode == "rne":
-        return 0
+        return (23, False) if mode == "rne" else None
+    if mode not in ("rne", "stochastic"):
+        return None
+    if fmt.name == "bf16":
+        return 0, mode == "stochastic"
     narrow = fmt.exp_bits == 8 and fmt.bias == 127 and fmt.has_inf and 1 <= fmt.man_bits <= 6
-    return fmt.man_bits if narrow and mode == "rne" else None
+    return (fmt.man_bits, mode == "stochastic") if narrow else None
 
 
 @memoize
-def kernel_mode(policy: PrecisionPolicy, dtype: torch.dtype) -> tuple[bool, int, int]:
-    """(emu, mantissa bits, delta source code) of the kernels that implement ``policy``; ValueError
-    otherwise. Mantissa bits > 0: the e8mY format of O ("fa2") or of ℓ, Ō and O ("paper"); 23 keeps
-    them in fp32. The kernels store O in the input dtype, so an fp32 O (which the emulated backend
-    also hands back in the input dtype) needs a δ that does not read the stored O."""
+def kernel_mode(policy: PrecisionPolicy, dtype: torch.dtype) -> tuple[bool, int, bool, int]:
+    """(emu, mantissa bits, stochastic, delta source code) of the kernels that implement ``policy``;
+    ValueError otherwise. Mantissa bits > 0: the e8mY format of O ("fa2") or of ℓ, Ō and O
+    ("paper"); 23 keeps them in fp32. Stochastic: those points (or a bf16 O) rounded stochastically.
+    The kernels store O in the input dtype, so an fp32 O (which the emulated backend also hands back
+    in the input dtype) needs a δ that does not read the stored O."""
     low = "fp16" if dtype == torch.float16 else "bf16"
     for name, emu, narrowed in (("fa2", False, ("out",)), ("paper", True, ("acc", "row_sum", "out"))):
         preset = replace(PrecisionPolicy.preset(name, low), name="custom")
         base = replace(policy, delta="dO·O", name="custom", **{f: getattr(preset, f) for f in narrowed})
         if base != preset or (emu and low != "bf16"):
             continue
-        bits = {_narrow_bits(getattr(policy, f)) if low == "bf16" else None for f in narrowed}
-        if len(bits) == 1 and None not in bits and not (bits == {23} and policy.delta == "dO·O"):
-            return emu, bits.pop(), DELTA_SOURCES[policy.delta]
-        if all(getattr(policy, f) == getattr(preset, f) for f in narrowed):
-            return emu, 0, DELTA_SOURCES[policy.delta]
+        if low != "bf16":
+            if all(getattr(policy, f) == getattr(preset, f) for f in narrowed):
+                return emu, 0, False, DELTA_SOURCES[policy.delta]
+            continue
+        modes = {_narrow_bits(getattr(policy, f)) for f in narrowed}
+        if len(modes) == 1 and None not in modes and not (modes == {(23, False)} and policy.delta == "dO·O"):
+            bits, stochastic = modes.pop()
+            return emu, bits, stochastic, DELTA_SOURCES[policy.delta]
     raise ValueError(f"policy={policy.describe()} is not implemented by backend='triton'; accepted: "
                      f"{SUPPORT['policies']} — use backend='emulated' for any other policy")
 
@@ -69,6 +76,6 @@ def kernel_mode(policy: PrecisionPolicy, dtype: torch.dtype) -> tuple[bool, int,
 def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float,
                      rule: ShiftRule, policy: PrecisionPolicy) -> torch.Tensor:
     """The fused kernels, differentiable. Inputs validated by ``flash_attention`` and ``check_inputs``."""
-    emu, mbits, delta_src = kernel_mode(policy, q.dtype)
+    emu, mbits, stochastic, delta_src = kernel_mode(policy, q.dtype)
     return attention(q, k, v, causal, scale, RULE_CODES[rule.kind], float(rule.beta), float(rule.eps),
-                     float(rule.min_shift), float(rule.max_shift), emu, mbits, delta_src)
+                     float(rule.min_shift), float(rule.max_shift), emu, mbits, delta_src, stochastic)

@@ -63,9 +63,9 @@ def _with_tma(configs: list[triton.Config], tma: list[tuple[int, int, int, int]]
 # where TMA is possible the forward's tuner also tries the key loop through tensor descriptors
 # (faster at head_dim 128, slower at 64: benchmarks/results/tune-tma-atomic-H200-2026-11-22.txt;
 # the backward kernels gained nothing end to end: tune-bwd-tma-H200-2026-11-22.txt)
-_fwd_tuned = triton.autotune(FWD_CONFIGS, key=_KEY + ["STAB", "EMU", "MBITS"], prune_configs_by=_prune)(attn_fwd_kernel)
+_fwd_tuned = triton.autotune(FWD_CONFIGS, key=_KEY + ["STAB", "EMU", "MBITS", "SR"], prune_configs_by=_prune)(attn_fwd_kernel)
 _fwd_tma_tuned = triton.autotune(_with_tma(FWD_CONFIGS, [(64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3)]),
-                                 key=_KEY + ["STAB", "EMU", "MBITS"], prune_configs_by=_prune)(attn_fwd_kernel)
+                                 key=_KEY + ["STAB", "EMU", "MBITS", "SR"], prune_configs_by=_prune)(attn_fwd_kernel)
 _dkdv_tuned = triton.autotune(DKDV_CONFIGS, key=_KEY + ["EMU"], prune_configs_by=_prune)(attn_bwd_dkdv_kernel)
 _dq_tuned = triton.autotune(DQ_CONFIGS, key=_KEY + ["EMU"], prune_configs_by=_prune)(attn_bwd_dq_kernel)
 # under the interpreter: one small tile, so that short test sequences still span several blocks
@@ -155,32 +155,36 @@ def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
 
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, rule: int,
              beta: float, eps: float, min_shift: float, max_shift: float, emu: bool,
-             mbits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(O, LSE): O like q, LSE (B, H, Nq) fp32 in natural log."""
+             mbits: int, stochastic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(O, LSE): O like q, LSE (B, H, Nq) fp32 in natural log. ``stochastic`` rounds the narrowing
+    points stochastically, with a seed drawn from torch's default generator (so ``torch.manual_seed``
+    makes a run reproducible and checkpoints carry the stream on)."""
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     B, H, n_q, d = q.shape
     n_k = k.shape[2]
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, H, n_q, dtype=torch.float32, device=q.device)
     scale_u, eps_u, lo, hi, period = _units(emu, scale, eps, min_shift, max_shift)
+    # streams seed − 1 (O) and seed + 3b, seed + 3b + 1 (Ō, ℓ of key block b) stay positive int32
+    seed = int(torch.randint(1, 2**30, (1,))) if stochastic else 0
     grid = lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]), B * H)  # noqa: E731
     _launch(_fwd_tuned, attn_fwd_kernel, grid, q, k, v, o, lse, *_strides(q), *_strides(k), *_strides(v),
             *_strides(o), H, H // k.shape[1], n_q, n_k, scale_u, beta, eps_u, lo, hi, period,
-            tma_tuned=_fwd_tma_tuned, tma=_use_tma(k, v), fixed=emu, HEAD_DIM=d, CAUSAL=causal, STAB=rule,
-            EMU=emu, MBITS=mbits)
+            seed, tma_tuned=_fwd_tma_tuned, tma=_use_tma(k, v), fixed=emu, HEAD_DIM=d, CAUSAL=causal,
+            STAB=rule, EMU=emu, MBITS=mbits, SR=stochastic)
     return o, lse
 
 
 @torch.library.custom_op("stableflash::attn_fwd", mutates_args=())
 def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, rule: int,
              beta: float, eps: float, min_shift: float, max_shift: float, emu: bool, mbits: int,
-             delta_src: int) -> tuple[torch.Tensor, torch.Tensor]:
+             stochastic: bool, delta_src: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(O, LSE): O like q, LSE (B, H, Nq) fp32 in natural log. ``delta_src`` is for the backward."""
-    return _forward(q, k, v, causal, scale, rule, beta, eps, min_shift, max_shift, emu, mbits)
+    return _forward(q, k, v, causal, scale, rule, beta, eps, min_shift, max_shift, emu, mbits, stochastic)
 
 
 @attn_fwd.register_fake
-def _(q, k, v, causal, scale, rule, beta, eps, min_shift, max_shift, emu, mbits, delta_src):
+def _(q, k, v, causal, scale, rule, beta, eps, min_shift, max_shift, emu, mbits, stochastic, delta_src):
     return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
@@ -230,7 +234,7 @@ def _(do, q, k, v, o, lse, causal, scale, emu, delta_src):
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, causal, scale, _rule, _beta, _eps, _lo, _hi, emu, _mbits, delta_src = inputs
+    q, k, v, causal, scale, _rule, _beta, _eps, _lo, _hi, emu, _mbits, _stochastic, delta_src = inputs
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse)
     ctx.args = (causal, scale, emu, delta_src)
@@ -240,7 +244,7 @@ def _backward(ctx, do, _dlse):
     q, k, v, o, lse = ctx.saved_tensors
     causal, scale, emu, delta_src = ctx.args
     dq, dk, dv = attn_bwd(do, q, k, v, o, lse, causal, scale, emu, delta_src)
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None
+    return dq, dk, dv, *[None] * 11
 
 
 attn_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -250,8 +254,9 @@ class _EagerAttention(torch.autograd.Function):
     """The same kernels without the custom-op dispatch, for eager mode."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, rule, beta, eps, min_shift, max_shift, emu, mbits, delta_src):
-        o, lse = _forward(q, k, v, causal, scale, rule, beta, eps, min_shift, max_shift, emu, mbits)
+    def forward(ctx, q, k, v, causal, scale, rule, beta, eps, min_shift, max_shift, emu, mbits, stochastic,
+                delta_src):
+        o, lse = _forward(q, k, v, causal, scale, rule, beta, eps, min_shift, max_shift, emu, mbits, stochastic)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.args = (causal, scale, emu, delta_src)
         return o
@@ -260,15 +265,16 @@ class _EagerAttention(torch.autograd.Function):
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
         dq, dk, dv = _backward_impl(do, q, k, v, o, lse, *ctx.args)
-        return dq, dk, dv, None, None, None, None, None, None, None, None, None, None
+        return dq, dk, dv, *[None] * 11
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, rule: int,
               beta: float, eps: float, min_shift: float, max_shift: float, emu: bool, mbits: int,
-              delta_src: int) -> torch.Tensor:
+              delta_src: int, stochastic: bool = False) -> torch.Tensor:
     """O, differentiable: the custom op under torch.compile, the autograd.Function in eager mode.
-    ``mbits`` > 0 narrows the forward's O (and, with ``emu``, ℓ and Ō) to that many mantissa bits."""
-    args = (q, k, v, causal, scale, rule, beta, eps, min_shift, max_shift, emu, mbits, delta_src)
+    ``mbits`` > 0 narrows the forward's O (and, with ``emu``, ℓ and Ō) to that many mantissa bits;
+    ``stochastic`` rounds those points (and a bf16 O) stochastically."""
+    args = (q, k, v, causal, scale, rule, beta, eps, min_shift, max_shift, emu, mbits, stochastic, delta_src)
     if torch.compiler.is_compiling():
         return attn_fwd(*args)[0]
     return _EagerAttention.apply(*args)
