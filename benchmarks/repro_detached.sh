@@ -23,7 +23,7 @@ case $1 in
   wait)
     sleep "$2"
     tar czf "$OUT/detached.tgz" --exclude='*.pt' --exclude=batches -C "$root" .
-    for f in "$root"/*/seed*/*/metrics.jsonl; do
+    for f in $(find "$root" -name metrics.jsonl | sort); do      # repro and ladder layouts alike
       python3 - "$f" <<'PY'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if '"loss"' in l]
