@@ -102,6 +102,18 @@ def test_bad_switch_target_is_named(bad):
         stabilized_choice_spec("sdpa", True, bad)
 
 
+def test_scope_all_acts_on_every_layer_once_on_any_warning():
+    m = Monitor(MonitorConfig(action="switch", scope="all"))
+    loss_warning = [{"layer": None, "indicator": "loss"}]
+    assert m.layers_to_act_on([], 4) == []
+    assert m.layers_to_act_on(loss_warning, 4) == [0, 1, 2, 3]
+    assert m.layers_to_act_on([{"layer": 2}], 4) == []            # already switched
+    flagged = Monitor(MonitorConfig(action="switch"))
+    assert flagged.layers_to_act_on(loss_warning, 4) == []          # the loss names no layer
+    with pytest.raises(ValueError, match="scope='everything' is invalid; accepted: flagged, all"):
+        MonitorConfig(scope="everything")
+
+
 def test_bad_config():
     with pytest.raises(ValueError, match="action='panic'"):
         MonitorConfig(action="panic")

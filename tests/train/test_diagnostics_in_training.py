@@ -53,6 +53,18 @@ def test_monitor_switch_to_another_mitigation(data_dir, tmp_path):
     assert summary["final_attention"] == "emulated policy=paper; 0-1: emulated policy=paper delta=dP·P"
 
 
+def test_monitor_scope_all_switches_every_layer(data_dir, tmp_path):
+    """Only the loss indicator can fire here (probes off), and it names no layer: scope "all"
+    switches the whole model."""
+    cfg = make_config("tiny", overrides=[f"data={data_dir}", "max_iters=30", "ckpt_every=10", "probe_every=0",
+                                         "monitor=switch", "monitor_scope=all", "monitor_loss_spike=1e-6",
+                                         "warmup_iters=5"])
+    summary = train(cfg, tmp_path / "r", progress=False)
+    actions = [r for r in read_metrics(tmp_path / "r" / "metrics.jsonl") if r.get("event") == "monitor_action"]
+    assert len(actions) == 1 and actions[0]["layers"] == [0, 1]
+    assert summary["final_attention"] == "sdpa; 0-1: emulated rule=ours policy=fa2"
+
+
 def test_bad_switch_target_fails_before_training(data_dir, tmp_path):
     with pytest.raises(ValueError, match="monitor_switch_to='rule=nonsense' is invalid: .*rule='nonsense'"):
         make_config("tiny", overrides=[f"data={data_dir}", "monitor_switch_to=rule=nonsense"])

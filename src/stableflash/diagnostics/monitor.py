@@ -12,8 +12,8 @@ and on every step:
 - the loss itself: its exponential average above ``loss_spike`` × the lowest average so far.
 
 A layer is flagged after ``patience`` consecutive probe records over a threshold. Actions:
-"warn" only writes events; "switch" moves the flagged layers to stabilized attention from the
-next step; "rollback" also restores the last good checkpoint first. Every warning and action is
+"warn" only writes events; "switch" moves the flagged layers (or, with scope "all", every layer) to
+stabilized attention from the next step; "rollback" also restores the last good checkpoint first. Every warning and action is
 returned as an event dict for metrics.jsonl.
 """
 from __future__ import annotations
@@ -23,6 +23,7 @@ import statistics
 from dataclasses import dataclass, field
 
 ACTIONS = ("off", "warn", "switch", "rollback")
+SCOPES = ("flagged", "all")
 
 
 @dataclass
@@ -36,6 +37,8 @@ class MonitorConfig:
     loss_ema: float = 0.1
     warmup_steps: int = 50
     patience: int = 2
+    scope: str = "flagged"          # which layers "switch"/"rollback" change: the flagged ones, or all
+
 
     def __post_init__(self) -> None:
         if self.action not in ACTIONS:
@@ -46,6 +49,8 @@ class MonitorConfig:
                 raise ValueError(f"monitor {name}={value!r} is invalid; accepted: a finite number > 0")
         if self.patience < 1:
             raise ValueError(f"monitor patience={self.patience!r} is invalid; accepted: >= 1")
+        if self.scope not in SCOPES:
+            raise ValueError(f"monitor scope={self.scope!r} is invalid; accepted: {', '.join(SCOPES)}")
 
 
 @dataclass
@@ -96,11 +101,19 @@ class Monitor:
                                           use_growth=False)
         return events
 
-    def layers_to_act_on(self, events: list[dict]) -> list[int]:
-        """Layers named by these warnings that no action has covered yet (for switch / rollback)."""
+    def layers_to_act_on(self, events: list[dict], n_layers: int | None = None) -> list[int]:
+        """Layers that switch / rollback change for these warnings and that no action has covered
+        yet: those the warnings name, or with scope "all" every one of the ``n_layers`` on any
+        warning (the loss warning too, which names no layer)."""
         if self.config.action not in ("switch", "rollback"):
             return []
-        layers = sorted({e["layer"] for e in events if e.get("layer") is not None} - self.flagged)
+        if self.config.scope == "all" and events:
+            if n_layers is None:
+                raise ValueError("scope='all' needs n_layers, the model's number of layers")
+            wanted = set(range(n_layers))
+        else:
+            wanted = {e["layer"] for e in events if e.get("layer") is not None}
+        layers = sorted(wanted - self.flagged)
         self.flagged.update(layers)
         return layers
 

@@ -72,6 +72,7 @@ class TrainConfig:
     monitor_patience: int = 2
     monitor_delta_drift: float | None = None
     monitor_switch_to: str = "rule=ours"      # what "switch"/"rollback" change on a flagged layer
+    monitor_scope: str = "flagged"            # which layers they change: the flagged ones, or all
     notes: str = ""
 
     def model_overrides(self) -> dict:
@@ -270,7 +271,8 @@ def monitor_config(cfg: TrainConfig):
     return MonitorConfig(action=cfg.monitor, repeated_max=cfg.monitor_repeated_max,
                          spectral_ratio=cfg.monitor_spectral_ratio, growth=cfg.monitor_growth,
                          loss_spike=cfg.monitor_loss_spike, patience=cfg.monitor_patience,
-                         delta_drift=cfg.monitor_delta_drift, warmup_steps=cfg.warmup_iters)
+                         delta_drift=cfg.monitor_delta_drift, warmup_steps=cfg.warmup_iters,
+                         scope=cfg.monitor_scope)
 
 
 @dataclass(frozen=True)

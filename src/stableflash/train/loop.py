@@ -272,7 +272,7 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
             for event in events:
                 metrics.write({**event, "loss": loss_val})
                 log.warning("step %d: monitor: %s", step, event["message"])
-            act = monitor.layers_to_act_on(events) if dist.is_main else []
+            act = monitor.layers_to_act_on(events, model.config.n_layer) if dist.is_main else []
             if dist.world_size > 1:
                 shared = [act]
                 torch_dist.broadcast_object_list(shared, src=0)
