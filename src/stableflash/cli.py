@@ -298,7 +298,8 @@ def build_parser() -> argparse.ArgumentParser:
                    default=["baseline", "stabilized", "control"],
                    help="which runs of each seed (default: all three; a search may run the baseline alone)")
     p.add_argument("--parallel", type=int, default=1,
-                   help="runs at once, as worker processes sharing the machine (default: 1, one after another); with --ladder, the rungs after the baseline")
+                   help="runs at once, as worker processes sharing the machine (default: 1, one after another); "
+                        "with --ladder, the rungs after the baseline")
     p.add_argument("--ladder", action="store_true",
                    help="run the paper's isolation experiments instead (first seed only): tiling off, the failing "
                         "layer alone, δ from dP·P, O in fp32 (backward recompute / forward / chosen heads), Ō only")

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import datetime as dt
 import platform
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 from stableflash.attention import flash_attention, reference
-from stableflash.attention.policy import PrecisionPolicy
+from stableflash.attention.policy import resolve_policy
 
 DEFAULT_SHAPES = ((32, 12, 1024, 64), (8, 16, 4096, 64), (4, 16, 8192, 128))
 PROVIDERS = ("ours-stable", "ours-bounded", "ours-standard", "ours-paper-rule", "ours-dpp", "ours-recompute",
@@ -81,10 +81,7 @@ def provider_fn(name: str, shape, causal: bool, device) -> Callable:
         delta = {"ours-dpp": "dP·P", "ours-recompute": "recompute_fp32"}.get(name)
 
         def ours(q, k, v, causal):
-            policy = None
-            if delta is not None:
-                low = "fp16" if q.dtype == torch.float16 else "bf16"
-                policy = replace(PrecisionPolicy.preset("fa2", low), delta=delta)
+            policy = None if delta is None else resolve_policy("fa2", q.dtype).replace(delta=delta)
             return flash_attention(q, k, v, causal=causal, stabilize=stabilize, backend="triton", policy=policy)
         return ours
     if name == "flex":

@@ -12,15 +12,17 @@ and on every step:
 - the loss itself: its exponential average above ``loss_spike`` × the lowest average so far.
 
 A layer is flagged after ``patience`` consecutive probe records over a threshold. Actions:
-"warn" only writes events; "switch" moves the flagged layers (or, with scope "all", every layer) to
-stabilized attention from the next step; "rollback" also restores the last good checkpoint first. Every warning and action is
-returned as an event dict for metrics.jsonl.
+"warn" only writes events; "switch" moves the flagged layers (or, with scope "all", every layer)
+to stabilized attention from the next step; "rollback" also restores the last good checkpoint
+first. Every warning and action is returned as an event dict for metrics.jsonl.
 """
 from __future__ import annotations
 
 import math
 import statistics
 from dataclasses import dataclass, field
+
+from stableflash.model.spec import with_settings
 
 ACTIONS = ("off", "warn", "switch", "rollback")
 SCOPES = ("flagged", "all")
@@ -38,7 +40,6 @@ class MonitorConfig:
     warmup_steps: int = 50
     patience: int = 2
     scope: str = "flagged"          # which layers "switch"/"rollback" change: the flagged ones, or all
-
 
     def __post_init__(self) -> None:
         if self.action not in ACTIONS:
@@ -169,11 +170,6 @@ def stabilized_choice_spec(current_choice_text: str, on_cuda: bool, switch_to: s
     if bad or not settings:
         raise ValueError(f"monitor_switch_to={switch_to!r} is invalid; accepted: space-separated key=value "
                          "attention settings, e.g. 'rule=ours' or 'delta=dP*P' or 'rule=paper beta=4'")
-    keys = {s.split("=", 1)[0] for s in settings}
-    backend = current_choice_text.split()[0]
-    if backend == "sdpa":
-        base = ["triton"] if on_cuda else ["emulated", "policy=fa2"]
-    else:
-        base = [backend, *current_choice_text.split()[1:]]
-    kept = [base[0], *(p for p in base[1:] if p.split("=", 1)[0] not in keys)]
-    return " ".join([*kept, *settings])
+    if current_choice_text.split()[0] == "sdpa":
+        current_choice_text = "triton" if on_cuda else "emulated policy=fa2"
+    return with_settings(current_choice_text, switch_to)

@@ -213,6 +213,15 @@ def parse_attention_spec(text: str) -> AttentionSpec:
     return AttentionSpec(default, tuple(table.items()))
 
 
+def with_settings(choice_text: str, settings: str) -> str:
+    """A single attention choice (text) with ``settings`` (key=value words) in place of its own
+    values of those keys: 'emulated policy=paper acc=e8m5' with 'acc=fp32' is
+    'emulated policy=paper acc=fp32' (a spec entry may name each key only once)."""
+    keys = {w.split("=", 1)[0] for w in settings.split()}
+    backend, *words = choice_text.split()
+    return " ".join([backend, *(w for w in words if w.split("=", 1)[0] not in keys), *settings.split()])
+
+
 def as_attention_spec(spec: "AttentionSpec | AttentionChoice | str") -> AttentionSpec:
     """An AttentionSpec from a spec, a single choice (every layer), or a spec string."""
     if isinstance(spec, AttentionChoice):

@@ -106,12 +106,11 @@ def distinct_names(runs: list[Run]) -> list[Run]:
     """The runs, renamed with as many parent folders as it takes for no two to share a name: the
     runs of a reproduction are all called baseline/stabilized/control, one of each per seed folder
     (seed0/baseline, seed1/baseline, ...)."""
-    depth = 1
-    while True:
-        names = ["/".join(run.path.resolve().parts[-depth:]) for run in runs]
-        if len(set(names)) == len(names) or depth > max(len(run.path.resolve().parts) for run in runs):
+    parts = [run.path.resolve().parts for run in runs]
+    for depth in range(1, max(map(len, parts)) + 1):
+        names = ["/".join(p[-depth:]) for p in parts]
+        if len(set(names)) == len(names):
             break
-        depth += 1
     if depth == 1:
         return runs
     return [replace(run, name=name) for run, name in zip(runs, names)]

@@ -44,7 +44,7 @@ def _plain(text: object, limit: int = _MAX_LABEL) -> str:
 
 
 def _compact(value: float) -> str:
-    """A number in at most four characters for a heatmap cell: 8.17, 26.9, 328, 5.1k, 2e+05."""
+    """A short number for a heatmap cell: 8.17, 26.9, 328, 5.1k, 12k, 2e5."""
     if abs(value) < 1000:
         return f"{value:.3g}"
     if abs(value) < 99_950:
@@ -121,8 +121,8 @@ def _legend(ax, inside_max: int = 6) -> None:
         ax.legend(handles, labels, fontsize=8, framealpha=0.9, loc="best")
     else:
         # as many columns as the longest label allows across the figure (~16 characters of 8-point
-        # text per inch), so that no label runs off the page
-        # (the figure grows by each legend row, so that the plot keeps its height)
+        # text per inch), so that no label runs off the page; the figure grows by each legend row,
+        # so that the plot keeps its height
         per_row = int(ax.figure.get_figwidth() * 16 // max(len(label) for label in labels))
         ncol = max(1, min(per_row, 3 if len(handles) > 8 else 2, len(handles)))
         ax.figure.set_figheight(ax.figure.get_figheight() + 0.17 * math.ceil(len(handles) / ncol))

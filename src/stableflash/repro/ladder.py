@@ -10,16 +10,14 @@ baseline's probes (the layer whose W_Q norm grew most; its heads with the larges
 from __future__ import annotations
 
 import json
-import multiprocessing
 import re
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import torch
 
-from stableflash.model import parse_attention_spec
+from stableflash.model.spec import parse_attention_spec, with_settings
 from stableflash.repro.presets import REPRO_PRESETS, ReproPreset
-from stableflash.repro.run import train_job
+from stableflash.repro.run import check_parallel, train_job, train_jobs
 from stableflash.report.runs import explosion_step, load_run
 from stableflash.train.config import make_config
 
@@ -50,14 +48,6 @@ def _kernel_can_run(choice_text: str) -> bool:
     return True
 
 
-def _with(choice_text: str, settings: str) -> str:
-    """A single attention choice with ``settings`` (key=value words) in place of its own values of
-    those keys: 'emulated policy=paper acc=e8m5' with 'acc=fp32' is 'emulated policy=paper acc=fp32'."""
-    keys = {w.split("=", 1)[0] for w in settings.split()}
-    backend, *words = choice_text.split()
-    return " ".join([backend, *(w for w in words if w.split("=", 1)[0] not in keys), *settings.split()])
-
-
 def rungs(baseline: str, layer: int, heads: list[int], seq_len: int) -> dict[str, str]:
     """The attention spec of every rung, from a single-choice baseline spec.
 
@@ -76,15 +66,16 @@ def rungs(baseline: str, layer: int, heads: list[int], seq_len: int) -> dict[str
 
     def choice(settings: str) -> tuple[str, str]:
         """(suffix for the rung's name, the choice) of the baseline with ``settings`` set."""
-        text = _with(base, settings)
+        text = with_settings(base, settings)
         if kernel and not _kernel_can_run(text):
-            return " [emulated backend]", _with(emulated, settings)
+            return " [emulated backend]", with_settings(emulated, settings)
         return "", text
 
     heads_text = ",".join(map(str, heads))
     table = {
         "baseline": base,
-        "tiling off (block = sequence)" + (" [emulated backend]" if kernel else ""): _with(emulated, f"block={seq_len}"),
+        "tiling off (block = sequence)" + (" [emulated backend]" if kernel else ""):
+            with_settings(emulated, f"block={seq_len}"),
         f"failing attention in layer {layer} only": f"sdpa; {layer}: {base}",
         f"SDPA in layer {layer} only": f"{base}; {layer}: sdpa",
     }
@@ -106,8 +97,7 @@ def run_ladder(preset: str | ReproPreset, out_dir: Path, seed: int = 0, steps: i
     p = preset if isinstance(preset, ReproPreset) else REPRO_PRESETS.get(preset)
     if p is None:
         raise ValueError(f"preset={preset!r} is unknown; accepted: {', '.join(REPRO_PRESETS)}")
-    if isinstance(parallel, bool) or not isinstance(parallel, int) or parallel < 1:
-        raise ValueError(f"parallel={parallel!r} is invalid; accepted: an int >= 1")
+    check_parallel(parallel)
     out_dir = Path(out_dir)
 
     def job(name: str, attention: str) -> tuple:
@@ -131,11 +121,7 @@ def run_ladder(preset: str | ReproPreset, out_dir: Path, seed: int = 0, steps: i
         seq_len = model_config(make_config(p.train_preset).model).block_size
     todo = [(name, attention, job(name, attention))
             for name, attention in list(rungs(p.baseline, layer, heads, seq_len).items())[1:]]
-    if parallel == 1:
-        summaries = [train_job((*j, progress)) for _, _, j in todo]
-    else:
-        with ProcessPoolExecutor(parallel, mp_context=multiprocessing.get_context("spawn")) as pool:
-            summaries = list(pool.map(train_job, [(*j, False) for _, _, j in todo]))
+    summaries = train_jobs([j for _, _, j in todo], parallel, progress, "ladder rungs")
     rows += [row(name, attention, j[2], summary) for (name, attention, j), summary in zip(todo, summaries)]
     result = {"preset": p.name, "accelerated": p.accelerated, "seed": seed, "failing_layer": layer,
               "heads": heads, "parallel": parallel, "rows": rows}

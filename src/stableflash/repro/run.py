@@ -35,6 +35,25 @@ def train_job(job: tuple) -> dict:
     return train(make_config(train_preset, overrides=overrides), Path(run_dir), progress=progress)
 
 
+def check_parallel(parallel) -> None:
+    if isinstance(parallel, bool) or not isinstance(parallel, int) or parallel < 1:
+        raise ValueError(f"parallel={parallel!r} is invalid; accepted: an int >= 1")
+
+
+def train_jobs(jobs: list[tuple], parallel: int, progress: bool, desc: str) -> list[dict]:
+    """Train (train preset, overrides, run dir) jobs one after another in this process, or
+    ``parallel`` at once as worker processes; their summaries, in the jobs' order."""
+    if parallel == 1:
+        return [train_job((*job, progress)) for job in jobs]
+    from tqdm.auto import tqdm
+    # spawn: CUDA cannot be used in a forked child
+    with ProcessPoolExecutor(parallel, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = [pool.submit(train_job, (*job, False)) for job in jobs]
+        for f in tqdm(futures, desc=desc, disable=not progress):
+            f.result()
+        return [f.result() for f in futures]
+
+
 def run_repro(preset: str | ReproPreset, out_dir: Path, seeds: tuple[int, ...] = (0,), steps: int | None = None,
               extra: tuple[str, ...] = (), progress: bool = True, parallel: int = 1,
               roles: tuple[str, ...] = ROLES) -> dict:
@@ -44,8 +63,7 @@ def run_repro(preset: str | ReproPreset, out_dir: Path, seeds: tuple[int, ...] =
     p = preset if isinstance(preset, ReproPreset) else REPRO_PRESETS.get(preset)
     if p is None:
         raise ValueError(f"preset={preset!r} is unknown; accepted: {', '.join(REPRO_PRESETS)}")
-    if isinstance(parallel, bool) or not isinstance(parallel, int) or parallel < 1:
-        raise ValueError(f"parallel={parallel!r} is invalid; accepted: an int >= 1")
+    check_parallel(parallel)
     bad = [r for r in roles if r not in ROLES]
     if bad or not roles:
         raise ValueError(f"roles={list(roles)!r} is invalid; accepted: one or more of {', '.join(ROLES)}")
@@ -60,16 +78,7 @@ def run_repro(preset: str | ReproPreset, out_dir: Path, seeds: tuple[int, ...] =
                 overrides.append(f"max_iters={steps}")
             make_config(p.train_preset, overrides=overrides)          # a bad override fails before any run
             jobs.append((seed, role, attention, (p.train_preset, overrides, str(out_dir / f"seed{seed}" / role))))
-    if parallel == 1:
-        summaries = [train_job((*job, progress)) for *_, job in jobs]
-    else:
-        from tqdm.auto import tqdm
-        # spawn: CUDA cannot be used in a forked child
-        with ProcessPoolExecutor(parallel, mp_context=multiprocessing.get_context("spawn")) as pool:
-            futures = [pool.submit(train_job, (*job, False)) for *_, job in jobs]
-            for f in tqdm(futures, desc="repro runs", disable=not progress):
-                f.result()
-            summaries = [f.result() for f in futures]
+    summaries = train_jobs([job for *_, job in jobs], parallel, progress, "repro runs")
     rows, run_dirs = [], []
     for (seed, role, attention, job), summary in zip(jobs, summaries):
         run_dir = Path(job[2])
