@@ -1,5 +1,6 @@
 """stableflash repro: the paired runs on one batch order, the verdict, the report."""
 import json
+from pathlib import Path
 
 import pytest
 
@@ -154,3 +155,26 @@ def test_ladder_runs_every_rung_on_the_same_batches(tmp_path):
     batches = {(tmp_path / r["run_dir"].split("/")[-1] / "batches" / "rank0.bin").read_bytes() for r in result["rows"]}
     assert len(batches) == 1
     assert (tmp_path / "ladder.json").exists()
+
+
+def test_ladder_reuses_finished_runs_of_the_same_config_only(tmp_path):
+    """A stopped ladder continues: rungs already finished (same config) are read, not retrained;
+    a folder holding another config's run is not taken for the rung."""
+    import shutil
+
+    from stableflash.repro.ladder import finished_run, run_ladder
+    from stableflash.train.config import make_config
+    first = run_ladder("cpu-demo", tmp_path, steps=3, progress=False)
+    rung = tmp_path / first["rows"][2]["run_dir"].split("/")[-1]
+    shutil.rmtree(rung)                                        # as if stopped before this rung ran
+    stamps = {r["run_dir"]: (Path(r["run_dir"]) / "summary.json").stat().st_mtime_ns
+              for r in first["rows"] if Path(r["run_dir"]).exists()}
+    again = run_ladder("cpu-demo", tmp_path, steps=3, progress=False)
+    assert [r["final_loss"] for r in again["rows"]] == [r["final_loss"] for r in first["rows"]]
+    assert all((Path(d) / "summary.json").stat().st_mtime_ns == t for d, t in stamps.items())
+    assert (rung / "summary.json").exists()
+    cfg = json.loads((rung / "config.json").read_text())
+    same = make_config("tiny", overrides=[f"{k}={v}" for k, v in cfg.items() if k in ("seed",)])
+    assert finished_run(rung, same) is None                    # another config: not this run
+    with pytest.raises(ValueError, match="already holds a run"):
+        run_ladder("cpu-demo", tmp_path, steps=4, progress=False)   # 4 steps: not the 3-step runs

@@ -18,10 +18,24 @@ from stableflash.attention import flash_attention, reference
 from stableflash.attention.policy import resolve_policy
 
 DEFAULT_SHAPES = ((32, 12, 1024, 64), (8, 16, 4096, 64), (4, 16, 8192, 128))
-PROVIDERS = ("ours-stable", "ours-bounded", "ours-standard", "ours-paper-rule", "ours-dpp", "ours-recompute",
-             "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex")
-# ours-dpp / ours-recompute: our rule with δ from dP·P / from an fp32 recompute of O (the mitigations
-# that held where row-maximum rules did not, docs/mitigations.md): one more pass over the keys
+# our kernel's variants: name → (stabilize, base policy preset or None, policy fields changed)
+_E8M5 = {"acc": "e8m5", "row_sum": "e8m5", "out": "e8m5"}
+OURS = {
+    "ours-stable": (True, None, {}),
+    "ours-bounded": ("bounded", None, {}),
+    "ours-standard": (False, None, {}),
+    "ours-paper-rule": ("paper", None, {}),
+    # the mitigations of docs/mitigations.md: δ from dP·P or from an fp32 recompute of O (one more
+    # pass over the keys); O stored with stochastic rounding (the "{low}" is the input dtype's name)
+    "ours-dpp": (True, "fa2", {"delta": "dP·P"}),
+    "ours-recompute": (True, "fa2", {"delta": "recompute_fp32"}),
+    "ours-sr-out": (True, "fa2", {"out": "{low}:stochastic"}),
+    # the accelerated reproduction's arithmetic (ℓ, Ō, O in e8m5 under the "paper" emulation), with
+    # those three rounded to nearest-even and stochastically: what its mitigation costs there
+    "ours-e8m5": (False, "paper", _E8M5),
+    "ours-e8m5-sr": (False, "paper", {k: f"{v}:stochastic" for k, v in _E8M5.items()}),
+}
+PROVIDERS = (*OURS, "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex")
 PEERS = ("sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex")
 
 
@@ -76,12 +90,14 @@ def provider_fn(name: str, shape, causal: bool, device) -> Callable:
     from torch.nn.attention import SDPBackend
 
     if name.startswith("ours"):
-        stabilize = {"ours-stable": True, "ours-bounded": "bounded", "ours-standard": False,
-                     "ours-paper-rule": "paper", "ours-dpp": True, "ours-recompute": True}[name]
-        delta = {"ours-dpp": "dP·P", "ours-recompute": "recompute_fp32"}.get(name)
+        stabilize, preset, changes = OURS[name]
 
         def ours(q, k, v, causal):
-            policy = None if delta is None else resolve_policy("fa2", q.dtype).replace(delta=delta)
+            policy = None
+            if preset is not None:
+                low = "fp16" if q.dtype == torch.float16 else "bf16"
+                policy = resolve_policy(preset, q.dtype).replace(
+                    **{f: val.format(low=low) for f, val in changes.items()})
             return flash_attention(q, k, v, causal=causal, stabilize=stabilize, backend="triton", policy=policy)
         return ours
     if name == "flex":

@@ -6,6 +6,10 @@ Rungs: tiling off (block = sequence length); the failing attention in the failin
 in the forward pass (Ō, ℓ, O); O in fp32 for the heads with the largest W_Q spectral norm only;
 only Ō = P̄V in fp32 (P̄ and the accumulator). The failing layer and heads are read off the
 baseline's probes (the layer whose W_Q norm grew most; its heads with the largest norms).
+
+A rung whose folder already holds a finished run of the same configuration is read, not trained
+again: a ladder that was stopped continues where it was, and a baseline trained by ``stableflash
+repro`` can be copied in as the ladder's baseline.
 """
 from __future__ import annotations
 
@@ -19,7 +23,20 @@ from stableflash.model.spec import parse_attention_spec, with_settings
 from stableflash.repro.presets import REPRO_PRESETS, ReproPreset
 from stableflash.repro.run import check_parallel, train_job, train_jobs
 from stableflash.report.runs import explosion_step, load_run
-from stableflash.train.config import make_config
+from stableflash.train.config import TrainConfig, make_config
+
+
+def finished_run(run_dir: Path, cfg: TrainConfig) -> dict | None:
+    """run_dir's summary if it holds a finished run of ``cfg`` (a key its config.json lacks, written
+    before that key existed, must hold the default value); None otherwise."""
+    summary, saved = run_dir / "summary.json", run_dir / "config.json"
+    if not (summary.exists() and saved.exists()):
+        return None
+    stored, wanted, default = json.loads(saved.read_text()), cfg.to_dict(), TrainConfig().to_dict()
+    if any(stored.get(key, default.get(key)) != value for key, value in wanted.items()):
+        return None
+    result = json.loads(summary.read_text())
+    return result if result.get("status") in ("finished", "nonfinite") else None
 
 
 def failing_layer_and_heads(run_dir: Path, n_heads: int = 3) -> tuple[int, list[int]]:
@@ -107,13 +124,19 @@ def run_ladder(preset: str | ReproPreset, out_dir: Path, seed: int = 0, steps: i
         make_config(p.train_preset, overrides=overrides)          # a bad rung fails before any training
         return p.train_preset, overrides, str(out_dir / re.sub(r"[^A-Za-z0-9_.,=-]+", "_", name).strip("_"))
 
+    def done(j: tuple) -> dict | None:
+        summary = finished_run(Path(j[2]), make_config(j[0], overrides=j[1]))
+        if summary is not None and progress:
+            print(f"reusing the finished run in {j[2]}")
+        return summary
+
     def row(name: str, attention: str, run_dir: str, summary: dict) -> dict:
         return {"rung": name, "attention": attention, "status": summary["status"], "steps": summary["steps"],
                 "exploded_at": explosion_step(load_run(Path(run_dir))), "final_loss": summary["final_loss"],
                 "run_dir": run_dir}
 
     base_job = job("baseline", p.baseline)
-    rows = [row("baseline", p.baseline, base_job[2], train_job((*base_job, progress)))]
+    rows = [row("baseline", p.baseline, base_job[2], done(base_job) or train_job((*base_job, progress)))]
     layer, heads = failing_layer_and_heads(Path(rows[0]["run_dir"]))
     seq_len = make_config(p.train_preset, overrides=list(p.overrides)).block_size
     if seq_len is None:
@@ -121,7 +144,10 @@ def run_ladder(preset: str | ReproPreset, out_dir: Path, seed: int = 0, steps: i
         seq_len = model_config(make_config(p.train_preset).model).block_size
     todo = [(name, attention, job(name, attention))
             for name, attention in list(rungs(p.baseline, layer, heads, seq_len).items())[1:]]
-    summaries = train_jobs([j for _, _, j in todo], parallel, progress, "ladder rungs")
+    reused = [done(j) for _, _, j in todo]
+    trained = iter(train_jobs([j for (_, _, j), r in zip(todo, reused) if r is None], parallel, progress,
+                              "ladder rungs"))
+    summaries = [r if r is not None else next(trained) for r in reused]
     rows += [row(name, attention, j[2], summary) for (name, attention, j), summary in zip(todo, summaries)]
     result = {"preset": p.name, "accelerated": p.accelerated, "seed": seed, "failing_layer": layer,
               "heads": heads, "parallel": parallel, "rows": rows}

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The mitigation table's runs (docs/mitigations.md) and the isolation ladder on kernel-paper-e8m5,
+# started detached on one GPU (benchmarks/repro_detached.sh); collect them with
+# `bash benchmarks/repro_detached.sh wait SECONDS`. Seed 1's baseline of the earlier session
+# (docs/results/repro-kernel-paper-e8m5-H200/runs.tar.xz) is copied in as the ladder's baseline,
+# which run_ladder then reads instead of training it again (same configuration).
+# Usage: bash benchmarks/mitigation_runs.sh [GROUP ...]   (default: all groups)
+set -u
+d=benchmarks/repro_detached.sh
+E8=(acc=e8m5 row_sum=e8m5 out=e8m5)
+base="triton policy=paper ${E8[*]}"
+groups=${*:-ladder dpp sr sr-out paper2 paper4 llama llama-qk}
+for g in $groups; do
+  case $g in
+    ladder)
+      mkdir -p /tmp/detached/ladder1 /tmp/prev
+      tar xJf docs/results/repro-kernel-paper-e8m5-H200/runs.tar.xz -C /tmp/prev ./e8m5-base/seed1/baseline
+      cp -r /tmp/prev/e8m5-base/seed1/baseline /tmp/detached/ladder1/baseline
+      bash $d start ladder1 kernel-paper-e8m5 --ladder --seeds 1 --parallel 8 --steps 6000;;
+    dpp) bash $d start m-dpp02 kernel-paper-e8m5 --seeds 0 2 --roles baseline --steps 7500 --parallel 2 \
+           --set "attention=$base delta=dP*P";;
+    sr) bash $d start m-sr kernel-paper-e8m5 --seeds 0 1 2 --roles baseline --steps 7500 --parallel 3 \
+           --set "attention=triton policy=paper acc=e8m5:stochastic row_sum=e8m5:stochastic out=e8m5:stochastic";;
+    sr-out) bash $d start m-sr-out kernel-paper-e8m5 --seeds 1 --roles baseline --steps 6000 \
+           --set "attention=triton policy=paper acc=e8m5 row_sum=e8m5 out=e8m5:stochastic";;
+    paper2) bash $d start m-paper2 kernel-paper-e8m5 --seeds 1 --roles baseline --steps 6000 \
+           --set "attention=$base rule=paper beta=2";;
+    paper4) bash $d start m-paper4 kernel-paper-e8m5 --seeds 1 --roles baseline --steps 6000 \
+           --set "attention=$base rule=paper beta=4";;
+    llama) bash $d start a-llama kernel-paper-e8m5 --seeds 1 --roles baseline --steps 6000 --set model=llama-small;;
+    llama-qk) bash $d start a-llama-qk kernel-paper-e8m5 --seeds 1 --roles baseline --steps 6000 \
+           --set model=llama-small-qknorm;;
+    *) echo "unknown group $g"; exit 2;;
+  esac
+done
