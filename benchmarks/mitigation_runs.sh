@@ -9,7 +9,7 @@ set -u
 d=benchmarks/repro_detached.sh
 E8=(acc=e8m5 row_sum=e8m5 out=e8m5)
 base="triton policy=paper ${E8[*]}"
-groups=${*:-ladder dpp sr sr-out paper2 paper4 llama llama-qk}
+groups=${*:-ladder dpp sr sr-out paper2 paper4 llama llama-qk}      # the first device session's groups
 for g in $groups; do
   case $g in
     ladder)
@@ -30,6 +30,15 @@ for g in $groups; do
     llama) bash $d start a-llama kernel-paper-e8m5 --seeds 1 --roles baseline --steps 6000 --set model=llama-small;;
     llama-qk) bash $d start a-llama-qk kernel-paper-e8m5 --seeds 1 --roles baseline --steps 6000 \
            --set model=llama-small-qknorm;;
+    # second session: the candidates for stabilize=True's default, and the ladder's fp32-O rung (now
+    # on the kernels, which keep an fp32 O for δ), and real FA2 arithmetic with O stored in e8m4
+    o32) bash $d start m-o32 kernel-paper-e8m5 --seeds 0 1 2 --roles baseline --steps 7500 --parallel 3 \
+           --set "attention=triton policy=paper acc=e8m5 row_sum=e8m5 out=fp32 rule=ours";;
+    ours-dpp) bash $d start m-ours-dpp kernel-paper-e8m5 --seeds 0 1 2 --roles baseline --steps 7500 --parallel 3 \
+           --set "attention=$base rule=ours delta=dP*P";;
+    fp32-fwd) bash $d start l-fp32-fwd kernel-paper-e8m5 --seeds 1 --roles baseline --steps 6000 \
+           --set "attention=triton policy=paper acc=fp32 row_sum=fp32 out=fp32";;
+    fa2-e8m4) bash $d start fa2-e8m4 kernel-fa2-e8m4 --seeds 0 1 2 --roles baseline --steps 7500 --parallel 3;;
     *) echo "unknown group $g"; exit 2;;
   esac
 done

@@ -130,7 +130,9 @@ def test_ladder_on_the_kernels_moves_only_what_they_cannot_run_to_the_emulation(
     on = {name: parse_attention_spec(text) for name, text in r.items()}
     kernel = {n for n, s in on.items() if all(c.backend in ("triton", "sdpa") for c in s.choices(6))}
     assert kernel == {"baseline", "failing attention in layer 1 only", "SDPA in layer 1 only", "δ from dP·P",
-                      "O recomputed in fp32 for δ"}
+                      "O recomputed in fp32 for δ", "O in fp32 (forward)"}
+    fp32 = on["O in fp32 (forward)"].default.policy           # the kernels keep an fp32 O for δ
+    assert (fp32.acc, fp32.row_sum, fp32.out, fp32.delta) == ("fp32", "fp32", "fp32", "dO·O")
     assert on["tiling off (block = sequence) [emulated backend]"].default.block == 512
     heads = on["O in fp32 for heads 0,2 of layer 1 [emulated backend]"]
     assert heads.choice(0).backend == "triton" and heads.choice(1).backend == "emulated"

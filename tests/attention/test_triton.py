@@ -219,6 +219,31 @@ def test_fp32_outputs_agree_with_the_emulated_policy(gen, policy):
         assert ok, (name, msg)
 
 
+KEEP = [PrecisionPolicy.preset("fa2").replace(out="fp32"),
+        PrecisionPolicy.preset("paper").replace(acc="fp32", row_sum="fp32", out="fp32"),
+        PrecisionPolicy.preset("paper").replace(acc="e8m5", row_sum="e8m5", out="fp32")]
+
+
+@pytest.mark.parametrize("policy", KEEP, ids=lambda p: f"{p.name}-{p.acc}")
+def test_fp32_o_kept_for_delta_agrees_with_the_emulated_policy(gen, policy):
+    """out=fp32 with δ from dO·O: the forward keeps an fp32 O, which δ reads (the model still gets O
+    in bf16, as from the emulated backend). Under "paper", ℓ and Ō may stay narrowed (e8m5) while O
+    is not. The gradients must be nearer the emulation of this policy than of the same policy with
+    O stored in bf16 (δ from the bf16 O): that is what tells an fp32 δ from a bf16 one."""
+    q, k, v, do = make(gen, 2, 2, 70, 32)
+    kw = dict(causal=True, stabilize=True)
+    emu = dict(backend="emulated", block_q=32, block_k=triton_op.key_block(32), **kw)
+    fused = run(q, k, v, do, backend="triton", policy=policy, **kw)
+    emulated = run(q, k, v, do, policy=policy, **emu)
+    bf16_o = run(q, k, v, do, policy=policy.replace(out="bf16"), **emu)
+    top = 2.0 * 2.0 ** (7 - min(policy.point("acc")[0].man_bits, 7))
+    for name, a, b in zip(("O", "dQ", "dK", "dV"), fused, emulated):
+        ok, msg = agree(a, b, top, O_FRAC if name == "O" else 1.0)
+        assert ok, (name, msg)
+    for name, a, b, c in zip(("dQ", "dK"), fused[1:3], emulated[1:3], bf16_o[1:3]):
+        assert (a.double() - b.double()).norm() < 0.5 * (a.double() - c.double()).norm(), name
+
+
 @pytest.mark.parametrize("source", ["dP·P", "recompute_fp32"])
 @pytest.mark.parametrize("policy", ["fa2", "paper"])
 def test_delta_sources_agree_with_the_emulation(gen, source, policy):
@@ -327,8 +352,9 @@ def test_torch_compile_traces_through_without_graph_break(gen):
 
 def test_custom_ops_pass_the_opcheck(gen):
     q, k, v, _ = make(gen, 1, 2, 20, 16)
-    args = (q, k, v, True, 0.25, 2, 2.0, 1e-3, 0.13, 8.4, False, 0, False, 0)
-    torch.library.opcheck(triton_op.attn_fwd, args, test_utils=("test_schema", "test_faketensor"))
+    for delta_src in (0, triton_op.KEEP_O32):
+        args = (q, k, v, True, 0.25, 2, 2.0, 1e-3, 0.13, 8.4, False, 0, False, True, delta_src)
+        torch.library.opcheck(triton_op.attn_fwd, args, test_utils=("test_schema", "test_faketensor"))
 
 
 BAD = [
@@ -337,14 +363,15 @@ BAD = [
     (dict(policy="fp32"), ValueError, r"not implemented by backend='triton'"),
     (dict(policy="paper", dtype=torch.float16), ValueError, r"not implemented by backend='triton'"),
     (dict(policy=PrecisionPolicy.preset("fa2").replace(hp_heads=(0,))), ValueError, r"not implemented"),
-    (dict(policy=PrecisionPolicy.preset("paper").replace(out="e8m4")), ValueError, r"in one format bf16 or e8m1-e8m6"),
+    (dict(policy=PrecisionPolicy.preset("paper").replace(out="e8m4")), ValueError, r"in one format bf16, e8m1-e8m6"),
     (dict(policy=PrecisionPolicy.preset("fa2").replace(out="e8m4:rtz")), ValueError, r"not implemented"),
     (dict(policy=PrecisionPolicy.preset("paper").replace(acc="e8m5:stochastic", row_sum="e8m5", out="e8m5")),
      ValueError, r"\(nearest-even, or ':stochastic'\)"),
     (dict(policy=PrecisionPolicy.preset("fa2").replace(out="bf16:stochastic"), dtype=torch.float16), ValueError,
      r"not implemented"),
     (dict(policy=PrecisionPolicy.preset("fa2").replace(out="e5m2")), ValueError, r"not implemented"),
-    (dict(policy=PrecisionPolicy.preset("fa2").replace(out="fp32")), ValueError, r"or fp32 with delta 'dP·P'"),
+    (dict(policy=PrecisionPolicy.preset("paper").replace(acc="e8m5", row_sum="e8m4", out="fp32")), ValueError,
+     r"acc and row_sum \(and out, or out=fp32\), in one format"),
 ]
 
 

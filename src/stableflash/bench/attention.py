@@ -30,10 +30,13 @@ OURS = {
     "ours-dpp": (True, "fa2", {"delta": "dP·P"}),
     "ours-recompute": (True, "fa2", {"delta": "recompute_fp32"}),
     "ours-sr-out": (True, "fa2", {"out": "{low}:stochastic"}),
+    # O kept in fp32 by the forward for δ = rowsum(dO ∘ O) (one fp32 store; the model still gets bf16)
+    "ours-o32": (True, "fa2", {"out": "fp32"}),
     # the accelerated reproduction's arithmetic (ℓ, Ō, O in e8m5 under the "paper" emulation), with
     # those three rounded to nearest-even and stochastically: what its mitigation costs there
     "ours-e8m5": (False, "paper", _E8M5),
     "ours-e8m5-sr": (False, "paper", {k: f"{v}:stochastic" for k, v in _E8M5.items()}),
+    "ours-e8m5-o32": (False, "paper", {**_E8M5, "out": "fp32"}),
 }
 PROVIDERS = (*OURS, "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex")
 PEERS = ("sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex")

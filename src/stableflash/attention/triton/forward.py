@@ -16,6 +16,9 @@ the bias bf16 shows over thousands of steps appears in hundreds. O is stored in 
 MBITS = 23 keeps them in fp32 (the high-precision control; O is then rounded once, on the store).
 SR = 1 rounds those narrowing points, and the bf16 O store, stochastically instead of to nearest
 (unbiased; ``seed`` and the element's place pick the random bits, so a call is reproducible).
+O_NARROW = 0 leaves O out of the narrowing (the "paper" mode's ℓ and Ō narrowed, O not: an fp32 O);
+O32 = 1 also stores O in fp32 (before it is rounded to the input dtype) for the backward's
+δ = rowsum(dO ∘ O): the policy's ``out=fp32`` with δ from dO·O, at the cost of one fp32 store.
 """
 import triton
 import triton.language as tl
@@ -79,13 +82,14 @@ def _fwd_blocks(acc, l_i, m_i, r_i, q, K, V, stride_kn, stride_vn, offs_m, offs_
 
 
 @triton.jit
-def attn_fwd_kernel(Q, K, V, O, LSE,
+def attn_fwd_kernel(Q, K, V, O, LSE, O32,
                     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
                     stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om,
                     n_heads, group, n_q, n_k, scale, beta, eps, lo, hi, period, seed,
                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     CAUSAL: tl.constexpr, STAB: tl.constexpr, EMU: tl.constexpr, MBITS: tl.constexpr,
-                    SR: tl.constexpr, TMA: tl.constexpr, INTERP: tl.constexpr):
+                    SR: tl.constexpr, O_NARROW: tl.constexpr, KEEP_O32: tl.constexpr, TMA: tl.constexpr,
+                    INTERP: tl.constexpr):
     # the last query blocks see the most keys under a causal mask: launch them first, so that the
     # grid's tail is made of short programs (longest-processing-time-first scheduling)
     start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
@@ -127,7 +131,9 @@ def attn_fwd_kernel(Q, K, V, O, LSE,
     else:
         o = acc / l_i[:, None]
         lse = (m_i + tl.log2(l_i)) * 0.6931471805599453
-    if MBITS > 0 or SR:                        # the O store: e8mY, or bf16 rounded stochastically
+    if KEEP_O32:                               # contiguous (B, H, Nq, d) fp32, for δ only
+        tl.store(O32 + (bh * n_q + offs_m[:, None]) * HEAD_DIM + offs_d[None, :], o, mask=offs_m[:, None] < n_q)
+    if O_NARROW and (MBITS > 0 or SR):         # the O store: e8mY, or bf16 rounded stochastically
         o = narrow(o, MBITS, SR, seed - 1, rows[:, None] * HEAD_DIM + offs_d[None, :], INTERP)
     O += b * stride_ob + h * stride_oh
     tl.store(O + offs_m[:, None] * stride_om + offs_d[None, :], cast(o, O.dtype.element_ty, INTERP),

@@ -7,14 +7,15 @@ import torch
 
 from stableflash.attention.policy import PrecisionPolicy, memoize, parse_point
 from stableflash.attention.shift import ShiftRule
-from stableflash.attention.triton.op import DELTA_SOURCES, DTYPES, HEAD_DIMS, RULE_CODES, attention, interpreting
+from stableflash.attention.triton.op import (DELTA_SOURCES, DTYPES, HEAD_DIMS, KEEP_O32, RULE_CODES, attention,
+                                             interpreting)
 
 SUPPORT = {
     "head_dims": HEAD_DIMS,
     "dtypes": DTYPES,
     "policies": "'fa2' (bf16 or fp16) or 'paper' (bf16), with delta 'dO·O', 'dP·P' or 'recompute_fp32'; "
-                "for bf16, 'fa2' with out, or 'paper' with acc, row_sum and out all, in one format bf16 or "
-                "e8m1-e8m6 (nearest-even, or ':stochastic'), or fp32 with delta 'dP·P' or 'recompute_fp32'",
+                "for bf16, 'fa2' with out, or 'paper' with acc and row_sum (and out, or out=fp32), in one "
+                "format bf16, e8m1-e8m6 (nearest-even, or ':stochastic') or fp32",
 }
 
 
@@ -49,12 +50,13 @@ def _narrow_bits(point: str) -> tuple[int, bool] | None:
 
 
 @memoize
-def kernel_mode(policy: PrecisionPolicy, dtype: torch.dtype) -> tuple[bool, int, bool, int]:
-    """(emu, mantissa bits, stochastic, delta source code) of the kernels that implement ``policy``;
-    ValueError otherwise. Mantissa bits > 0: the e8mY format of O ("fa2") or of ℓ, Ō and O
-    ("paper"); 23 keeps them in fp32. Stochastic: those points (or a bf16 O) rounded stochastically.
-    The kernels store O in the input dtype, so an fp32 O (which the emulated backend also hands back
-    in the input dtype) needs a δ that does not read the stored O."""
+def kernel_mode(policy: PrecisionPolicy, dtype: torch.dtype) -> tuple[bool, int, bool, int, bool]:
+    """(emu, mantissa bits, stochastic, delta source code, O narrowed) of the kernels that implement
+    ``policy``; ValueError otherwise. Mantissa bits > 0: the e8mY format of O ("fa2") or of ℓ, Ō and
+    O ("paper"); 23 keeps them in fp32. Stochastic: those points (or a bf16 O) rounded
+    stochastically. The kernels hand O back in the input dtype (as the emulated backend does); an
+    fp32 ``out`` with δ from dO·O makes the forward keep an fp32 O for δ (delta code KEEP_O32), and
+    under "paper" ``out=fp32`` may follow narrowed ℓ and Ō (O narrowed: False)."""
     low = "fp16" if dtype == torch.float16 else "bf16"
     for name, emu, narrowed in (("fa2", False, ("out",)), ("paper", True, ("acc", "row_sum", "out"))):
         preset = replace(PrecisionPolicy.preset(name, low), name="custom")
@@ -63,12 +65,14 @@ def kernel_mode(policy: PrecisionPolicy, dtype: torch.dtype) -> tuple[bool, int,
             continue
         if low != "bf16":
             if all(getattr(policy, f) == getattr(preset, f) for f in narrowed):
-                return emu, 0, False, DELTA_SOURCES[policy.delta]
+                return emu, 0, False, DELTA_SOURCES[policy.delta], True
             continue
-        modes = {_narrow_bits(getattr(policy, f)) for f in narrowed}
-        if len(modes) == 1 and None not in modes and not (modes == {(23, False)} and policy.delta == "dO·O"):
-            bits, stochastic = modes.pop()
-            return emu, bits, stochastic, DELTA_SOURCES[policy.delta]
+        inner = {_narrow_bits(getattr(policy, f)) for f in narrowed[:-1]} or {_narrow_bits(policy.out)}
+        out = _narrow_bits(policy.out)
+        if len(inner) == 1 and None not in inner and out in (*inner, (23, False)):
+            bits, stochastic = inner.pop()
+            delta = KEEP_O32 if out == (23, False) and policy.delta == "dO·O" else DELTA_SOURCES[policy.delta]
+            return emu, bits, stochastic, delta, out != (23, False) or bits == 23
     raise ValueError(f"policy={policy.describe()} is not implemented by backend='triton'; accepted: "
                      f"{SUPPORT['policies']} — use backend='emulated' for any other policy")
 
@@ -76,6 +80,6 @@ def kernel_mode(policy: PrecisionPolicy, dtype: torch.dtype) -> tuple[bool, int,
 def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float,
                      rule: ShiftRule, policy: PrecisionPolicy) -> torch.Tensor:
     """The fused kernels, differentiable. Inputs validated by ``flash_attention`` and ``check_inputs``."""
-    emu, mbits, stochastic, delta_src = kernel_mode(policy, q.dtype)
+    emu, mbits, stochastic, delta_src, o_narrow = kernel_mode(policy, q.dtype)
     return attention(q, k, v, causal, scale, RULE_CODES[rule.kind], float(rule.beta), float(rule.eps),
-                     float(rule.min_shift), float(rule.max_shift), emu, mbits, delta_src, stochastic)
+                     float(rule.min_shift), float(rule.max_shift), emu, mbits, delta_src, stochastic, o_narrow)

@@ -24,6 +24,7 @@ LOG2E = 1.0 / math.log(2.0)
 HEAD_DIMS = (16, 32, 64, 128, 256)
 DTYPES = (torch.float16, torch.bfloat16)
 DELTA_SOURCES = {"dO·O": 0, "dP·P": 1, "recompute_fp32": 2}
+KEEP_O32 = 3        # δ from dO·O with the O the forward kept in fp32 (a policy's out=fp32, delta dO·O)
 RULE_CODES = {"standard": 0, "paper": 1, "ours": 2, "bounded": 3}
 
 
@@ -51,6 +52,7 @@ DKDV_CONFIGS = [_cfg(32, 64, 4, 3), _cfg(64, 128, 8, 3), _cfg(32, 128, 4, 3), _c
 DQ_CONFIGS = [_cfg(64, 64, 4, 3), _cfg(128, 64, 8, 3), _cfg(128, 64, 8, 2), _cfg(128, 32, 8, 3),
               _cfg(64, 16, 4, 2)]
 _KEY = ["n_q", "n_k", "HEAD_DIM", "CAUSAL"]
+_FWD_MODE = ["STAB", "EMU", "MBITS", "SR", "O_NARROW", "KEEP_O32"]
 _prune = {"early_config_prune": _fits}
 
 
@@ -63,9 +65,9 @@ def _with_tma(configs: list[triton.Config], tma: list[tuple[int, int, int, int]]
 # where TMA is possible the forward's tuner also tries the key loop through tensor descriptors
 # (faster at head_dim 128, slower at 64: benchmarks/results/tune-tma-atomic-H200-2026-11-22.txt;
 # the backward kernels gained nothing end to end: tune-bwd-tma-H200-2026-11-22.txt)
-_fwd_tuned = triton.autotune(FWD_CONFIGS, key=_KEY + ["STAB", "EMU", "MBITS", "SR"], prune_configs_by=_prune)(attn_fwd_kernel)
+_fwd_tuned = triton.autotune(FWD_CONFIGS, key=_KEY + _FWD_MODE, prune_configs_by=_prune)(attn_fwd_kernel)
 _fwd_tma_tuned = triton.autotune(_with_tma(FWD_CONFIGS, [(64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3)]),
-                                 key=_KEY + ["STAB", "EMU", "MBITS", "SR"], prune_configs_by=_prune)(attn_fwd_kernel)
+                                 key=_KEY + _FWD_MODE, prune_configs_by=_prune)(attn_fwd_kernel)
 _dkdv_tuned = triton.autotune(DKDV_CONFIGS, key=_KEY + ["EMU"], prune_configs_by=_prune)(attn_bwd_dkdv_kernel)
 _dq_tuned = triton.autotune(DQ_CONFIGS, key=_KEY + ["EMU"], prune_configs_by=_prune)(attn_bwd_dq_kernel)
 # under the interpreter: one small tile, so that short test sequences still span several blocks
@@ -155,43 +157,52 @@ def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
 
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, rule: int,
              beta: float, eps: float, min_shift: float, max_shift: float, emu: bool,
-             mbits: int, stochastic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(O, LSE): O like q, LSE (B, H, Nq) fp32 in natural log. ``stochastic`` rounds the narrowing
-    points stochastically, with a seed drawn from torch's default generator (so ``torch.manual_seed``
-    makes a run reproducible and checkpoints carry the stream on)."""
+             mbits: int, stochastic: bool = False, o_narrow: bool = True,
+             keep_o32: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(O, LSE, O32): O like q, LSE (B, H, Nq) fp32 in natural log, O32 the fp32 O for δ when
+    ``keep_o32`` (else an empty tensor). ``stochastic`` rounds the narrowing points stochastically,
+    with a seed drawn from torch's default generator (so ``torch.manual_seed`` makes a run
+    reproducible and checkpoints carry the stream on). ``o_narrow`` false: ``mbits`` narrows ℓ and
+    Ō only, not O."""
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     B, H, n_q, d = q.shape
     n_k = k.shape[2]
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, H, n_q, dtype=torch.float32, device=q.device)
+    o32 = torch.empty(q.shape if keep_o32 else (0,), dtype=torch.float32, device=q.device)
     scale_u, eps_u, lo, hi, period = _units(emu, scale, eps, min_shift, max_shift)
     # streams seed − 1 (O) and seed + 3b, seed + 3b + 1 (Ō, ℓ of key block b) stay positive int32
     seed = int(torch.randint(1, 2**30, (1,))) if stochastic else 0
     grid = lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]), B * H)  # noqa: E731
-    _launch(_fwd_tuned, attn_fwd_kernel, grid, q, k, v, o, lse, *_strides(q), *_strides(k), *_strides(v),
+    _launch(_fwd_tuned, attn_fwd_kernel, grid, q, k, v, o, lse, o32, *_strides(q), *_strides(k), *_strides(v),
             *_strides(o), H, H // k.shape[1], n_q, n_k, scale_u, beta, eps_u, lo, hi, period,
             seed, tma_tuned=_fwd_tma_tuned, tma=_use_tma(k, v), fixed=emu, HEAD_DIM=d, CAUSAL=causal,
-            STAB=rule, EMU=emu, MBITS=mbits, SR=stochastic)
-    return o, lse
+            STAB=rule, EMU=emu, MBITS=mbits, SR=stochastic, O_NARROW=o_narrow, KEEP_O32=keep_o32)
+    return o, lse, o32
 
 
 @torch.library.custom_op("stableflash::attn_fwd", mutates_args=())
 def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, rule: int,
              beta: float, eps: float, min_shift: float, max_shift: float, emu: bool, mbits: int,
-             stochastic: bool, delta_src: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(O, LSE): O like q, LSE (B, H, Nq) fp32 in natural log. ``delta_src`` is for the backward."""
-    return _forward(q, k, v, causal, scale, rule, beta, eps, min_shift, max_shift, emu, mbits, stochastic)
+             stochastic: bool, o_narrow: bool, delta_src: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(O, LSE, O32): O like q, LSE (B, H, Nq) fp32 in natural log, O32 the fp32 O that δ reads
+    (``delta_src`` = 3) or an empty tensor."""
+    return _forward(q, k, v, causal, scale, rule, beta, eps, min_shift, max_shift, emu, mbits, stochastic,
+                    o_narrow, delta_src == KEEP_O32)
 
 
 @attn_fwd.register_fake
-def _(q, k, v, causal, scale, rule, beta, eps, min_shift, max_shift, emu, mbits, stochastic, delta_src):
-    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
+def _(q, k, v, causal, scale, rule, beta, eps, min_shift, max_shift, emu, mbits, stochastic, o_narrow, delta_src):
+    o32 = q.new_empty(q.shape if delta_src == KEEP_O32 else (0,), dtype=torch.float32)
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32), o32
 
 
 def _backward_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                    lse: torch.Tensor, causal: bool, scale: float, emu: bool,
                    delta_src: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dQ, dK, dV) for the forward that produced ``o`` and ``lse``."""
+    """(dQ, dK, dV) for the forward that produced ``o`` and ``lse`` (``o``: the fp32 O when the
+    forward kept one, which δ = rowsum(dO ∘ O) then reads)."""
+    delta_src = 0 if delta_src == KEEP_O32 else delta_src
     do, q, k, v, o = (_last_dim_contiguous(t) for t in (do, q, k, v, o))
     B, H, n_q, d = q.shape
     Hk, n_k = k.shape[1], k.shape[2]
@@ -234,17 +245,17 @@ def _(do, q, k, v, o, lse, causal, scale, emu, delta_src):
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, causal, scale, _rule, _beta, _eps, _lo, _hi, emu, _mbits, _stochastic, delta_src = inputs
-    o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse)
+    q, k, v, causal, scale, _rule, _beta, _eps, _lo, _hi, emu, _mbits, _stochastic, _o_narrow, delta_src = inputs
+    o, lse, o32 = output
+    ctx.save_for_backward(q, k, v, o32 if delta_src == KEEP_O32 else o, lse)
     ctx.args = (causal, scale, emu, delta_src)
 
 
-def _backward(ctx, do, _dlse):
+def _backward(ctx, do, _dlse, _do32):
     q, k, v, o, lse = ctx.saved_tensors
     causal, scale, emu, delta_src = ctx.args
     dq, dk, dv = attn_bwd(do, q, k, v, o, lse, causal, scale, emu, delta_src)
-    return dq, dk, dv, *[None] * 11
+    return dq, dk, dv, *[None] * 12
 
 
 attn_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -255,9 +266,10 @@ class _EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, causal, scale, rule, beta, eps, min_shift, max_shift, emu, mbits, stochastic,
-                delta_src):
-        o, lse = _forward(q, k, v, causal, scale, rule, beta, eps, min_shift, max_shift, emu, mbits, stochastic)
-        ctx.save_for_backward(q, k, v, o, lse)
+                o_narrow, delta_src):
+        o, lse, o32 = _forward(q, k, v, causal, scale, rule, beta, eps, min_shift, max_shift, emu, mbits,
+                               stochastic, o_narrow, delta_src == KEEP_O32)
+        ctx.save_for_backward(q, k, v, o32 if delta_src == KEEP_O32 else o, lse)
         ctx.args = (causal, scale, emu, delta_src)
         return o
 
@@ -265,16 +277,18 @@ class _EagerAttention(torch.autograd.Function):
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
         dq, dk, dv = _backward_impl(do, q, k, v, o, lse, *ctx.args)
-        return dq, dk, dv, *[None] * 11
+        return dq, dk, dv, *[None] * 12
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, rule: int,
               beta: float, eps: float, min_shift: float, max_shift: float, emu: bool, mbits: int,
-              delta_src: int, stochastic: bool = False) -> torch.Tensor:
+              delta_src: int, stochastic: bool = False, o_narrow: bool = True) -> torch.Tensor:
     """O, differentiable: the custom op under torch.compile, the autograd.Function in eager mode.
     ``mbits`` > 0 narrows the forward's O (and, with ``emu``, ℓ and Ō) to that many mantissa bits;
-    ``stochastic`` rounds those points (and a bf16 O) stochastically."""
-    args = (q, k, v, causal, scale, rule, beta, eps, min_shift, max_shift, emu, mbits, stochastic, delta_src)
+    ``stochastic`` rounds those points (and a bf16 O) stochastically; ``o_narrow`` false leaves O out
+    of the narrowing. ``delta_src`` KEEP_O32: the forward keeps an fp32 O, which δ reads."""
+    args = (q, k, v, causal, scale, rule, beta, eps, min_shift, max_shift, emu, mbits, stochastic, o_narrow,
+            delta_src)
     if torch.compiler.is_compiling():
         return attn_fwd(*args)[0]
     return _EagerAttention.apply(*args)
