@@ -39,6 +39,17 @@ for g in $groups; do
     fp32-fwd) bash $d start l-fp32-fwd kernel-paper-e8m5 --seeds 1 --roles baseline --steps 6000 \
            --set "attention=triton policy=paper acc=fp32 row_sum=fp32 out=fp32";;
     fa2-e8m4) bash $d start fa2-e8m4 kernel-fa2-e8m4 --seeds 0 1 2 --roles baseline --steps 7500 --parallel 3;;
+    # next: mitigations on real FA2 arithmetic with a narrow O, the FP8 regime, the whole ladder on
+    # the kernels (only "tiling off" stays emulated), and the monitor's automatic switch
+    fa2-e8m4-m) bash $d start fa2-e8m4-m kernel-fa2-e8m4 --seeds 0 1 2 --roles stabilized control --steps 7500 --parallel 6
+           bash $d start fa2-e8m4-o32 kernel-fa2-e8m4 --seeds 0 1 2 --roles baseline --steps 7500 --parallel 3 \
+             --set "attention=triton policy=fa2 out=fp32 rule=ours"
+           bash $d start fa2-e8m4-rule kernel-fa2-e8m4 --seeds 0 1 2 --roles baseline --steps 7500 --parallel 3 \
+             --set "attention=triton policy=fa2 out=e8m4 rule=ours";;
+    fp8) bash $d start fa2-fp8 kernel-fa2-fp8 --seeds 0 1 2 --parallel 9 --steps 7500;;
+    ladder-all) bash $d start ladder1-all kernel-paper-e8m5 --ladder --seeds 1 --parallel 9 --steps 6000;;
+    switch) bash $d start m-switch kernel-paper-e8m5 --seeds 0 1 2 --roles baseline --steps 7500 --parallel 3 \
+           --set monitor=switch --set "monitor_switch_to=delta=dP*P";;
     *) echo "unknown group $g"; exit 2;;
   esac
 done

@@ -8,13 +8,13 @@ import torch
 
 import stableflash as sf
 from stableflash.attention import PrecisionPolicy, reference
-from stableflash.numerics import round_to, ulp
+from stableflash.numerics import get_format, round_to, ulp
 from tests.conftest import DEVICE, rel_err
 
 triton = pytest.importorskip("triton")
 from stableflash.attention.triton import op as triton_op  # noqa: E402  (after TRITON_INTERPRET is set)
 import triton.language as tl  # noqa: E402
-from stableflash.attention.triton.common import round_mantissa_stochastic  # noqa: E402
+from stableflash.attention.triton.common import p_bar_v, round_format, round_mantissa_stochastic  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")   # interpreter: numpy's inf − inf
 gpu = pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA device")
@@ -142,6 +142,59 @@ def _stochastic_e8m3(X, Y, seed, N: tl.constexpr):
     tl.store(Y + offs, round_mantissa_stochastic(tl.load(X + offs), 3, seed, offs))
 
 
+@triton.jit
+def _p_bar_v(P, V, Y, hp, PBAR32: tl.constexpr, HP: tl.constexpr, INTERP: tl.constexpr):
+    i = tl.arange(0, 16)
+    p = tl.load(P + i[:, None] * 16 + i[None, :])
+    v = tl.load(V + i[:, None] * 16 + i[None, :])
+    tl.store(Y + i[:, None] * 16 + i[None, :], p_bar_v(p, v, hp != 0, PBAR32, HP, INTERP))
+
+
+def test_p_bar_v_multiplies_p_bar_in_fp32_only_when_asked():
+    """P̄ = 1 − 2⁻¹⁰ rounds to 1 in bf16: the tensor-core product sums 16 ones, the fp32 one
+    16·(1 − 2⁻¹⁰) — for every head with PBAR32, and only for the fp32 heads with HP."""
+    p = torch.full((16, 16), 1 - 2 ** -10, device=DEVICE)
+    v = torch.ones(16, 16, device=DEVICE, dtype=torch.bfloat16)
+    interp = DEVICE == "cpu"
+    exact, rounded = 16 * (1 - 2 ** -10), 16.0
+    for pbar32, hp_on, hp, want in ((False, False, 0, rounded), (True, False, 0, exact), (False, True, 0, rounded),
+                                    (False, True, 1, exact)):
+        y = torch.empty(16, 16, device=DEVICE)
+        _p_bar_v[(1,)](p, v, y, hp, PBAR32=pbar32, HP=hp_on, INTERP=interp)
+        assert torch.allclose(y, torch.full_like(y, want), rtol=0, atol=1e-6), (pbar32, hp_on, hp)
+
+
+@triton.jit
+def _round_format(X, Y, FMT: tl.constexpr, N: tl.constexpr, INTERP: tl.constexpr):
+    offs = tl.arange(0, N)
+    tl.store(Y + offs, round_format(tl.load(X + offs), FMT, INTERP))
+
+
+@pytest.mark.parametrize("name,code", [("fp16", 30), ("fp8_e5m2", 31), ("fp8_e4m3", 32), ("e8m3", 3), ("bf16", 0)])
+def test_round_format_matches_the_numerics_module(name, code):
+    """The kernels' rounding to fp16 and fp8 (normal, subnormal, ties, overflow to inf or to the
+    largest finite value, NaN) gives exactly what ``numerics.round_to`` gives."""
+    gen = torch.Generator().manual_seed(5)
+    fmt = get_format(name)
+    q = fmt.min_subnormal if fmt.min_subnormal > 0 else fmt.min_normal
+    # the subnormal range: of fp16 and fp8 only (the e8 formats' is fp32's, which a GPU flushes to zero)
+    small = fmt.exp_bits < 8
+    x = torch.cat([torch.randn(400, generator=gen) * 4.0 ** torch.randint(-6, 6, (400,), generator=gen),
+                   torch.randn(200 * small, generator=gen) * fmt.min_normal * 2,
+                   torch.arange(-40, 41)[: 81 * small] * q * 0.5,                   # halfway cases below min normal
+                   torch.tensor([fmt.max_finite, fmt.max_finite * 1.02, -fmt.max_finite * 1.2, 1e30, -1e30,
+                                 float("inf"), float("-inf"), float("nan"), 0.0, -0.0])]).float()
+    x = x[: 1024].contiguous()
+    n = 1024
+    x = torch.nn.functional.pad(x, (0, n - x.numel())).to(DEVICE)
+    y = torch.empty_like(x)
+    _round_format[(1,)](x, y, FMT=code, N=n, INTERP=DEVICE == "cpu")
+    want = round_to(x.cpu().double(), fmt).float()
+    got = y.cpu()
+    same = (got == want) | (got.isnan() & want.isnan())
+    assert same.all(), (x.cpu()[~same][:5], got[~same][:5], want[~same][:5])
+
+
 def test_stochastic_rounding_helper_is_unbiased():
     """round_mantissa_stochastic: every result is one of the two e8m3 neighbours, and the mean of
     many roundings approaches the input (nearest-even's error does not shrink)."""
@@ -242,6 +295,70 @@ def test_fp32_o_kept_for_delta_agrees_with_the_emulated_policy(gen, policy):
         assert ok, (name, msg)
     for name, a, b, c in zip(("dQ", "dK"), fused[1:3], emulated[1:3], bf16_o[1:3]):
         assert (a.double() - b.double()).norm() < 0.5 * (a.double() - c.double()).norm(), name
+
+
+E8M5 = PrecisionPolicy.preset("paper").replace(acc="e8m5", row_sum="e8m5", out="e8m5")
+LADDER = [E8M5.replace(hp_heads=(1,)), E8M5.replace(p_bar="fp32", acc="fp32"),
+          PrecisionPolicy.preset("fa2").replace(hp_heads=(0,)), PrecisionPolicy.preset("fa2").replace(p_bar="fp32"),
+          E8M5.replace(hp_heads=(0,), delta="dP·P")]
+
+
+@pytest.mark.parametrize("policy", LADDER, ids=lambda p: p.describe().replace(" ", ""))
+def test_per_head_fp32_and_fp32_p_bar_agree_with_the_emulated_policy(gen, policy):
+    """The isolation ladder's last rungs on the kernels: heads kept in fp32 (``hp_heads``: P̄, Ō, ℓ,
+    O, and δ from that fp32 O), and P̄V with P̄ in fp32. Each agrees with the emulated policy, and
+    the fp32 head really is wider: its O is not representable in the others' format."""
+    q, k, v, do = make(gen, 2, 2, 70, 32)
+    kw = dict(causal=True, stabilize=True)
+    fused = run(q, k, v, do, backend="triton", policy=policy, **kw)
+    emulated = run(q, k, v, do, backend="emulated", policy=policy, block_q=32,
+                   block_k=triton_op.key_block(32), **kw)
+    fmt = policy.point("row_sum")[0] if policy.name.startswith("paper") else policy.point("out")[0]
+    top = 2.0 * 2.0 ** max(0, 7 - fmt.man_bits)
+    for name, a, b in zip(("O", "dQ", "dK", "dV"), fused, emulated):
+        ok, msg = agree(a, b, top, O_FRAC if name == "O" else 1.0)
+        assert ok, (name, msg)
+    if policy.hp_heads and fmt.man_bits < 7:
+        h = policy.hp_heads[0]
+        narrow_o = fused[0][:, 1 - h].float()
+        assert torch.equal(narrow_o, round_to(narrow_o, fmt))
+        assert not torch.equal(fused[0][:, h].float(), round_to(fused[0][:, h].float(), fmt))
+
+
+FORMATS = [PrecisionPolicy.preset("fa2").replace(p_bar=f, out=f) for f in ("fp8_e4m3", "fp8_e5m2", "fp16")]
+FORMATS += [PrecisionPolicy.preset("fa2").replace(p_bar="fp8_e4m3"),
+            PrecisionPolicy.preset("paper").replace(acc="fp16", row_sum="fp16", out="fp16"),
+            PrecisionPolicy.preset("paper").replace(p_bar="fp8_e4m3", acc="fp8_e4m3", row_sum="fp8_e4m3",
+                                                    out="fp8_e4m3")]
+
+
+@pytest.mark.parametrize("policy", FORMATS, ids=lambda p: f"{p.name}-p_bar={p.p_bar}-out={p.out}")
+def test_fp16_and_fp8_points_agree_with_the_emulated_policy(gen, policy):
+    """P̄ and O (and ℓ, Ō under "paper") in fp16, fp8 e5m2 or e4m3 on the kernels: they round
+    where the emulated backend rounds, to the same values; an fp8 O is representable in fp8."""
+    q, k, v, do = make(gen, 2, 2, 70, 32)
+    kw = dict(causal=True, stabilize=True, policy=policy)
+    fused = run(q, k, v, do, backend="triton", **kw)
+    emulated = run(q, k, v, do, backend="emulated", block_q=32, block_k=triton_op.key_block(32), **kw)
+    narrowest = min(policy.point(f)[0].man_bits for f in ("p_bar", "acc", "row_sum", "out"))
+    top = 2.0 * 2.0 ** max(0, 7 - narrowest)
+    for name, a, b in zip(("O", "dQ", "dK", "dV"), fused, emulated):
+        ok, msg = agree(a, b, top, O_FRAC if name == "O" else 1.0)
+        assert ok, (name, msg)
+    out = policy.point("out")[0]
+    if out.man_bits < 7:
+        assert torch.equal(fused[0].float(), round_to(fused[0].float(), out))
+    if policy.p_bar != "bf16":       # the rounding of P̄ shows: not what the bf16 policy computes
+        plain = run(q, k, v, do, backend="triton", causal=True, stabilize=True,
+                    policy=policy.replace(p_bar="bf16"))
+        assert not torch.equal(fused[1], plain[1])
+
+
+def test_heads_above_the_kernels_mask_are_refused_by_name():
+    from stableflash.attention.triton.launch import kernel_mode
+    with pytest.raises(ValueError, match=r"hp_heads=\(2, 31\) has a head above 30"):
+        kernel_mode(E8M5.replace(hp_heads=(2, 31)), torch.bfloat16)
+    assert kernel_mode(E8M5.replace(hp_heads=(2, 30)), torch.bfloat16).hp_mask == (1 << 2) | (1 << 30)
 
 
 @pytest.mark.parametrize("source", ["dP·P", "recompute_fp32"])
@@ -352,8 +469,9 @@ def test_torch_compile_traces_through_without_graph_break(gen):
 
 def test_custom_ops_pass_the_opcheck(gen):
     q, k, v, _ = make(gen, 1, 2, 20, 16)
-    for delta_src in (0, triton_op.KEEP_O32):
-        args = (q, k, v, True, 0.25, 2, 2.0, 1e-3, 0.13, 8.4, False, 0, False, True, delta_src)
+    for delta_src, hp_mask in ((0, 0), (triton_op.KEEP_O32, 0), (triton_op.KEEP_O32, 2)):
+        args = (q, k, v, True, 0.25, 2, 2.0, 1e-3, 0.13, 8.4, False, 0, False, triton_op.NARROW_ALL, hp_mask,
+                delta_src)
         torch.library.opcheck(triton_op.attn_fwd, args, test_utils=("test_schema", "test_faketensor"))
 
 
@@ -362,8 +480,8 @@ BAD = [
     (dict(d=48), ValueError, r"supports head_dim in \(16, 32, 64, 128, 256\); got head_dim=48"),
     (dict(policy="fp32"), ValueError, r"not implemented by backend='triton'"),
     (dict(policy="paper", dtype=torch.float16), ValueError, r"not implemented by backend='triton'"),
-    (dict(policy=PrecisionPolicy.preset("fa2").replace(hp_heads=(0,))), ValueError, r"not implemented"),
-    (dict(policy=PrecisionPolicy.preset("paper").replace(out="e8m4")), ValueError, r"in one format bf16, e8m1-e8m6"),
+    (dict(policy=PrecisionPolicy.preset("fa2").replace(p_bar="e8m5")), ValueError, r"not implemented"),
+    (dict(policy=PrecisionPolicy.preset("paper").replace(out="e8m4")), ValueError, r"in one shared format bf16, e8m1-e8m6"),
     (dict(policy=PrecisionPolicy.preset("fa2").replace(out="e8m4:rtz")), ValueError, r"not implemented"),
     (dict(policy=PrecisionPolicy.preset("paper").replace(acc="e8m5:stochastic", row_sum="e8m5", out="e8m5")),
      ValueError, r"\(nearest-even, or ':stochastic'\)"),
@@ -371,7 +489,7 @@ BAD = [
      r"not implemented"),
     (dict(policy=PrecisionPolicy.preset("fa2").replace(out="e5m2")), ValueError, r"not implemented"),
     (dict(policy=PrecisionPolicy.preset("paper").replace(acc="e8m5", row_sum="e8m4", out="fp32")), ValueError,
-     r"acc and row_sum \(and out, or out=fp32\), in one format"),
+     r"each in fp32 or in one shared format"),
 ]
 
 

@@ -68,8 +68,8 @@ def _kernel_can_run(choice_text: str) -> bool:
 def rungs(baseline: str, layer: int, heads: list[int], seq_len: int) -> dict[str, str]:
     """The attention spec of every rung, from a single-choice baseline spec.
 
-    A rung the fused kernels cannot express (another key block, fp32 P̄, fp32 O for some heads) runs
-    on the emulated backend under the same policy, and its
+    A rung the fused kernels cannot express (another key block; fp32 heads above 30) runs on the
+    emulated backend under the same policy, and its
     name says so: the kernels' "paper" switch computes what the emulated "paper" policy does with
     the kernels' key block of 64 (tests/attention/test_triton.py), so the rung changes only what it
     names."""

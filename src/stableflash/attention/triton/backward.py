@@ -43,8 +43,9 @@ def delta_pass_kernel(Q, K, V, DO, LSE, DELTA,
                       n_heads, group, n_q, n_k, scale,
                       HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       CAUSAL: tl.constexpr, DELTA_SRC: tl.constexpr, EMU: tl.constexpr, INTERP: tl.constexpr):
-    """δ from dP·P (DELTA_SRC 1) or from dO·(PV in fp32) (DELTA_SRC 2): one pass over the keys."""
-    start_m = tl.program_id(0) * BLOCK_M
+    """δ from dP·P (DELTA_SRC 1) or from dO·(PV in fp32) (DELTA_SRC 2): one pass over the keys,
+    longest query blocks first (as in the forward)."""
+    start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
     bh = tl.program_id(1)
     b, h = bh // n_heads, bh % n_heads
     hk = h // group

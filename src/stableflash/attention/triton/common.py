@@ -125,13 +125,53 @@ def round_mantissa_stochastic(x, MBITS: tl.constexpr, seed, offsets):
     return y
 
 
+# format codes of a narrowing point beyond the e8mY ones (0 = bf16, 1-6 = e8mY, 23 = fp32)
+FP16 = tl.constexpr(30)
+E5M2 = tl.constexpr(31)
+E4M3 = tl.constexpr(32)
+
+
+@triton.jit
+def _round_small(x, M: tl.constexpr, MIN_NORMAL: tl.constexpr, QUANTUM: tl.constexpr, MAX: tl.constexpr,
+                 SATURATE: tl.constexpr, INTERP: tl.constexpr):
+    """x (fp32) rounded to nearest-even in a format with M mantissa bits, normal numbers from
+    MIN_NORMAL, subnormals in steps of QUANTUM and largest finite value MAX (beyond it: ±MAX when
+    SATURATE, as float8_e4m3fn, else ±inf), returned as fp32 — as ``numerics.round_to`` does."""
+    y = round_mantissa(x, M, INTERP)
+    # below MIN_NORMAL: nearest-even multiple of QUANTUM (|x|/QUANTUM < 2^M: 1.5·2^23 rounds it)
+    sub = ((x * (1.0 / QUANTUM) + 12582912.0) - 12582912.0) * QUANTUM
+    y = tl.where(tl.abs(x) < MIN_NORMAL, sub, y)
+    over = tl.abs(y) > MAX
+    if SATURATE:
+        y = tl.where(over, tl.where(x < 0, -MAX, MAX), y)
+    else:
+        y = tl.where(over, tl.where(x < 0, float("-inf"), float("inf")), y)
+    return tl.where(x == x, y, x)                     # NaN stays NaN
+
+
+@triton.jit
+def round_format(x, FMT: tl.constexpr, INTERP: tl.constexpr):
+    """x (fp32) rounded to nearest-even in format FMT (0 bf16, 1-6 e8mY, 23 fp32, FP16, E5M2,
+    E4M3), returned as fp32."""
+    if FMT == FP16:
+        y = _round_small(x, 10, 6.103515625e-05, 5.9604644775390625e-08, 65504.0, False, INTERP)
+    elif FMT == E5M2:
+        y = _round_small(x, 2, 6.103515625e-05, 1.52587890625e-05, 57344.0, False, INTERP)
+    elif FMT == E4M3:
+        y = _round_small(x, 3, 0.015625, 0.001953125, 448.0, True, INTERP)
+    else:
+        y = round_mantissa(x, FMT, INTERP)
+    return y
+
+
 @triton.jit
 def narrow(x, MBITS: tl.constexpr, SR: tl.constexpr, seed, offsets, INTERP: tl.constexpr):
-    """One narrowing point: nearest-even (``round_mantissa``) or, with SR, stochastic."""
+    """One narrowing point to format MBITS (``round_format``): nearest-even or, with SR (bf16 and
+    e8mY only), stochastic."""
     if SR:
         y = round_mantissa_stochastic(x, MBITS, seed, offsets)
     else:
-        y = round_mantissa(x, MBITS, INTERP)
+        y = round_format(x, MBITS, INTERP)
     return y
 
 
@@ -147,6 +187,32 @@ def bound_rounded_shift(m_new, m_prev, r_new, STAB: tl.constexpr):
     if STAB == OURS or STAB == BOUNDED:
         m_new = tl.where(m_new - r_new > BF16_SHIFT_LIMIT, tl.maximum(m_prev, r_new), m_new)
     return m_new
+
+
+@triton.jit
+def keep_hp(x, narrowed, hp, HP: tl.constexpr):
+    """``narrowed``, or x itself where this head keeps fp32 (HP and hp true)."""
+    if HP:
+        narrowed = tl.where(hp, x, narrowed)
+    return narrowed
+
+
+@triton.jit
+def p_bar_v(p, v, hp, PBAR32: tl.constexpr, HP: tl.constexpr, INTERP: tl.constexpr, PFMT: tl.constexpr = -1):
+    """P̄V with fp32 accumulation: P̄ rounded to V's dtype for the tensor cores, or (PBAR32, or a head
+    kept in fp32) multiplied in fp32. PFMT ≥ 0: P̄ rounded to that format first (``round_format``);
+    bf16, e8mY and fp8 values are exact in bf16, fp16 values in tf32, so the products stay exact."""
+    if PBAR32:
+        pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    elif PFMT == FP16:
+        pv = tl.dot(round_format(p, PFMT, INTERP), v.to(tl.float32), input_precision="tf32")
+    else:
+        if PFMT >= 0:
+            p = round_format(p, PFMT, INTERP)
+        pv = mma(cast(p, v.dtype, INTERP), v, INTERP)
+        if HP:
+            pv = tl.where(hp, tl.dot(p, v.to(tl.float32), input_precision="ieee"), pv)
+    return pv
 
 
 @triton.jit

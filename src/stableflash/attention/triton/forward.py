@@ -16,29 +16,33 @@ the bias bf16 shows over thousands of steps appears in hundreds. O is stored in 
 MBITS = 23 keeps them in fp32 (the high-precision control; O is then rounded once, on the store).
 SR = 1 rounds those narrowing points, and the bf16 O store, stochastically instead of to nearest
 (unbiased; ``seed`` and the element's place pick the random bits, so a call is reproducible).
-O_NARROW = 0 leaves O out of the narrowing (the "paper" mode's ℓ and Ō narrowed, O not: an fp32 O);
-O32 = 1 also stores O in fp32 (before it is rounded to the input dtype) for the backward's
-δ = rowsum(dO ∘ O): the policy's ``out=fp32`` with δ from dO·O, at the cost of one fp32 store.
+ACC_NARROW, ROW_NARROW, O_NARROW = 0 leave Ō, ℓ or O out of the narrowing (a policy's fp32 point);
+PBAR32 multiplies P̄V with P̄ in fp32 (no tensor-core rounding of P̄); PFMT ≥ 0 rounds P̄ to that
+format (bf16, e8mY, fp16, e5m2, e4m3: ``common.round_format``) before the product; HP keeps P̄, Ō, ℓ and O in
+fp32 for the heads set in ``hp_mask`` (a policy's ``hp_heads``). KEEP_O32 also stores O in fp32,
+as the policy stores it (before it is rounded to the input dtype for the model), for the backward's
+δ = rowsum(dO ∘ O): an fp32 ``out`` (or fp32 heads) with δ from dO·O, at the cost of one fp32 store.
 """
 import triton
 import triton.language as tl
 
-from stableflash.attention.triton.common import (bound_rounded_shift, cast, count_ties, mma, narrow, next_shift,
-                                                 round_up_bf16, shift_from_ties, to_bf16)
+from stableflash.attention.triton.common import (bound_rounded_shift, cast, count_ties, keep_hp, mma, narrow,
+                                                 next_shift, p_bar_v, round_up_bf16, shift_from_ties, to_bf16)
 
 LOG2E = 1.4426950408889634
 
 
 @triton.jit
 def _fwd_blocks(acc, l_i, m_i, r_i, q, K, V, stride_kn, stride_vn, offs_m, offs_d, start, stop, n_k,
-                scale, beta, eps, lo, hi, period, seed, rows,
+                scale, beta, eps, lo, hi, period, seed, rows, hp,
                 BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
-                STAB: tl.constexpr, EMU: tl.constexpr, MBITS: tl.constexpr, SR: tl.constexpr, TMA: tl.constexpr,
-                INTERP: tl.constexpr):
+                STAB: tl.constexpr, EMU: tl.constexpr, MBITS: tl.constexpr, SR: tl.constexpr,
+                ACC_NARROW: tl.constexpr, ROW_NARROW: tl.constexpr, PBAR32: tl.constexpr, HP: tl.constexpr,
+                PFMT: tl.constexpr, TMA: tl.constexpr, INTERP: tl.constexpr):
     """Lines 6-11 of Algorithm 1 for key blocks [start, stop). TMA: K and V are tensor
     descriptors (rows past n_k come back as zeros) instead of pointers. ``rows``: the rows' indices
     over the whole (batch, head, query) grid, which with ``seed`` and the key block number pick the
-    random streams of stochastic rounding (SR)."""
+    random streams of stochastic rounding (SR). ``hp`` (with HP): this head keeps P̄, Ō and ℓ in fp32."""
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in range(start, stop, BLOCK_N):
         cols = start_n + offs_n
@@ -64,9 +68,13 @@ def _fwd_blocks(acc, l_i, m_i, r_i, q, K, V, stride_kn, stride_vn, offs_m, offs_
             p = tl.exp2(to_bf16(s - m_new[:, None], INTERP) * 1.4426950408889634)
             alpha = tl.exp2((m_i - m_new) * 1.4426950408889634)
             blk = 3 * (start_n // BLOCK_N)         # streams 3b (Ō) and 3b + 1 (ℓ) of key block b
-            l_i = narrow(l_i * alpha + tl.sum(p, 1), MBITS, SR, seed + blk + 1, rows, INTERP)
-            acc = narrow(acc * alpha[:, None] + mma(cast(p, v.dtype, INTERP), v, INTERP), MBITS, SR, seed + blk,
-                         rows[:, None] * acc.shape[1] + offs_d[None, :], INTERP)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            if ROW_NARROW:
+                l_i = keep_hp(l_i, narrow(l_i, MBITS, SR, seed + blk + 1, rows, INTERP), hp, HP)
+            acc = acc * alpha[:, None] + p_bar_v(p, v, hp, PBAR32, HP, INTERP, PFMT)
+            if ACC_NARROW:
+                acc = keep_hp(acc, narrow(acc, MBITS, SR, seed + blk, rows[:, None] * acc.shape[1] + offs_d[None, :],
+                                          INTERP), hp, HP)
         else:                                      # log2 units; the scale is applied per row and in one FMA
             rm = tl.max(qk, 1) * scale
             ties = rm * 0.0
@@ -76,7 +84,7 @@ def _fwd_blocks(acc, l_i, m_i, r_i, q, K, V, stride_kn, stride_vn, offs_m, offs_
             p = tl.exp2(qk * scale - m_new[:, None])
             alpha = tl.exp2(m_i - m_new)
             l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + mma(cast(p, v.dtype, INTERP), v, INTERP)
+            acc = acc * alpha[:, None] + p_bar_v(p, v, hp, PBAR32, HP, INTERP, PFMT)
         m_i = m_new
     return acc, l_i, m_i, r_i
 
@@ -85,11 +93,12 @@ def _fwd_blocks(acc, l_i, m_i, r_i, q, K, V, stride_kn, stride_vn, offs_m, offs_
 def attn_fwd_kernel(Q, K, V, O, LSE, O32,
                     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
                     stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om,
-                    n_heads, group, n_q, n_k, scale, beta, eps, lo, hi, period, seed,
+                    n_heads, group, n_q, n_k, scale, beta, eps, lo, hi, period, seed, hp_mask,
                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     CAUSAL: tl.constexpr, STAB: tl.constexpr, EMU: tl.constexpr, MBITS: tl.constexpr,
-                    SR: tl.constexpr, O_NARROW: tl.constexpr, KEEP_O32: tl.constexpr, TMA: tl.constexpr,
-                    INTERP: tl.constexpr):
+                    SR: tl.constexpr, ACC_NARROW: tl.constexpr, ROW_NARROW: tl.constexpr, O_NARROW: tl.constexpr,
+                    PBAR32: tl.constexpr, HP: tl.constexpr, PFMT: tl.constexpr, KEEP_O32: tl.constexpr,
+                    TMA: tl.constexpr, INTERP: tl.constexpr):
     # the last query blocks see the most keys under a causal mask: launch them first, so that the
     # grid's tail is made of short programs (longest-processing-time-first scheduling)
     start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
@@ -109,6 +118,9 @@ def attn_fwd_kernel(Q, K, V, O, LSE, O32,
     q = tl.load(Q + offs_m[:, None] * stride_qm + offs_d[None, :], mask=offs_m[:, None] < n_q, other=0.0)
 
     rows = bh * n_q + offs_m                   # this program's rows over the whole grid (SR streams)
+    hp = h < 0                                 # a head the policy keeps in fp32 (hp_heads, heads 0-30)
+    if HP:
+        hp = (((hp_mask >> tl.minimum(h, 30)) & 1) != 0) & (h <= 30)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     r_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -120,21 +132,23 @@ def attn_fwd_kernel(Q, K, V, O, LSE, O32,
     if CAUSAL:
         full = tl.minimum(full, (start_m // BLOCK_N) * BLOCK_N)
     acc, l_i, m_i, r_i = _fwd_blocks(acc, l_i, m_i, r_i, q, K, V, stride_kn, stride_vn, offs_m, offs_d,
-                                     0, full, n_k, scale, beta, eps, lo, hi, period, seed, rows,
-                                     BLOCK_N, CAUSAL, False, STAB, EMU, MBITS, SR, TMA, INTERP)
+                                     0, full, n_k, scale, beta, eps, lo, hi, period, seed, rows, hp,
+                                     BLOCK_N, CAUSAL, False, STAB, EMU, MBITS, SR, ACC_NARROW, ROW_NARROW,
+                                     PBAR32, HP, PFMT, TMA, INTERP)
     acc, l_i, m_i, r_i = _fwd_blocks(acc, l_i, m_i, r_i, q, K, V, stride_kn, stride_vn, offs_m, offs_d,
-                                     full, stop, n_k, scale, beta, eps, lo, hi, period, seed, rows,
-                                     BLOCK_N, CAUSAL, True, STAB, EMU, MBITS, SR, TMA, INTERP)
+                                     full, stop, n_k, scale, beta, eps, lo, hi, period, seed, rows, hp,
+                                     BLOCK_N, CAUSAL, True, STAB, EMU, MBITS, SR, ACC_NARROW, ROW_NARROW,
+                                     PBAR32, HP, PFMT, TMA, INTERP)
     if EMU:
         o = acc / l_i[:, None]
         lse = m_i + tl.log(l_i)
     else:
         o = acc / l_i[:, None]
         lse = (m_i + tl.log2(l_i)) * 0.6931471805599453
-    if KEEP_O32:                               # contiguous (B, H, Nq, d) fp32, for δ only
-        tl.store(O32 + (bh * n_q + offs_m[:, None]) * HEAD_DIM + offs_d[None, :], o, mask=offs_m[:, None] < n_q)
     if O_NARROW and (MBITS > 0 or SR):         # the O store: e8mY, or bf16 rounded stochastically
-        o = narrow(o, MBITS, SR, seed - 1, rows[:, None] * HEAD_DIM + offs_d[None, :], INTERP)
+        o = keep_hp(o, narrow(o, MBITS, SR, seed - 1, rows[:, None] * HEAD_DIM + offs_d[None, :], INTERP), hp, HP)
+    if KEEP_O32:                               # contiguous (B, H, Nq, d) fp32: the O that δ reads
+        tl.store(O32 + (bh * n_q + offs_m[:, None]) * HEAD_DIM + offs_d[None, :], o, mask=offs_m[:, None] < n_q)
     O += b * stride_ob + h * stride_oh
     tl.store(O + offs_m[:, None] * stride_om + offs_d[None, :], cast(o, O.dtype.element_ty, INTERP),
              mask=offs_m[:, None] < n_q)

@@ -2,20 +2,23 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import NamedTuple
 
 import torch
 
 from stableflash.attention.policy import PrecisionPolicy, memoize, parse_point
 from stableflash.attention.shift import ShiftRule
-from stableflash.attention.triton.op import (DELTA_SOURCES, DTYPES, HEAD_DIMS, KEEP_O32, RULE_CODES, attention,
+from stableflash.attention.triton.op import (ACC_NARROW, DELTA_SOURCES, DTYPES, HEAD_DIMS, HP_HEAD_LIMIT, KEEP_O32,
+                                             NARROW_ALL, O_NARROW, PBAR32, PFMT_SHIFT, ROW_NARROW, RULE_CODES, attention,
                                              interpreting)
 
 SUPPORT = {
     "head_dims": HEAD_DIMS,
     "dtypes": DTYPES,
     "policies": "'fa2' (bf16 or fp16) or 'paper' (bf16), with delta 'dO·O', 'dP·P' or 'recompute_fp32'; "
-                "for bf16, 'fa2' with out, or 'paper' with acc and row_sum (and out, or out=fp32), in one "
-                "format bf16, e8m1-e8m6 (nearest-even, or ':stochastic') or fp32",
+                "for bf16 also hp_heads 0-30, p_bar in fp32, e8m1-e8m6, fp16, fp8_e5m2 or fp8_e4m3, and 'fa2' "
+                "with out or 'paper' with acc, row_sum and out each in fp32 or in one shared format bf16, "
+                "e8m1-e8m6 (nearest-even, or ':stochastic'), fp16, fp8_e5m2 or fp8_e4m3 (nearest-even)",
 }
 
 
@@ -34,13 +37,19 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor) -> None:
                          "for grouped-query attention")
 
 
+# the narrow formats beyond bf16 and e8mY that the kernels round to (nearest-even only), by code
+SMALL_FORMATS = {"fp16": 30, "fp8_e5m2": 31, "fp8_e4m3": 32}
+
+
 def _narrow_bits(point: str) -> tuple[int, bool] | None:
-    """(mantissa bits, stochastic) of a narrowing point the kernels implement: 0 for bf16, Y for an
-    e8mY format with 1 ≤ Y ≤ 6, each rounded to nearest-even or stochastically; (23, False) for
-    fp32; None otherwise."""
+    """(format code, stochastic) of a narrowing point the kernels implement: 0 for bf16, Y for an
+    e8mY format with 1 ≤ Y ≤ 6 (each nearest-even or stochastic); 30, 31, 32 for fp16, fp8 e5m2 and
+    e4m3 (nearest-even); (23, False) for fp32; None otherwise."""
     fmt, mode = parse_point(point)
     if fmt.name == "fp32":
         return (23, False) if mode == "rne" else None
+    if fmt.name in SMALL_FORMATS:
+        return (SMALL_FORMATS[fmt.name], False) if mode == "rne" else None
     if mode not in ("rne", "stochastic"):
         return None
     if fmt.name == "bf16":
@@ -49,30 +58,57 @@ def _narrow_bits(point: str) -> tuple[int, bool] | None:
     return (fmt.man_bits, mode == "stochastic") if narrow else None
 
 
+class KernelMode(NamedTuple):
+    """How the kernels run a policy: the "paper" emulation or "fa2" arithmetic (emu); the narrowing
+    format's mantissa bits (0 bf16, 1-6 e8mY, 23 fp32) and rounding (stochastic); the δ source code;
+    which points the format narrows and whether P̄ is fp32 (flags, op.ACC_NARROW ...); the heads kept
+    in fp32 (hp_mask, bit h for head h)."""
+    emu: bool
+    mbits: int
+    stochastic: bool
+    delta: int
+    flags: int
+    hp_mask: int
+
+
+_FLAG = {"acc": ACC_NARROW, "row_sum": ROW_NARROW, "out": O_NARROW}
+
+
 @memoize
-def kernel_mode(policy: PrecisionPolicy, dtype: torch.dtype) -> tuple[bool, int, bool, int, bool]:
-    """(emu, mantissa bits, stochastic, delta source code, O narrowed) of the kernels that implement
-    ``policy``; ValueError otherwise. Mantissa bits > 0: the e8mY format of O ("fa2") or of ℓ, Ō and
-    O ("paper"); 23 keeps them in fp32. Stochastic: those points (or a bf16 O) rounded
-    stochastically. The kernels hand O back in the input dtype (as the emulated backend does); an
-    fp32 ``out`` with δ from dO·O makes the forward keep an fp32 O for δ (delta code KEEP_O32), and
-    under "paper" ``out=fp32`` may follow narrowed ℓ and Ō (O narrowed: False)."""
+def kernel_mode(policy: PrecisionPolicy, dtype: torch.dtype) -> KernelMode:
+    """The kernels' switches for ``policy``; ValueError if they cannot run it. Under "fa2" O may be
+    narrowed (or fp32), under "paper" ℓ, Ō and O: those not in fp32 share one format and rounding
+    mode. P̄ may be fp32 (no tensor-core rounding of P̄), and ``hp_heads`` (heads 0-30) keep P̄, Ō, ℓ
+    and O in fp32. The kernels hand O back in the input dtype (as the emulated backend does); where
+    the policy's O is fp32 (``out=fp32`` or fp32 heads) and δ comes from dO·O, the forward keeps
+    that O in fp32 for δ (delta code KEEP_O32). fp16 inputs: the "fa2" preset and δ sources only."""
     low = "fp16" if dtype == torch.float16 else "bf16"
-    for name, emu, narrowed in (("fa2", False, ("out",)), ("paper", True, ("acc", "row_sum", "out"))):
+    for name, emu, narrowable in (("fa2", False, ("out",)), ("paper", True, ("acc", "row_sum", "out"))):
         preset = replace(PrecisionPolicy.preset(name, low), name="custom")
-        base = replace(policy, delta="dO·O", name="custom", **{f: getattr(preset, f) for f in narrowed})
-        if base != preset or (emu and low != "bf16"):
+        free = {f: getattr(preset, f) for f in (*narrowable, "p_bar")}
+        base = replace(policy, delta="dO·O", name="custom", hp_heads=(), **free)
+        p_bar = _narrow_bits(policy.p_bar) if policy.p_bar not in (preset.p_bar, "fp32") else None
+        if base != preset or (emu and low != "bf16") or (policy.p_bar not in (preset.p_bar, "fp32") and (
+                low != "bf16" or p_bar is None or p_bar[1])):
             continue
         if low != "bf16":
-            if all(getattr(policy, f) == getattr(preset, f) for f in narrowed):
-                return emu, 0, False, DELTA_SOURCES[policy.delta], True
+            if all(getattr(policy, f) == v for f, v in free.items()) and not policy.hp_heads:
+                return KernelMode(emu, 0, False, DELTA_SOURCES[policy.delta], NARROW_ALL, 0)
             continue
-        inner = {_narrow_bits(getattr(policy, f)) for f in narrowed[:-1]} or {_narrow_bits(policy.out)}
-        out = _narrow_bits(policy.out)
-        if len(inner) == 1 and None not in inner and out in (*inner, (23, False)):
-            bits, stochastic = inner.pop()
-            delta = KEEP_O32 if out == (23, False) and policy.delta == "dO·O" else DELTA_SOURCES[policy.delta]
-            return emu, bits, stochastic, delta, out != (23, False) or bits == 23
+        points = {f: _narrow_bits(getattr(policy, f)) for f in narrowable}
+        narrow = {m for m in points.values() if m != (23, False)}
+        if None in points.values() or len(narrow) > 1:
+            continue
+        if policy.hp_heads and max(policy.hp_heads) > HP_HEAD_LIMIT:
+            raise ValueError(f"hp_heads={policy.hp_heads} has a head above {HP_HEAD_LIMIT}; backend='triton' keeps "
+                             f"heads 0-{HP_HEAD_LIMIT} in fp32 — use backend='emulated' for higher heads")
+        bits, stochastic = narrow.pop() if narrow else (23, False)
+        flags = sum(_FLAG[f] for f, m in points.items() if m != (23, False)) | (PBAR32 if policy.p_bar == "fp32" else 0)
+        if p_bar is not None:                   # P̄ rounded to its own format before P̄V
+            flags |= (p_bar[0] + 1) << PFMT_SHIFT
+        hp_mask = sum(1 << h for h in policy.hp_heads)
+        keep = (points["out"] == (23, False) or hp_mask) and policy.delta == "dO·O"
+        return KernelMode(emu, bits, stochastic, KEEP_O32 if keep else DELTA_SOURCES[policy.delta], flags, hp_mask)
     raise ValueError(f"policy={policy.describe()} is not implemented by backend='triton'; accepted: "
                      f"{SUPPORT['policies']} — use backend='emulated' for any other policy")
 
@@ -80,6 +116,7 @@ def kernel_mode(policy: PrecisionPolicy, dtype: torch.dtype) -> tuple[bool, int,
 def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float,
                      rule: ShiftRule, policy: PrecisionPolicy) -> torch.Tensor:
     """The fused kernels, differentiable. Inputs validated by ``flash_attention`` and ``check_inputs``."""
-    emu, mbits, stochastic, delta_src, o_narrow = kernel_mode(policy, q.dtype)
+    mode = kernel_mode(policy, q.dtype)
     return attention(q, k, v, causal, scale, RULE_CODES[rule.kind], float(rule.beta), float(rule.eps),
-                     float(rule.min_shift), float(rule.max_shift), emu, mbits, delta_src, stochastic, o_narrow)
+                     float(rule.min_shift), float(rule.max_shift), mode.emu, mode.mbits, mode.delta, mode.stochastic,
+                     mode.flags, mode.hp_mask)

@@ -25,6 +25,12 @@ HEAD_DIMS = (16, 32, 64, 128, 256)
 DTYPES = (torch.float16, torch.bfloat16)
 DELTA_SOURCES = {"dO·O": 0, "dP·P": 1, "recompute_fp32": 2}
 KEEP_O32 = 3        # δ from dO·O with the O the forward kept in fp32 (a policy's out=fp32, delta dO·O)
+# the forward's precision switches beyond the format (mbits) and rounding mode, as one int for the op:
+# which of Ō, ℓ, O the format narrows, and P̄ multiplied in fp32
+ACC_NARROW, ROW_NARROW, O_NARROW, PBAR32 = 1, 2, 4, 8
+PFMT_SHIFT = 8      # flags >> 8: 1 + the format code P̄ is rounded to before P̄V (0: the input dtype)
+NARROW_ALL = ACC_NARROW | ROW_NARROW | O_NARROW
+HP_HEAD_LIMIT = 30  # hp_heads on the kernels: head indices 0-30 (a bit mask in one int32)
 RULE_CODES = {"standard": 0, "paper": 1, "ours": 2, "bounded": 3}
 
 
@@ -52,7 +58,7 @@ DKDV_CONFIGS = [_cfg(32, 64, 4, 3), _cfg(64, 128, 8, 3), _cfg(32, 128, 4, 3), _c
 DQ_CONFIGS = [_cfg(64, 64, 4, 3), _cfg(128, 64, 8, 3), _cfg(128, 64, 8, 2), _cfg(128, 32, 8, 3),
               _cfg(64, 16, 4, 2)]
 _KEY = ["n_q", "n_k", "HEAD_DIM", "CAUSAL"]
-_FWD_MODE = ["STAB", "EMU", "MBITS", "SR", "O_NARROW", "KEEP_O32"]
+_FWD_MODE = ["STAB", "EMU", "MBITS", "SR", "ACC_NARROW", "ROW_NARROW", "O_NARROW", "PBAR32", "HP", "PFMT", "KEEP_O32"]
 _prune = {"early_config_prune": _fits}
 
 
@@ -70,6 +76,8 @@ _fwd_tma_tuned = triton.autotune(_with_tma(FWD_CONFIGS, [(64, 64, 4, 3), (128, 6
                                  key=_KEY + _FWD_MODE, prune_configs_by=_prune)(attn_fwd_kernel)
 _dkdv_tuned = triton.autotune(DKDV_CONFIGS, key=_KEY + ["EMU"], prune_configs_by=_prune)(attn_bwd_dkdv_kernel)
 _dq_tuned = triton.autotune(DQ_CONFIGS, key=_KEY + ["EMU"], prune_configs_by=_prune)(attn_bwd_dq_kernel)
+# the δ pass (dP·P or an fp32 recompute) does the forward's two products per key block: the forward's tiles
+_delta_tuned = triton.autotune(FWD_CONFIGS, key=_KEY + ["EMU", "DELTA_SRC"], prune_configs_by=_prune)(delta_pass_kernel)
 # under the interpreter: one small tile, so that short test sequences still span several blocks
 _INTERP = {"BLOCK_M": 32, "BLOCK_N": 16}
 # with AUTOTUNE off (the tests: correctness needs no tuning, and tuning compiles every config),
@@ -77,7 +85,8 @@ _INTERP = {"BLOCK_M": 32, "BLOCK_N": 16}
 AUTOTUNE = True
 _FIXED = {_fwd_tuned: {True: _cfg(64, 64, 4, 3), False: _cfg(64, 32, 4, 2)},
           _dkdv_tuned: {True: _cfg(32, 64, 4, 3), False: _cfg(16, 64, 4, 2)},
-          _dq_tuned: {True: _cfg(64, 64, 4, 3), False: _cfg(64, 16, 4, 2)}}
+          _dq_tuned: {True: _cfg(64, 64, 4, 3), False: _cfg(64, 16, 4, 2)},
+          _delta_tuned: {True: _cfg(64, 64, 4, 3), False: _cfg(64, 32, 4, 2)}}
 
 
 def key_block(head_dim: int) -> int:
@@ -157,13 +166,15 @@ def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
 
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, rule: int,
              beta: float, eps: float, min_shift: float, max_shift: float, emu: bool,
-             mbits: int, stochastic: bool = False, o_narrow: bool = True,
+             mbits: int, stochastic: bool = False, flags: int = NARROW_ALL, hp_mask: int = 0,
              keep_o32: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(O, LSE, O32): O like q, LSE (B, H, Nq) fp32 in natural log, O32 the fp32 O for δ when
     ``keep_o32`` (else an empty tensor). ``stochastic`` rounds the narrowing points stochastically,
     with a seed drawn from torch's default generator (so ``torch.manual_seed`` makes a run
-    reproducible and checkpoints carry the stream on). ``o_narrow`` false: ``mbits`` narrows ℓ and
-    Ō only, not O."""
+    reproducible and checkpoints carry the stream on). ``flags``: which of Ō, ℓ, O ``mbits`` narrows
+    (ACC_NARROW, ROW_NARROW, O_NARROW), whether P̄V takes P̄ in fp32 (PBAR32) and, above PFMT_SHIFT,
+    1 + the format P̄ is rounded to first (0: none); ``hp_mask``: bit h
+    set keeps head h's P̄, Ō, ℓ and O in fp32."""
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     B, H, n_q, d = q.shape
     n_k = k.shape[2]
@@ -176,23 +187,27 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sc
     grid = lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]), B * H)  # noqa: E731
     _launch(_fwd_tuned, attn_fwd_kernel, grid, q, k, v, o, lse, o32, *_strides(q), *_strides(k), *_strides(v),
             *_strides(o), H, H // k.shape[1], n_q, n_k, scale_u, beta, eps_u, lo, hi, period,
-            seed, tma_tuned=_fwd_tma_tuned, tma=_use_tma(k, v), fixed=emu, HEAD_DIM=d, CAUSAL=causal,
-            STAB=rule, EMU=emu, MBITS=mbits, SR=stochastic, O_NARROW=o_narrow, KEEP_O32=keep_o32)
+            seed, hp_mask, tma_tuned=_fwd_tma_tuned, tma=_use_tma(k, v), fixed=emu, HEAD_DIM=d, CAUSAL=causal,
+            STAB=rule, EMU=emu, MBITS=mbits, SR=stochastic, ACC_NARROW=bool(flags & ACC_NARROW),
+            ROW_NARROW=bool(flags & ROW_NARROW), O_NARROW=bool(flags & O_NARROW), PBAR32=bool(flags & PBAR32),
+            HP=hp_mask != 0, PFMT=(flags >> PFMT_SHIFT) - 1, KEEP_O32=keep_o32)
     return o, lse, o32
 
 
 @torch.library.custom_op("stableflash::attn_fwd", mutates_args=())
 def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, rule: int,
              beta: float, eps: float, min_shift: float, max_shift: float, emu: bool, mbits: int,
-             stochastic: bool, o_narrow: bool, delta_src: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             stochastic: bool, flags: int, hp_mask: int,
+             delta_src: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(O, LSE, O32): O like q, LSE (B, H, Nq) fp32 in natural log, O32 the fp32 O that δ reads
     (``delta_src`` = 3) or an empty tensor."""
     return _forward(q, k, v, causal, scale, rule, beta, eps, min_shift, max_shift, emu, mbits, stochastic,
-                    o_narrow, delta_src == KEEP_O32)
+                    flags, hp_mask, delta_src == KEEP_O32)
 
 
 @attn_fwd.register_fake
-def _(q, k, v, causal, scale, rule, beta, eps, min_shift, max_shift, emu, mbits, stochastic, o_narrow, delta_src):
+def _(q, k, v, causal, scale, rule, beta, eps, min_shift, max_shift, emu, mbits, stochastic, flags, hp_mask,
+      delta_src):
     o32 = q.new_empty(q.shape if delta_src == KEEP_O32 else (0,), dtype=torch.float32)
     return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32), o32
 
@@ -213,11 +228,9 @@ def _backward_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
         delta_dot_kernel[(triton.cdiv(n_q, block), B * H)](o, do, delta, *_strides(o), *_strides(do), H, n_q,
                                                           HEAD_DIM=d, BLOCK_M=block)
     else:
-        bm, bn = (32, 16) if interpreting() else (64, 64)
-        delta_pass_kernel[(triton.cdiv(n_q, bm), B * H)](
-            q, k, v, do, lse, delta, *_strides(q), *_strides(k), *_strides(v), *_strides(do), H, group, n_q, n_k,
-            scale, HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, DELTA_SRC=delta_src, EMU=emu,
-            INTERP=interpreting())
+        _launch(_delta_tuned, delta_pass_kernel, lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]), B * H),
+                q, k, v, do, lse, delta, *_strides(q), *_strides(k), *_strides(v), *_strides(do), H, group, n_q, n_k,
+                scale, HEAD_DIM=d, CAUSAL=causal, DELTA_SRC=delta_src, EMU=emu)
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
@@ -245,7 +258,7 @@ def _(do, q, k, v, o, lse, causal, scale, emu, delta_src):
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, causal, scale, _rule, _beta, _eps, _lo, _hi, emu, _mbits, _stochastic, _o_narrow, delta_src = inputs
+    q, k, v, causal, scale, _rule, _beta, _eps, _lo, _hi, emu, _mbits, _stochastic, _flags, _hp, delta_src = inputs
     o, lse, o32 = output
     ctx.save_for_backward(q, k, v, o32 if delta_src == KEEP_O32 else o, lse)
     ctx.args = (causal, scale, emu, delta_src)
@@ -255,7 +268,7 @@ def _backward(ctx, do, _dlse, _do32):
     q, k, v, o, lse = ctx.saved_tensors
     causal, scale, emu, delta_src = ctx.args
     dq, dk, dv = attn_bwd(do, q, k, v, o, lse, causal, scale, emu, delta_src)
-    return dq, dk, dv, *[None] * 12
+    return dq, dk, dv, *[None] * 13
 
 
 attn_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -266,9 +279,9 @@ class _EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, causal, scale, rule, beta, eps, min_shift, max_shift, emu, mbits, stochastic,
-                o_narrow, delta_src):
+                flags, hp_mask, delta_src):
         o, lse, o32 = _forward(q, k, v, causal, scale, rule, beta, eps, min_shift, max_shift, emu, mbits,
-                               stochastic, o_narrow, delta_src == KEEP_O32)
+                               stochastic, flags, hp_mask, delta_src == KEEP_O32)
         ctx.save_for_backward(q, k, v, o32 if delta_src == KEEP_O32 else o, lse)
         ctx.args = (causal, scale, emu, delta_src)
         return o
@@ -277,17 +290,17 @@ class _EagerAttention(torch.autograd.Function):
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
         dq, dk, dv = _backward_impl(do, q, k, v, o, lse, *ctx.args)
-        return dq, dk, dv, *[None] * 12
+        return dq, dk, dv, *[None] * 13
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, rule: int,
               beta: float, eps: float, min_shift: float, max_shift: float, emu: bool, mbits: int,
-              delta_src: int, stochastic: bool = False, o_narrow: bool = True) -> torch.Tensor:
+              delta_src: int, stochastic: bool = False, flags: int = NARROW_ALL, hp_mask: int = 0) -> torch.Tensor:
     """O, differentiable: the custom op under torch.compile, the autograd.Function in eager mode.
     ``mbits`` > 0 narrows the forward's O (and, with ``emu``, ℓ and Ō) to that many mantissa bits;
-    ``stochastic`` rounds those points (and a bf16 O) stochastically; ``o_narrow`` false leaves O out
-    of the narrowing. ``delta_src`` KEEP_O32: the forward keeps an fp32 O, which δ reads."""
-    args = (q, k, v, causal, scale, rule, beta, eps, min_shift, max_shift, emu, mbits, stochastic, o_narrow,
+    ``stochastic`` rounds those points (and a bf16 O) stochastically; ``flags`` and ``hp_mask`` as
+    in ``_forward``. ``delta_src`` KEEP_O32: the forward keeps an fp32 O, which δ reads."""
+    args = (q, k, v, causal, scale, rule, beta, eps, min_shift, max_shift, emu, mbits, stochastic, flags, hp_mask,
             delta_src)
     if torch.compiler.is_compiling():
         return attn_fwd(*args)[0]
