@@ -50,6 +50,8 @@ for g in $groups; do
     ladder-all) bash $d start ladder1-all kernel-paper-e8m5 --ladder --seeds 1 --parallel 9 --steps 6000;;
     switch) bash $d start m-switch kernel-paper-e8m5 --seeds 0 1 2 --roles baseline --steps 7500 --parallel 3 \
            --set monitor=switch --set "monitor_switch_to=delta=dP*P";;
+    arch) bash $d start a-qknorm kernel-paper-e8m5 --seeds 0 1 2 --roles baseline --steps 7500 --parallel 3 --set qk_norm=true
+          bash $d start a-gate kernel-paper-e8m5 --seeds 0 1 2 --roles baseline --steps 7500 --parallel 3 --set attn_gate=true;;
     *) echo "unknown group $g"; exit 2;;
   esac
 done

@@ -220,3 +220,45 @@ def test_triton_backend(gen, monkeypatch):
     assert ((logits.float() - want.float()).norm() / want.float().norm()).item() < 1e-2
     g, w = grads["transformer.h.0.attn.c_attn.weight"].float(), want_grads["transformer.h.0.attn.c_attn.weight"].float()
     assert ((g - w).norm() / w.norm()).item() < 5e-2
+
+
+def test_qk_norm_bounds_the_logits_whatever_w_q(gen):
+    """With qk_norm each head's q and k are LayerNormed (unit gain at init): |q·k| ≤ head_dim, so the
+    scaled logits stay ≤ √head_dim even when W_Q and W_K are scaled by 1000; without it they grow."""
+    seen = {}
+
+    def observe(mod, x, q, k, v, y):
+        seen[mod.layer] = (q @ k.transpose(-1, -2)).abs().max().item() / q.shape[-1] ** 0.5
+
+    for qk_norm in (True, False):
+        model = tiny(qk_norm=qk_norm)
+        with torch.no_grad():
+            for block in model.transformer.h:
+                block.attn.c_attn.weight[: 2 * model.config.n_embd] *= 1000.0
+                block.attn.observer = observe
+        model(tokens(gen))
+        hd = model.config.head_dim
+        top = max(seen.values())
+        if qk_norm:
+            assert top <= hd ** 0.5 * (1 + 1e-4)
+            assert sum(p.numel() for p in model.parameters()) == sum(
+                p.numel() for p in tiny().parameters()) + 2 * hd * model.config.n_layer
+        else:
+            assert top > 100 * hd ** 0.5
+
+
+def test_attention_gate_multiplies_each_output_by_its_sigmoid(gen):
+    """attn_gate: y·σ(x W_g) before W_O. With W_g = 0 the gate is ½ everywhere, so the attention
+    branch's output is exactly half the ungated model's (same weights otherwise)."""
+    plain, gated = tiny(), tiny(attn_gate=True)
+    gated.load_state_dict(plain.state_dict(), strict=False)
+    outs = {}
+    x = torch.randn(2, 16, plain.config.n_embd, generator=gen)
+    for name, model in (("plain", plain), ("gated", gated)):
+        attn = model.transformer.h[0].attn
+        if attn.c_gate is not None:
+            torch.nn.init.zeros_(attn.c_gate.weight)
+        outs[name] = attn(x)
+    torch.testing.assert_close(outs["gated"], 0.5 * outs["plain"], rtol=1e-6, atol=1e-7)
+    with pytest.raises(TypeError, match="attn_gate='yes' is invalid; accepted: True or False"):
+        model_config("tiny", attn_gate="yes")

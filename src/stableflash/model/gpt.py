@@ -26,7 +26,10 @@ from stableflash.model.spec import AttentionChoice, AttentionSpec, as_attention_
 
 @dataclass(frozen=True)
 class GPTConfig:
-    """Model shape. ``block_size`` is the context length; ``bias`` puts biases in Linear and LayerNorm."""
+    """Model shape. ``block_size`` is the context length; ``bias`` puts biases in Linear and LayerNorm.
+    Architectural controls against attention-logit growth (off in GPT-2): ``qk_norm`` LayerNorms each
+    head's q and k before the scores; ``attn_gate`` multiplies each head's attention output by a
+    sigmoid gate computed from the block's input (gated attention), before the output projection."""
 
     n_layer: int
     n_head: int
@@ -36,6 +39,8 @@ class GPTConfig:
     bias: bool = False
     dropout: float = 0.0
     init_std: float = 0.02
+    qk_norm: bool = False
+    attn_gate: bool = False
 
     def __post_init__(self) -> None:
         for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size"):
@@ -45,8 +50,9 @@ class GPTConfig:
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}; accepted: "
                              "n_embd a multiple of n_head")
-        if not isinstance(self.bias, bool):
-            raise TypeError(f"bias={self.bias!r} is invalid; accepted: True or False")
+        for name in ("bias", "qk_norm", "attn_gate"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name}={getattr(self, name)!r} is invalid; accepted: True or False")
         if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) or not 0 <= self.dropout < 1:
             raise ValueError(f"dropout={self.dropout!r} is invalid; accepted: a number with 0 <= dropout < 1")
         if (isinstance(self.init_std, bool) or not isinstance(self.init_std, (int, float))
@@ -69,6 +75,10 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)   # rows: Q, K, V
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
+        hd = config.head_dim
+        self.q_norm = nn.LayerNorm(hd, bias=config.bias) if config.qk_norm else None
+        self.k_norm = nn.LayerNorm(hd, bias=config.bias) if config.qk_norm else None
+        self.c_gate = nn.Linear(config.n_embd, config.n_embd, bias=config.bias) if config.attn_gate else None
         # diagnostics: called as observer(self, x, q, k, v, y) after the attention, with q, k, v, y
         # in (B, n_head, T, head_dim); it may register a hook on y to see dO. None costs nothing.
         self.observer = None
@@ -77,10 +87,14 @@ class CausalSelfAttention(nn.Module):
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         y = flash_attention(q, k, v, causal=True, **self.choice.kwargs())
         if self.observer is not None:
             self.observer(self, x, q, k, v, y)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
+        if self.c_gate is not None:
+            y = y * torch.sigmoid(self.c_gate(x))
         return self.resid_dropout(self.c_proj(y))
 
     # Weights for diagnostics. Head h owns rows h·head_dim:(h+1)·head_dim of W_Q, W_K, W_V

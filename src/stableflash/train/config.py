@@ -27,6 +27,8 @@ class TrainConfig:
     block_size: int | None = None
     vocab_size: int | None = None
     bias: bool | None = None
+    qk_norm: bool | None = None                 # GPT and Llama: norm of each head's q and k
+    attn_gate: bool | None = None               # GPT: sigmoid-gated attention output
     dropout: float | None = None
     attention: str = "sdpa"
     # data
@@ -77,7 +79,8 @@ class TrainConfig:
 
     def model_overrides(self) -> dict:
         """The model fields this config sets explicitly (None means: the preset's value)."""
-        return {k: getattr(self, k) for k in ("n_layer", "n_head", "n_embd", "block_size", "bias", "dropout")
+        return {k: getattr(self, k) for k in ("n_layer", "n_head", "n_embd", "block_size", "bias", "dropout",
+                                             "qk_norm", "attn_gate")
                 if getattr(self, k) is not None}
 
     def delta_layer_list(self) -> tuple[int, ...]:
