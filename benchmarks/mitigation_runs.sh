@@ -51,7 +51,9 @@ for g in $groups; do
     switch) bash $d start m-switch kernel-paper-e8m5 --seeds 0 1 2 --roles baseline --steps 7500 --parallel 3 \
            --set monitor=switch --set "monitor_switch_to=delta=dP*P";;
     arch) bash $d start a-qknorm kernel-paper-e8m5 --seeds 0 1 2 --roles baseline --steps 7500 --parallel 3 --set qk_norm=true
-          bash $d start a-gate kernel-paper-e8m5 --seeds 0 1 2 --roles baseline --steps 7500 --parallel 3 --set attn_gate=true;;
+          bash $d start a-gate kernel-paper-e8m5 --seeds 0 1 2 --roles baseline --steps 7500 --parallel 3 --set attn_gate=true
+          bash $d start a-softcap kernel-paper-e8m5 --seeds 0 1 2 --roles baseline --steps 7500 --parallel 3 \
+            --set attn_softcap=30;;
     *) echo "unknown group $g"; exit 2;;
   esac
 done

@@ -130,6 +130,11 @@ BAD_OPTIONS = [
      r"block_k=128 sets the emulated backend's key block; backend='triton' chooses its own"),
     ({"policy": PrecisionPolicy.preset("paper").replace(hp_heads=(1, 5))}, ValueError,
      r"hp_heads=\(1, 5\) names heads \[5\], but q has 3 heads"),
+    ({"softcap": 0.0}, ValueError, r"softcap=0.0 is invalid; accepted: None \(off\) or a finite number > 0"),
+    ({"softcap": float("nan")}, ValueError, r"softcap=nan is invalid"),
+    ({"softcap": True}, ValueError, r"softcap=True is invalid"),
+    ({"backend": "sdpa", "stabilize": False, "softcap": 30.0}, ValueError,
+     r"backend='sdpa' cannot soft-cap the scores \(softcap=30.0\); accepted with sdpa: softcap=None"),
 ]
 
 
@@ -167,3 +172,26 @@ def test_no_warning_for_explicit_backends(gen):
         warnings.simplefilter("error")
         sf.flash_attention(*_bad(gen), backend="emulated")
         sf.flash_attention(*_bad(gen), backend="reference")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_soft_capping_is_exact_in_float64(gen, causal):
+    """softcap·tanh(S/softcap) before the softmax: the emulated backend in fp64 (with its own
+    backward, which carries the cap's slope) equals float64 autograd through the capped scores,
+    and "auto" does not pick SDPA (which cannot cap) for a capped call."""
+    q, k, v = qkv(gen, 2, 3, 40, 16, dtype=torch.float64, scale=3.0)
+    do = torch.randn(2, 3, 40, 16, generator=gen, dtype=torch.float64)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    got = sf.flash_attention(*leaves, causal=causal, softcap=4.0, backend="emulated", policy="fp64", block_k=16)
+    got_grads = torch.autograd.grad(got, leaves, do)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    want = reference.attention(*leaves, causal=causal, softcap=4.0)
+    want_grads = torch.autograd.grad(want, leaves, do)
+    for a, b in zip((got, *got_grads), (want, *want_grads)):
+        assert rel_err(a, b) < 1e-12
+    plain = reference.attention(q, k, v, causal=causal)
+    assert rel_err(plain, want) > 0.05                                  # the cap bites at this scale
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        auto = sf.flash_attention(q.float(), k.float(), v.float(), causal=causal, softcap=4.0, stabilize=False)
+    assert rel_err(auto, want) < 1e-5

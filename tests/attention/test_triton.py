@@ -354,6 +354,30 @@ def test_fp16_and_fp8_points_agree_with_the_emulated_policy(gen, policy):
         assert not torch.equal(fused[1], plain[1])
 
 
+@pytest.mark.parametrize("policy", ["fa2", "paper"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_soft_capped_scores_agree_with_the_emulation_and_float64(gen, policy, causal):
+    """softcap·tanh(S/softcap): the kernels (forward, δ, dK/dV, dQ with the cap's slope) agree with
+    the emulated backend, and both with float64 autograd through the capped scores; the cap
+    changes the result (scores scaled up so that it bites)."""
+    q, k, v, do = make(gen, 2, 2, 70, 32)
+    q = q * 3.0
+    kw = dict(causal=causal, stabilize=True, policy=policy, softcap=5.0)
+    fused = run(q, k, v, do, backend="triton", **kw)
+    emulated = run(q, k, v, do, backend="emulated", block_q=32, block_k=triton_op.key_block(32), **kw)
+    for name, a, b in zip(("O", "dQ", "dK", "dV"), fused, emulated):
+        ok, msg = agree(a, b, 2.0, O_FRAC if name == "O" else 1.0)
+        assert ok, (name, msg)
+    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+    want = sf.attention.reference.attention(q64, k64, v64, causal=causal, softcap=5.0)
+    grads = torch.autograd.grad(want, (q64, k64, v64), do.double())
+    uncapped = run(q, k, v, do, backend="triton", causal=causal, stabilize=True, policy=policy)
+    for a, w, u in zip(fused, (want, *grads), uncapped):
+        err = rel_err(a, w)
+        assert err < 0.05, err                          # bf16 inputs; "paper" rounds S and ℓ, Ō too
+        assert err < 0.5 * rel_err(u, w)                # the uncapped result is far off: the cap matters
+
+
 def test_heads_above_the_kernels_mask_are_refused_by_name():
     from stableflash.attention.triton.launch import kernel_mode
     with pytest.raises(ValueError, match=r"hp_heads=\(2, 31\) has a head above 30"):
@@ -471,7 +495,7 @@ def test_custom_ops_pass_the_opcheck(gen):
     q, k, v, _ = make(gen, 1, 2, 20, 16)
     for delta_src, hp_mask in ((0, 0), (triton_op.KEEP_O32, 0), (triton_op.KEEP_O32, 2)):
         args = (q, k, v, True, 0.25, 2, 2.0, 1e-3, 0.13, 8.4, False, 0, False, triton_op.NARROW_ALL, hp_mask,
-                delta_src)
+                0.0, delta_src)
         torch.library.opcheck(triton_op.attn_fwd, args, test_utils=("test_schema", "test_faketensor"))
 
 

@@ -262,3 +262,25 @@ def test_attention_gate_multiplies_each_output_by_its_sigmoid(gen):
     torch.testing.assert_close(outs["gated"], 0.5 * outs["plain"], rtol=1e-6, atol=1e-7)
     with pytest.raises(TypeError, match="attn_gate='yes' is invalid; accepted: True or False"):
         model_config("tiny", attn_gate="yes")
+
+
+def test_attention_softcap_caps_the_scores_of_every_layer(gen):
+    """attn_softcap=c: each layer's attention is softmax(c·tanh(S/c))·V (checked against float64
+    on the layer's own q, k, v); the config refuses it on SDPA layers, which cannot cap."""
+    from stableflash.attention import reference
+    from stableflash.train.config import make_config
+    model = tiny(attention="emulated policy=fp32", attn_softcap=0.05)     # at init the scores are ~0.1
+    seen = {}
+
+    def observe(mod, x, q, k, v, y):
+        seen[mod.layer] = (q.detach(), k.detach(), v.detach(), y.detach())
+
+    for block in model.transformer.h:
+        block.attn.observer = observe
+    model(tokens(gen))
+    for q, k, v, y in seen.values():
+        want = reference.attention(q, k, v, causal=True, softcap=0.05)
+        assert rel_err(y, want) < 1e-5
+        assert rel_err(y, reference.attention(q, k, v, causal=True)) > 1e-3
+    with pytest.raises(ValueError, match=r"attn_softcap=1.5 cannot apply to the layers on backend 'sdpa' \(\[1\]\)"):
+        make_config("tiny", overrides=["attn_softcap=1.5", "attention=emulated; 1: sdpa"])

@@ -97,14 +97,16 @@ def _triton_reason(q: torch.Tensor, k: torch.Tensor, policy: PrecisionPolicy) ->
     return None
 
 
-def _pick_auto(q: torch.Tensor, k: torch.Tensor, rule: ShiftRule, policy, resolved: PrecisionPolicy) -> str:
-    if not rule.stabilized and policy is None:
+def _pick_auto(q: torch.Tensor, k: torch.Tensor, rule: ShiftRule, policy, resolved: PrecisionPolicy,
+               softcap: float | None = None) -> str:
+    if not rule.stabilized and policy is None and softcap is None:
         return "sdpa"
     why_not = _triton_reason(q, k, resolved)
     if why_not is None:
         return "triton"
     reason = ("a precision policy was given" if policy is not None else
-              f"the stabilized softmax (rule {rule.kind!r}) was asked for")
+              f"the stabilized softmax (rule {rule.kind!r}) was asked for" if rule.stabilized else
+              "soft-capped scores were asked for")
     key = f"auto-emulated:{reason}:{why_not}"
     if key not in _warned:
         _warned.add(key)
@@ -127,7 +129,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
                     scale: float | None = None, stabilize: bool | str | ShiftRule = True, beta: float = 2.0,
                     eps: float = 1e-3, backend: str = "auto",
                     policy: PrecisionPolicy | str | None = None, block_q: int | None = None,
-                    block_k: int = DEFAULT_BLOCK_K) -> torch.Tensor:
+                    block_k: int = DEFAULT_BLOCK_K, softcap: float | None = None) -> torch.Tensor:
     """softmax(QKᵀ·scale)·V with a stabilized row maximum, in the layout of torch's SDPA.
 
     q: (batch, heads, seq_q, head_dim); k, v: (batch, heads, seq_k, head_dim); one floating dtype
@@ -144,17 +146,24 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     policy: a PrecisionPolicy or preset name (emulated and triton only); None means what a real
     kernel does for the input dtype. block_k: the emulated backend's key block (it sets where the
     running maximum and accumulator are updated, hence the rounding); block_q: how many query rows
-    it processes at once (memory only; None: all). The Triton kernels choose theirs by autotuning. k and v may have fewer heads than q, as long as
-    they divide q's (grouped-query attention).
+    it processes at once (memory only; None: all). The Triton kernels choose theirs by autotuning.
+    k and v may have fewer heads than q, as long as they divide q's (grouped-query attention).
+    softcap: logit soft-capping — the scores become softcap·tanh(S/softcap) before the softmax
+    (bounded by ±softcap; an architectural control, not exact softmax attention); None: off.
     """
     _check_tensors(q, k, v)
     scale = _check_options(causal, scale, block_q, block_k)
+    if softcap is not None:
+        if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not math.isfinite(softcap) \
+                or softcap <= 0:
+            raise ValueError(f"softcap={softcap!r} is invalid; accepted: None (off) or a finite number > 0")
+        softcap = float(softcap)
     rule = ShiftRule.from_arg(stabilize, beta, eps)
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is unknown; accepted: {', '.join(BACKENDS)}")
     resolved = resolve_policy(policy, q.dtype)          # validates the policy argument (memoized)
     if backend == "auto":
-        backend = _pick_auto(q, k, rule, policy, resolved)
+        backend = _pick_auto(q, k, rule, policy, resolved, softcap)
         if backend == "triton" and block_k != DEFAULT_BLOCK_K:
             backend = "emulated"                   # only the emulation takes another key block
         log.info("flash_attention: backend='auto' picked %r", backend)
@@ -168,6 +177,9 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     scale_val = q.shape[-1] ** -0.5 if scale is None else scale
 
     if backend == "sdpa":
+        if softcap is not None:
+            raise ValueError(f"backend='sdpa' cannot soft-cap the scores (softcap={softcap}); accepted with sdpa: "
+                             "softcap=None — use backend='triton' or 'emulated'")
         if rule.stabilized:
             raise ValueError(f"backend='sdpa' cannot apply the stabilized softmax (stabilize={stabilize!r}); "
                              "pass stabilize=False, or use backend='triton' or 'emulated'")
@@ -175,7 +187,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
                                               scale=scale_val)
     if backend == "reference":
         return reference.attention(q, _expand_kv(q, k), _expand_kv(q, v), causal=causal, scale=scale_val,
-                                   rule=rule).to(q.dtype)
+                                   rule=rule, softcap=softcap).to(q.dtype)
     bad = [h for h in resolved.hp_heads if h >= q.shape[1]]
     if bad:
         raise ValueError(f"policy.hp_heads={resolved.hp_heads} names heads {bad}, but q has "
@@ -185,6 +197,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
         if tri is None:
             raise ValueError("backend='triton' needs the triton package (pip install 'stableflash[triton]')")
         tri.check_inputs(q, k)
-        return tri.triton_attention(q, k, v, causal=causal, scale=scale_val, rule=rule, policy=resolved)
+        return tri.triton_attention(q, k, v, causal=causal, scale=scale_val, rule=rule, policy=resolved,
+                                    softcap=softcap)
     return emulated.emulated_attention(q, _expand_kv(q, k), _expand_kv(q, v), causal=causal, scale=scale_val,
-                                       policy=resolved, rule=rule, block_q=block_q, block_k=block_k)
+                                       policy=resolved, rule=rule, block_q=block_q, block_k=block_k, softcap=softcap)

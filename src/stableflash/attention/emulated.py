@@ -102,15 +102,27 @@ def _round_up(m: torch.Tensor, fmt) -> torch.Tensor:
 
 
 def _block_scores(r: _Rounders, q_i: torch.Tensor, k_j: torch.Tensor, scale: float,
-                  mask: torch.Tensor | None) -> torch.Tensor:
+                  mask: torch.Tensor | None, softcap: float | None = None) -> torch.Tensor:
+    """S = QKᵀ·scale rounded per the policy's ``scores``; soft-capped (softcap·tanh(S/softcap),
+    rounded again) when ``softcap`` is given; −inf where masked."""
     s = r.scores(torch.matmul(q_i, k_j.transpose(-1, -2)) * scale)
+    if softcap is not None:
+        s = r.scores(softcap * torch.tanh(s / softcap))
     return s if mask is None else s.masked_fill(mask, -math.inf)
+
+
+def _cap_slope(s: torch.Tensor, softcap: float | None) -> torch.Tensor | float:
+    """d(softcap·tanh(x/softcap))/dx = 1 − (S/softcap)² at the capped scores S (0 where masked)."""
+    if softcap is None:
+        return 1.0
+    return torch.where(torch.isfinite(s), 1 - (s / softcap) ** 2, 0.0)
 
 
 def emulated_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float,
                      policy: PrecisionPolicy, rule: ShiftRule, block_q: int | None = None,
-                     block_k: int = 64) -> ForwardResult:
-    """Algorithm 1 (with Algorithm 3's rule when ``rule`` is stabilized), rounding per ``policy``."""
+                     block_k: int = 64, softcap: float | None = None) -> ForwardResult:
+    """Algorithm 1 (with Algorithm 3's rule when ``rule`` is stabilized), rounding per ``policy``;
+    ``softcap``: scores soft-capped to softcap·tanh(S/softcap) before the softmax."""
     B, H, n_q, d = q.shape
     n_k = k.shape[2]
     dtype, dev = policy.compute_dtype, q.device
@@ -135,7 +147,7 @@ def emulated_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causa
             a = first - c0                                # rows [first, c1) see this key block
             mask = full_mask[first:c1, cols] if needs_mask else None
             m_a = m[:, :, a:]
-            s = _block_scores(r, q[:, :, first:c1], k[:, :, cols], scale, mask)
+            s = _block_scores(r, q[:, :, first:c1], k[:, :, cols], scale, mask, softcap)
             m_new, rmax[:, :, a:] = next_shift(s, m_a, rmax[:, :, a:], rule)   # row max (or the stabilized shift)
             if r.rounds_shift:
                 m_new = bound_rounded_shift(r.shift(m_new), m_a, rmax[:, :, a:], rule, r.shift_limit)
@@ -155,7 +167,7 @@ def emulated_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causa
 
 def emulated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                    do: torch.Tensor, *, causal: bool, scale: float, policy: PrecisionPolicy,
-                   block_q: int | None = None, block_k: int = 64) -> torch.Tensor:
+                   block_q: int | None = None, block_k: int = 64, softcap: float | None = None) -> torch.Tensor:
     """δ per the policy's source; q, k, v, do already rounded and in the compute dtype."""
     if policy.delta == "dO·O":
         return (do * out).sum(dim=-1)
@@ -166,7 +178,8 @@ def emulated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
         for first, cols, needs_mask in _key_steps(c0, c1, k.shape[2], block_k, causal):
             rows = slice(first, c1)
             mask = full_mask[rows, cols] if needs_mask else None
-            p = torch.exp(_block_scores(r, q[:, :, rows], k[:, :, cols], scale, mask) - lse[:, :, rows].unsqueeze(-1))
+            p = torch.exp(_block_scores(r, q[:, :, rows], k[:, :, cols], scale, mask, softcap)
+                          - lse[:, :, rows].unsqueeze(-1))
             if policy.delta == "dP·P":
                 dp = torch.matmul(do[:, :, rows], v[:, :, cols].transpose(-1, -2))
                 acc[:, :, rows] += (p * dp).sum(dim=-1)
@@ -177,14 +190,15 @@ def emulated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
 
 def emulated_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                       do: torch.Tensor, *, causal: bool, scale: float, policy: PrecisionPolicy,
-                      block_q: int | None = None,
-                      block_k: int = 64) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Algorithm 2: (dQ, dK, dV) in the compute dtype. ``out`` and ``lse`` come from the forward."""
+                      block_q: int | None = None, block_k: int = 64,
+                      softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Algorithm 2: (dQ, dK, dV) in the compute dtype. ``out`` and ``lse`` come from the forward;
+    with ``softcap`` dS carries the cap's slope 1 − tanh² before it is rounded."""
     dtype = policy.compute_dtype
     r = _Rounders(policy, q.shape[1], q.device)
     q, k, v, do = (r.inputs(t.to(dtype)) for t in (q, k, v, do))
     delta = emulated_delta(q, k, v, out, lse, do, causal=causal, scale=scale, policy=policy,
-                           block_q=block_q, block_k=block_k)
+                           block_q=block_q, block_k=block_k, softcap=softcap)
     full_mask = causal_mask(q.shape[2], k.shape[2], q.device) if causal else None
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     for c0, c1 in _chunks(q.shape[2], block_q):
@@ -192,10 +206,11 @@ def emulated_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: to
             rows = slice(first, c1)
             mask = full_mask[rows, cols] if needs_mask else None
             q_i, k_j, v_j, do_i = q[:, :, rows], k[:, :, cols], v[:, :, cols], do[:, :, rows]
-            p = torch.exp(_block_scores(r, q_i, k_j, scale, mask) - lse[:, :, rows].unsqueeze(-1))
+            s = _block_scores(r, q_i, k_j, scale, mask, softcap)
+            p = torch.exp(s - lse[:, :, rows].unsqueeze(-1))
             dv[:, :, cols] += torch.matmul(r.bwd(p).transpose(-1, -2), do_i)
             dp = torch.matmul(do_i, v_j.transpose(-1, -2))
-            ds = r.bwd(p * (dp - delta[:, :, rows].unsqueeze(-1)))
+            ds = r.bwd(p * (dp - delta[:, :, rows].unsqueeze(-1)) * _cap_slope(s, softcap))
             dq[:, :, rows] += torch.matmul(ds, k_j) * scale
             dk[:, :, cols] += torch.matmul(ds.transpose(-1, -2), q_i) * scale
     return dq, dk, dv
@@ -205,26 +220,26 @@ class EmulatedAttention(torch.autograd.Function):
     """Autograd wrapper: forward and backward both emulated under the same policy."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, policy, rule, block_q, block_k):
+    def forward(ctx, q, k, v, causal, scale, policy, rule, block_q, block_k, softcap=None):
         with torch.autocast(q.device.type, enabled=False):
             res = emulated_forward(q, k, v, causal=causal, scale=scale, policy=policy, rule=rule,
-                                   block_q=block_q, block_k=block_k)
+                                   block_q=block_q, block_k=block_k, softcap=softcap)
         ctx.save_for_backward(q, k, v, res.out, res.lse)
-        ctx.args = (causal, scale, policy, block_q, block_k)
+        ctx.args = (causal, scale, policy, block_q, block_k, softcap)
         return res.out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, out, lse = ctx.saved_tensors
-        causal, scale, policy, block_q, block_k = ctx.args
+        causal, scale, policy, block_q, block_k, softcap = ctx.args
         with torch.autocast(q.device.type, enabled=False):
             dq, dk, dv = emulated_backward(q, k, v, out, lse, do, causal=causal, scale=scale,
-                                           policy=policy, block_q=block_q, block_k=block_k)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None
+                                           policy=policy, block_q=block_q, block_k=block_k, softcap=softcap)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None
 
 
 def emulated_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float,
                        policy: PrecisionPolicy, rule: ShiftRule, block_q: int | None = None,
-                       block_k: int = 64) -> torch.Tensor:
+                       block_k: int = 64, softcap: float | None = None) -> torch.Tensor:
     """The emulated backend (inputs already validated by ``api.flash_attention``)."""
-    return EmulatedAttention.apply(q, k, v, causal, scale, policy, rule, block_q, block_k)
+    return EmulatedAttention.apply(q, k, v, causal, scale, policy, rule, block_q, block_k, softcap)

@@ -19,23 +19,27 @@ def causal_mask(n_q: int, n_k: int, device: torch.device | str = "cpu") -> torch
     return j > i
 
 
-def scores(q: torch.Tensor, k: torch.Tensor, *, causal: bool = False, scale: float | None = None) -> torch.Tensor:
-    """S = QKᵀ·scale in float64, −inf where masked."""
+def scores(q: torch.Tensor, k: torch.Tensor, *, causal: bool = False, scale: float | None = None,
+           softcap: float | None = None) -> torch.Tensor:
+    """S = QKᵀ·scale in float64 (soft-capped to softcap·tanh(S/softcap) when given), −inf where masked."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     s = torch.matmul(q.double(), k.double().transpose(-1, -2)) * scale
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
     if causal:
         s = s.masked_fill(causal_mask(s.shape[-2], s.shape[-1], s.device), -math.inf)
     return s
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
-              scale: float | None = None, rule: ShiftRule | None = None) -> torch.Tensor:
+              scale: float | None = None, rule: ShiftRule | None = None,
+              softcap: float | None = None) -> torch.Tensor:
     """softmax(S − m)·V in float64, differentiable, with m chosen by ``rule`` (standard if None).
 
     In real arithmetic the result does not depend on the rule; computing it with each rule in
     float64 is how the tests show that the stabilized rules are exact.
     """
-    s = scores(q, k, causal=causal, scale=scale)
+    s = scores(q, k, causal=causal, scale=scale, softcap=softcap)
     m = row_shift(s.detach(), rule or ShiftRule("standard")).unsqueeze(-1)
     p_bar = torch.exp(s - m)
     return torch.matmul(p_bar, v.double()) / p_bar.sum(dim=-1, keepdim=True)

@@ -29,7 +29,8 @@ class GPTConfig:
     """Model shape. ``block_size`` is the context length; ``bias`` puts biases in Linear and LayerNorm.
     Architectural controls against attention-logit growth (off in GPT-2): ``qk_norm`` LayerNorms each
     head's q and k before the scores; ``attn_gate`` multiplies each head's attention output by a
-    sigmoid gate computed from the block's input (gated attention), before the output projection."""
+    sigmoid gate computed from the block's input (gated attention), before the output projection;
+    ``attn_softcap`` soft-caps the attention scores to c·tanh(S/c) (not on the "sdpa" backend)."""
 
     n_layer: int
     n_head: int
@@ -41,6 +42,7 @@ class GPTConfig:
     init_std: float = 0.02
     qk_norm: bool = False
     attn_gate: bool = False
+    attn_softcap: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size"):
@@ -55,6 +57,9 @@ class GPTConfig:
                 raise TypeError(f"{name}={getattr(self, name)!r} is invalid; accepted: True or False")
         if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) or not 0 <= self.dropout < 1:
             raise ValueError(f"dropout={self.dropout!r} is invalid; accepted: a number with 0 <= dropout < 1")
+        c = self.attn_softcap
+        if c is not None and (isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) or c <= 0):
+            raise ValueError(f"attn_softcap={c!r} is invalid; accepted: None (off) or a finite number > 0")
         if (isinstance(self.init_std, bool) or not isinstance(self.init_std, (int, float))
                 or not math.isfinite(self.init_std) or self.init_std <= 0):
             raise ValueError(f"init_std={self.init_std!r} is invalid; accepted: a finite number > 0")
@@ -79,6 +84,7 @@ class CausalSelfAttention(nn.Module):
         self.q_norm = nn.LayerNorm(hd, bias=config.bias) if config.qk_norm else None
         self.k_norm = nn.LayerNorm(hd, bias=config.bias) if config.qk_norm else None
         self.c_gate = nn.Linear(config.n_embd, config.n_embd, bias=config.bias) if config.attn_gate else None
+        self.softcap = config.attn_softcap
         # diagnostics: called as observer(self, x, q, k, v, y) after the attention, with q, k, v, y
         # in (B, n_head, T, head_dim); it may register a hook on y to see dO. None costs nothing.
         self.observer = None
@@ -89,7 +95,8 @@ class CausalSelfAttention(nn.Module):
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        y = flash_attention(q, k, v, causal=True, **self.choice.kwargs())
+        extra = {} if self.softcap is None else {"softcap": self.softcap}
+        y = flash_attention(q, k, v, causal=True, **self.choice.kwargs(), **extra)
         if self.observer is not None:
             self.observer(self, x, q, k, v, y)
         y = y.transpose(1, 2).contiguous().view(B, T, C)

@@ -29,6 +29,7 @@ class TrainConfig:
     bias: bool | None = None
     qk_norm: bool | None = None                 # GPT and Llama: norm of each head's q and k
     attn_gate: bool | None = None               # GPT: sigmoid-gated attention output
+    attn_softcap: float | None = None           # GPT: attention scores soft-capped to c·tanh(S/c)
     dropout: float | None = None
     attention: str = "sdpa"
     # data
@@ -80,7 +81,7 @@ class TrainConfig:
     def model_overrides(self) -> dict:
         """The model fields this config sets explicitly (None means: the preset's value)."""
         return {k: getattr(self, k) for k in ("n_layer", "n_head", "n_embd", "block_size", "bias", "dropout",
-                                             "qk_norm", "attn_gate")
+                                             "qk_norm", "attn_gate", "attn_softcap")
                 if getattr(self, k) is not None}
 
     def delta_layer_list(self) -> tuple[int, ...]:
@@ -264,8 +265,14 @@ def validate(cfg: TrainConfig) -> None:
     from stableflash.model import MODEL_PRESETS, model_config, parse_attention_spec
     if cfg.model not in MODEL_PRESETS:
         raise ValueError(f"model={cfg.model!r} is unknown; accepted: {', '.join(MODEL_PRESETS)}")
-    model_config(cfg.model, **cfg.model_overrides())        # a field the model family lacks, named now
-    parse_attention_spec(cfg.attention)
+    mcfg = model_config(cfg.model, **cfg.model_overrides())        # a field the model family lacks, named now
+    spec = parse_attention_spec(cfg.attention)
+    if getattr(mcfg, "attn_softcap", None) is not None:
+        sdpa = [i for i, c in enumerate(spec.choices(mcfg.n_layer)) if c.backend == "sdpa"]
+        if sdpa:
+            raise ValueError(f"attn_softcap={mcfg.attn_softcap} cannot apply to the layers on backend 'sdpa' "
+                             f"({sdpa}) of attention={cfg.attention!r}; accepted: attn_softcap with 'triton' or "
+                             "'emulated' attention in every layer")
 
 
 def monitor_config(cfg: TrainConfig):

@@ -11,15 +11,25 @@ EMU = 1 recomputes S in bf16 natural units, as the emulated backend's "paper" po
 import triton
 import triton.language as tl
 
-from stableflash.attention.triton.common import cast, mma, to_bf16
+from stableflash.attention.triton.common import cast, mma, tanh, to_bf16
 
 
 @triton.jit
-def _scores(q, kT, lse, scale, EMU: tl.constexpr, INTERP: tl.constexpr):
-    """P = exp(S − L) for a (rows, cols) tile; lse broadcast along cols (natural units)."""
+def _scores(q, kT, lse, scale, softcap, EMU: tl.constexpr, SOFTCAP: tl.constexpr, INTERP: tl.constexpr):
+    """(P, slope) for a (rows, cols) tile: P = exp(S − L), lse broadcast along cols (natural units);
+    with SOFTCAP, S = softcap·tanh(QKᵀ·scale/softcap) (rounded as the forward rounds it) and slope
+    = dS/d(QKᵀ·scale) = 1 − (S/softcap)², which dS carries; otherwise slope = 1."""
+    s = mma(q, kT, INTERP) * scale
     if EMU:
-        return tl.exp2((to_bf16(mma(q, kT, INTERP) * scale, INTERP) - lse) * 1.4426950408889634)
-    return tl.exp2(mma(q, kT, INTERP) * (scale * 1.4426950408889634) - lse * 1.4426950408889634)
+        s = to_bf16(s, INTERP)
+    slope = 1.0
+    if SOFTCAP:
+        s = softcap * tanh(s * (1.0 / softcap))
+        if EMU:
+            s = to_bf16(s, INTERP)
+        t = s * (1.0 / softcap)
+        slope = 1.0 - t * t
+    return tl.exp2((s - lse) * 1.4426950408889634), slope
 
 
 @triton.jit
@@ -40,9 +50,10 @@ def delta_dot_kernel(O, DO, DELTA, stride_ob, stride_oh, stride_om, stride_db, s
 def delta_pass_kernel(Q, K, V, DO, LSE, DELTA,
                       stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
                       stride_vb, stride_vh, stride_vn, stride_db, stride_dh, stride_dm,
-                      n_heads, group, n_q, n_k, scale,
+                      n_heads, group, n_q, n_k, scale, softcap,
                       HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      CAUSAL: tl.constexpr, DELTA_SRC: tl.constexpr, EMU: tl.constexpr, INTERP: tl.constexpr):
+                      CAUSAL: tl.constexpr, DELTA_SRC: tl.constexpr, EMU: tl.constexpr, SOFTCAP: tl.constexpr,
+                      INTERP: tl.constexpr):
     """δ from dP·P (DELTA_SRC 1) or from dO·(PV in fp32) (DELTA_SRC 2): one pass over the keys,
     longest query blocks first (as in the forward)."""
     start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
@@ -65,7 +76,7 @@ def delta_pass_kernel(Q, K, V, DO, LSE, DELTA,
         cols = start_n + offs_n
         kT = tl.load(K + cols[None, :] * stride_kn + offs_d[:, None], mask=cols[None, :] < n_k, other=0.0)
         v = tl.load(V + cols[:, None] * stride_vn + offs_d[None, :], mask=cols[:, None] < n_k, other=0.0)
-        p = _scores(q, kT, lse[:, None], scale, EMU, INTERP)
+        p, _ = _scores(q, kT, lse[:, None], scale, softcap, EMU, SOFTCAP, INTERP)
         keep = cols[None, :] < n_k
         if CAUSAL:
             keep = keep & (cols[None, :] <= offs_m[:, None])
@@ -82,8 +93,8 @@ def delta_pass_kernel(Q, K, V, DO, LSE, DELTA,
 
 @triton.jit
 def _dkdv_blocks(dk, dv, k, v, Q, DO, LSE, DELTA, stride_qm, stride_dm, offs_n, offs_d, start, stop,
-                 n_q, scale, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
-                 EMU: tl.constexpr, INTERP: tl.constexpr):
+                 n_q, scale, softcap, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
+                 EMU: tl.constexpr, SOFTCAP: tl.constexpr, INTERP: tl.constexpr):
     """Lines 10-21 of Algorithm 2 for query blocks [start, stop), transposed (keys as rows)."""
     offs_m = tl.arange(0, BLOCK_M)
     for start_m in range(start, stop, BLOCK_M):
@@ -98,7 +109,7 @@ def _dkdv_blocks(dk, dv, k, v, Q, DO, LSE, DELTA, stride_qm, stride_dm, offs_n, 
             do = tl.load(DO + rows[:, None] * stride_dm + offs_d[None, :])
             lse = tl.load(LSE + rows)
             delta = tl.load(DELTA + rows)
-        pT = _scores(k, qT, lse[None, :], scale, EMU, INTERP)             # (BLOCK_N, BLOCK_M)
+        pT, slopeT = _scores(k, qT, lse[None, :], scale, softcap, EMU, SOFTCAP, INTERP)   # (BLOCK_N, BLOCK_M)
         if MASKED:
             keep = rows[None, :] < n_q
             if CAUSAL:
@@ -107,6 +118,8 @@ def _dkdv_blocks(dk, dv, k, v, Q, DO, LSE, DELTA, stride_qm, stride_dm, offs_n, 
         dv += mma(cast(pT, do.dtype, INTERP), do, INTERP)
         dpT = mma(v, tl.trans(do), INTERP)
         dsT = pT * (dpT - delta[None, :])
+        if SOFTCAP:
+            dsT = dsT * slopeT
         dk += mma(cast(dsT, qT.dtype, INTERP), tl.trans(qT), INTERP)
     return dk, dv
 
@@ -116,9 +129,9 @@ def attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
                          stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
                          stride_vb, stride_vh, stride_vn, stride_db, stride_dh, stride_dm,
                          stride_dkb, stride_dkh, stride_dkn,
-                         n_heads, group, n_q, n_k, scale,
+                         n_heads, group, n_q, n_k, scale, softcap,
                          HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         CAUSAL: tl.constexpr, EMU: tl.constexpr, INTERP: tl.constexpr):
+                         CAUSAL: tl.constexpr, EMU: tl.constexpr, SOFTCAP: tl.constexpr, INTERP: tl.constexpr):
     start_n = tl.program_id(0) * BLOCK_N
     bhk = tl.program_id(1)
     n_kv_heads = n_heads // group
@@ -143,12 +156,12 @@ def attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
         lse_ptr = LSE + (b * n_heads + h) * n_q
         delta_ptr = DELTA + (b * n_heads + h) * n_q
         dk, dv = _dkdv_blocks(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, stride_qm, stride_dm,
-                              offs_n, offs_d, start, diag_end, n_q, scale, BLOCK_M, CAUSAL, True, EMU, INTERP)
+                              offs_n, offs_d, start, diag_end, n_q, scale, softcap, BLOCK_M, CAUSAL, True, EMU, SOFTCAP, INTERP)
         dk, dv = _dkdv_blocks(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, stride_qm, stride_dm,
-                              offs_n, offs_d, diag_end, full, n_q, scale, BLOCK_M, CAUSAL, False, EMU, INTERP)
+                              offs_n, offs_d, diag_end, full, n_q, scale, softcap, BLOCK_M, CAUSAL, False, EMU, SOFTCAP, INTERP)
         dk, dv = _dkdv_blocks(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, stride_qm, stride_dm,
-                              offs_n, offs_d, tl.maximum(full, diag_end), n_q, n_q, scale, BLOCK_M, CAUSAL,
-                              True, EMU, INTERP)
+                              offs_n, offs_d, tl.maximum(full, diag_end), n_q, n_q, scale, softcap, BLOCK_M,
+                              CAUSAL, True, EMU, SOFTCAP, INTERP)
     out = b * stride_dkb + hk * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :]
     tl.store(DK + out, cast(dk * scale, DK.dtype.element_ty, INTERP), mask=cols)
     tl.store(DV + out, cast(dv, DV.dtype.element_ty, INTERP), mask=cols)
@@ -156,8 +169,8 @@ def attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
 
 @triton.jit
 def _dq_blocks(dq, q, do, lse, delta, K, V, stride_kn, stride_vn, offs_m, offs_d, start, stop, n_k,
-               scale, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr, EMU: tl.constexpr,
-               INTERP: tl.constexpr):
+               scale, softcap, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
+               EMU: tl.constexpr, SOFTCAP: tl.constexpr, INTERP: tl.constexpr):
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in range(start, stop, BLOCK_N):
         cols = start_n + offs_n
@@ -167,7 +180,7 @@ def _dq_blocks(dq, q, do, lse, delta, K, V, stride_kn, stride_vn, offs_m, offs_d
         else:
             kT = tl.load(K + cols[None, :] * stride_kn + offs_d[:, None])
             vT = tl.load(V + cols[None, :] * stride_vn + offs_d[:, None])
-        p = _scores(q, kT, lse[:, None], scale, EMU, INTERP)
+        p, slope = _scores(q, kT, lse[:, None], scale, softcap, EMU, SOFTCAP, INTERP)
         if MASKED:
             keep = cols[None, :] < n_k
             if CAUSAL:
@@ -175,6 +188,8 @@ def _dq_blocks(dq, q, do, lse, delta, K, V, stride_kn, stride_vn, offs_m, offs_d
             p = tl.where(keep, p, 0.0)
         dp = mma(do, vT, INTERP)
         ds = p * (dp - delta[:, None])
+        if SOFTCAP:
+            ds = ds * slope
         dq += mma(cast(ds, kT.dtype, INTERP), tl.trans(kT), INTERP)
     return dq
 
@@ -184,9 +199,9 @@ def attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
                        stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
                        stride_vb, stride_vh, stride_vn, stride_db, stride_dh, stride_dm,
                        stride_dqb, stride_dqh, stride_dqm,
-                       n_heads, group, n_q, n_k, scale,
+                       n_heads, group, n_q, n_k, scale, softcap,
                        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       CAUSAL: tl.constexpr, EMU: tl.constexpr, INTERP: tl.constexpr):
+                       CAUSAL: tl.constexpr, EMU: tl.constexpr, SOFTCAP: tl.constexpr, INTERP: tl.constexpr):
     start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M     # longest first, as in the forward
     bh = tl.program_id(1)
     b, h = bh // n_heads, bh % n_heads
@@ -206,8 +221,8 @@ def attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
     if CAUSAL:
         full = tl.minimum(full, (start_m // BLOCK_N) * BLOCK_N)
     dq = _dq_blocks(dq, q, do, lse, delta, K, V, stride_kn, stride_vn, offs_m, offs_d, 0, full, n_k, scale,
-                    BLOCK_N, CAUSAL, False, EMU, INTERP)
+                    softcap, BLOCK_N, CAUSAL, False, EMU, SOFTCAP, INTERP)
     dq = _dq_blocks(dq, q, do, lse, delta, K, V, stride_kn, stride_vn, offs_m, offs_d, full, stop, n_k, scale,
-                    BLOCK_N, CAUSAL, True, EMU, INTERP)
+                    softcap, BLOCK_N, CAUSAL, True, EMU, SOFTCAP, INTERP)
     out = b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :]
     tl.store(DQ + out, cast(dq * scale, DQ.dtype.element_ty, INTERP), mask=rows)

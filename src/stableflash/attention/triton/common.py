@@ -190,6 +190,12 @@ def bound_rounded_shift(m_new, m_prev, r_new, STAB: tl.constexpr):
 
 
 @triton.jit
+def tanh(x):
+    """tanh through the sigmoid (the interpreter and the GPU both have it): 2σ(2x) − 1."""
+    return 2.0 * tl.sigmoid(2.0 * x) - 1.0
+
+
+@triton.jit
 def keep_hp(x, narrowed, hp, HP: tl.constexpr):
     """``narrowed``, or x itself where this head keeps fp32 (HP and hp true)."""
     if HP:

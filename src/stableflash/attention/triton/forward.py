@@ -19,7 +19,9 @@ SR = 1 rounds those narrowing points, and the bf16 O store, stochastically inste
 ACC_NARROW, ROW_NARROW, O_NARROW = 0 leave Ō, ℓ or O out of the narrowing (a policy's fp32 point);
 PBAR32 multiplies P̄V with P̄ in fp32 (no tensor-core rounding of P̄); PFMT ≥ 0 rounds P̄ to that
 format (bf16, e8mY, fp16, e5m2, e4m3: ``common.round_format``) before the product; HP keeps P̄, Ō, ℓ and O in
-fp32 for the heads set in ``hp_mask`` (a policy's ``hp_heads``). KEEP_O32 also stores O in fp32,
+fp32 for the heads set in ``hp_mask`` (a policy's ``hp_heads``). SOFTCAP soft-caps the scores
+(softcap·tanh(S/softcap); the launcher passes cap_in, cap_out in the mode's units). KEEP_O32 also
+stores O in fp32,
 as the policy stores it (before it is rounded to the input dtype for the model), for the backward's
 δ = rowsum(dO ∘ O): an fp32 ``out`` (or fp32 heads) with δ from dO·O, at the cost of one fp32 store.
 """
@@ -27,18 +29,19 @@ import triton
 import triton.language as tl
 
 from stableflash.attention.triton.common import (bound_rounded_shift, cast, count_ties, keep_hp, mma, narrow,
-                                                 next_shift, p_bar_v, round_up_bf16, shift_from_ties, to_bf16)
+                                                 next_shift, p_bar_v, round_up_bf16, shift_from_ties, tanh,
+                                                 to_bf16)
 
 LOG2E = 1.4426950408889634
 
 
 @triton.jit
 def _fwd_blocks(acc, l_i, m_i, r_i, q, K, V, stride_kn, stride_vn, offs_m, offs_d, start, stop, n_k,
-                scale, beta, eps, lo, hi, period, seed, rows, hp,
+                scale, beta, eps, lo, hi, period, seed, rows, hp, cap_in, cap_out,
                 BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
                 STAB: tl.constexpr, EMU: tl.constexpr, MBITS: tl.constexpr, SR: tl.constexpr,
                 ACC_NARROW: tl.constexpr, ROW_NARROW: tl.constexpr, PBAR32: tl.constexpr, HP: tl.constexpr,
-                PFMT: tl.constexpr, TMA: tl.constexpr, INTERP: tl.constexpr):
+                PFMT: tl.constexpr, SOFTCAP: tl.constexpr, TMA: tl.constexpr, INTERP: tl.constexpr):
     """Lines 6-11 of Algorithm 1 for key blocks [start, stop). TMA: K and V are tensor
     descriptors (rows past n_k come back as zeros) instead of pointers. ``rows``: the rows' indices
     over the whole (batch, head, query) grid, which with ``seed`` and the key block number pick the
@@ -56,6 +59,8 @@ def _fwd_blocks(acc, l_i, m_i, r_i, q, K, V, stride_kn, stride_vn, offs_m, offs_
             k = tl.load(K + cols[None, :] * stride_kn + offs_d[:, None])
             v = tl.load(V + cols[:, None] * stride_vn + offs_d[None, :])
         qk = mma(q, k, INTERP)
+        if SOFTCAP and not EMU:                # capped scores in log2 units: cap_out·tanh(qk·cap_in); scale = 1
+            qk = cap_out * tanh(qk * cap_in)
         if MASKED:
             keep = cols[None, :] < n_k
             if CAUSAL:
@@ -63,6 +68,8 @@ def _fwd_blocks(acc, l_i, m_i, r_i, q, K, V, stride_kn, stride_vn, offs_m, offs_
             qk = tl.where(keep, qk, float("-inf"))
         if EMU:                                    # the "paper" policy: bf16 scores, natural units
             s = to_bf16(qk * scale, INTERP)
+            if SOFTCAP:                            # natural units: softcap·tanh(S/softcap), rounded again
+                s = tl.where(s > float("-inf"), to_bf16(cap_out * tanh(s * cap_in), INTERP), s)
             m_new, r_i = next_shift(s, m_i, r_i, STAB, beta, eps, lo, hi, period)
             m_new = bound_rounded_shift(round_up_bf16(m_new), m_i, r_i, STAB)
             p = tl.exp2(to_bf16(s - m_new[:, None], INTERP) * 1.4426950408889634)
@@ -93,11 +100,12 @@ def _fwd_blocks(acc, l_i, m_i, r_i, q, K, V, stride_kn, stride_vn, offs_m, offs_
 def attn_fwd_kernel(Q, K, V, O, LSE, O32,
                     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
                     stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om,
-                    n_heads, group, n_q, n_k, scale, beta, eps, lo, hi, period, seed, hp_mask,
+                    n_heads, group, n_q, n_k, scale, beta, eps, lo, hi, period, seed, hp_mask, cap_in, cap_out,
                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     CAUSAL: tl.constexpr, STAB: tl.constexpr, EMU: tl.constexpr, MBITS: tl.constexpr,
                     SR: tl.constexpr, ACC_NARROW: tl.constexpr, ROW_NARROW: tl.constexpr, O_NARROW: tl.constexpr,
-                    PBAR32: tl.constexpr, HP: tl.constexpr, PFMT: tl.constexpr, KEEP_O32: tl.constexpr,
+                    PBAR32: tl.constexpr, HP: tl.constexpr, PFMT: tl.constexpr, SOFTCAP: tl.constexpr,
+                    KEEP_O32: tl.constexpr,
                     TMA: tl.constexpr, INTERP: tl.constexpr):
     # the last query blocks see the most keys under a causal mask: launch them first, so that the
     # grid's tail is made of short programs (longest-processing-time-first scheduling)
@@ -132,13 +140,13 @@ def attn_fwd_kernel(Q, K, V, O, LSE, O32,
     if CAUSAL:
         full = tl.minimum(full, (start_m // BLOCK_N) * BLOCK_N)
     acc, l_i, m_i, r_i = _fwd_blocks(acc, l_i, m_i, r_i, q, K, V, stride_kn, stride_vn, offs_m, offs_d,
-                                     0, full, n_k, scale, beta, eps, lo, hi, period, seed, rows, hp,
+                                     0, full, n_k, scale, beta, eps, lo, hi, period, seed, rows, hp, cap_in, cap_out,
                                      BLOCK_N, CAUSAL, False, STAB, EMU, MBITS, SR, ACC_NARROW, ROW_NARROW,
-                                     PBAR32, HP, PFMT, TMA, INTERP)
+                                     PBAR32, HP, PFMT, SOFTCAP, TMA, INTERP)
     acc, l_i, m_i, r_i = _fwd_blocks(acc, l_i, m_i, r_i, q, K, V, stride_kn, stride_vn, offs_m, offs_d,
-                                     full, stop, n_k, scale, beta, eps, lo, hi, period, seed, rows, hp,
+                                     full, stop, n_k, scale, beta, eps, lo, hi, period, seed, rows, hp, cap_in, cap_out,
                                      BLOCK_N, CAUSAL, True, STAB, EMU, MBITS, SR, ACC_NARROW, ROW_NARROW,
-                                     PBAR32, HP, PFMT, TMA, INTERP)
+                                     PBAR32, HP, PFMT, SOFTCAP, TMA, INTERP)
     if EMU:
         o = acc / l_i[:, None]
         lse = m_i + tl.log(l_i)

@@ -114,9 +114,9 @@ def kernel_mode(policy: PrecisionPolicy, dtype: torch.dtype) -> KernelMode:
 
 
 def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float,
-                     rule: ShiftRule, policy: PrecisionPolicy) -> torch.Tensor:
+                     rule: ShiftRule, policy: PrecisionPolicy, softcap: float | None = None) -> torch.Tensor:
     """The fused kernels, differentiable. Inputs validated by ``flash_attention`` and ``check_inputs``."""
     mode = kernel_mode(policy, q.dtype)
     return attention(q, k, v, causal, scale, RULE_CODES[rule.kind], float(rule.beta), float(rule.eps),
                      float(rule.min_shift), float(rule.max_shift), mode.emu, mode.mbits, mode.delta, mode.stochastic,
-                     mode.flags, mode.hp_mask)
+                     mode.flags, mode.hp_mask, softcap or 0.0)

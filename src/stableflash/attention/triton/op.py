@@ -58,7 +58,8 @@ DKDV_CONFIGS = [_cfg(32, 64, 4, 3), _cfg(64, 128, 8, 3), _cfg(32, 128, 4, 3), _c
 DQ_CONFIGS = [_cfg(64, 64, 4, 3), _cfg(128, 64, 8, 3), _cfg(128, 64, 8, 2), _cfg(128, 32, 8, 3),
               _cfg(64, 16, 4, 2)]
 _KEY = ["n_q", "n_k", "HEAD_DIM", "CAUSAL"]
-_FWD_MODE = ["STAB", "EMU", "MBITS", "SR", "ACC_NARROW", "ROW_NARROW", "O_NARROW", "PBAR32", "HP", "PFMT", "KEEP_O32"]
+_FWD_MODE = ["STAB", "EMU", "MBITS", "SR", "ACC_NARROW", "ROW_NARROW", "O_NARROW", "PBAR32", "HP", "PFMT", "SOFTCAP",
+             "KEEP_O32"]
 _prune = {"early_config_prune": _fits}
 
 
@@ -74,8 +75,8 @@ def _with_tma(configs: list[triton.Config], tma: list[tuple[int, int, int, int]]
 _fwd_tuned = triton.autotune(FWD_CONFIGS, key=_KEY + _FWD_MODE, prune_configs_by=_prune)(attn_fwd_kernel)
 _fwd_tma_tuned = triton.autotune(_with_tma(FWD_CONFIGS, [(64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3)]),
                                  key=_KEY + _FWD_MODE, prune_configs_by=_prune)(attn_fwd_kernel)
-_dkdv_tuned = triton.autotune(DKDV_CONFIGS, key=_KEY + ["EMU"], prune_configs_by=_prune)(attn_bwd_dkdv_kernel)
-_dq_tuned = triton.autotune(DQ_CONFIGS, key=_KEY + ["EMU"], prune_configs_by=_prune)(attn_bwd_dq_kernel)
+_dkdv_tuned = triton.autotune(DKDV_CONFIGS, key=_KEY + ["EMU", "SOFTCAP"], prune_configs_by=_prune)(attn_bwd_dkdv_kernel)
+_dq_tuned = triton.autotune(DQ_CONFIGS, key=_KEY + ["EMU", "SOFTCAP"], prune_configs_by=_prune)(attn_bwd_dq_kernel)
 # the δ pass (dP·P or an fp32 recompute) does the forward's two products per key block: the forward's tiles
 _delta_tuned = triton.autotune(FWD_CONFIGS, key=_KEY + ["EMU", "DELTA_SRC"], prune_configs_by=_prune)(delta_pass_kernel)
 # under the interpreter: one small tile, so that short test sequences still span several blocks
@@ -167,14 +168,14 @@ def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, rule: int,
              beta: float, eps: float, min_shift: float, max_shift: float, emu: bool,
              mbits: int, stochastic: bool = False, flags: int = NARROW_ALL, hp_mask: int = 0,
-             keep_o32: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             keep_o32: bool = False, softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(O, LSE, O32): O like q, LSE (B, H, Nq) fp32 in natural log, O32 the fp32 O for δ when
     ``keep_o32`` (else an empty tensor). ``stochastic`` rounds the narrowing points stochastically,
     with a seed drawn from torch's default generator (so ``torch.manual_seed`` makes a run
     reproducible and checkpoints carry the stream on). ``flags``: which of Ō, ℓ, O ``mbits`` narrows
     (ACC_NARROW, ROW_NARROW, O_NARROW), whether P̄V takes P̄ in fp32 (PBAR32) and, above PFMT_SHIFT,
-    1 + the format P̄ is rounded to first (0: none); ``hp_mask``: bit h
-    set keeps head h's P̄, Ō, ℓ and O in fp32."""
+    1 + the format P̄ is rounded to first (0: none); ``hp_mask``: bit h set keeps head h's P̄, Ō, ℓ
+    and O in fp32. ``softcap`` > 0 soft-caps the scores to softcap·tanh(S/softcap)."""
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     B, H, n_q, d = q.shape
     n_k = k.shape[2]
@@ -182,41 +183,46 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sc
     lse = torch.empty(B, H, n_q, dtype=torch.float32, device=q.device)
     o32 = torch.empty(q.shape if keep_o32 else (0,), dtype=torch.float32, device=q.device)
     scale_u, eps_u, lo, hi, period = _units(emu, scale, eps, min_shift, max_shift)
+    cap_in = cap_out = 0.0
+    if softcap > 0:     # "paper": S = bf16(QKᵀ·scale) capped in natural units; "fa2": QKᵀ capped into log2 units
+        cap_in, cap_out = (1.0 / softcap, softcap) if emu else (scale / softcap, softcap * LOG2E)
+        scale_u = scale_u if emu else 1.0
     # streams seed − 1 (O) and seed + 3b, seed + 3b + 1 (Ō, ℓ of key block b) stay positive int32
     seed = int(torch.randint(1, 2**30, (1,))) if stochastic else 0
     grid = lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]), B * H)  # noqa: E731
     _launch(_fwd_tuned, attn_fwd_kernel, grid, q, k, v, o, lse, o32, *_strides(q), *_strides(k), *_strides(v),
             *_strides(o), H, H // k.shape[1], n_q, n_k, scale_u, beta, eps_u, lo, hi, period,
-            seed, hp_mask, tma_tuned=_fwd_tma_tuned, tma=_use_tma(k, v), fixed=emu, HEAD_DIM=d, CAUSAL=causal,
+            seed, hp_mask, cap_in, cap_out, tma_tuned=_fwd_tma_tuned, tma=_use_tma(k, v), fixed=emu, HEAD_DIM=d, CAUSAL=causal,
             STAB=rule, EMU=emu, MBITS=mbits, SR=stochastic, ACC_NARROW=bool(flags & ACC_NARROW),
             ROW_NARROW=bool(flags & ROW_NARROW), O_NARROW=bool(flags & O_NARROW), PBAR32=bool(flags & PBAR32),
-            HP=hp_mask != 0, PFMT=(flags >> PFMT_SHIFT) - 1, KEEP_O32=keep_o32)
+            HP=hp_mask != 0, PFMT=(flags >> PFMT_SHIFT) - 1, SOFTCAP=softcap > 0, KEEP_O32=keep_o32)
     return o, lse, o32
 
 
 @torch.library.custom_op("stableflash::attn_fwd", mutates_args=())
 def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, rule: int,
              beta: float, eps: float, min_shift: float, max_shift: float, emu: bool, mbits: int,
-             stochastic: bool, flags: int, hp_mask: int,
+             stochastic: bool, flags: int, hp_mask: int, softcap: float,
              delta_src: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(O, LSE, O32): O like q, LSE (B, H, Nq) fp32 in natural log, O32 the fp32 O that δ reads
     (``delta_src`` = 3) or an empty tensor."""
     return _forward(q, k, v, causal, scale, rule, beta, eps, min_shift, max_shift, emu, mbits, stochastic,
-                    flags, hp_mask, delta_src == KEEP_O32)
+                    flags, hp_mask, delta_src == KEEP_O32, softcap)
 
 
 @attn_fwd.register_fake
 def _(q, k, v, causal, scale, rule, beta, eps, min_shift, max_shift, emu, mbits, stochastic, flags, hp_mask,
-      delta_src):
+      softcap, delta_src):
     o32 = q.new_empty(q.shape if delta_src == KEEP_O32 else (0,), dtype=torch.float32)
     return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32), o32
 
 
 def _backward_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                    lse: torch.Tensor, causal: bool, scale: float, emu: bool,
-                   delta_src: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   delta_src: int, softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dQ, dK, dV) for the forward that produced ``o`` and ``lse`` (``o``: the fp32 O when the
-    forward kept one, which δ = rowsum(dO ∘ O) then reads)."""
+    forward kept one, which δ = rowsum(dO ∘ O) then reads); ``softcap`` as in the forward."""
+    cap = dict(SOFTCAP=softcap > 0)
     delta_src = 0 if delta_src == KEEP_O32 else delta_src
     do, q, k, v, o = (_last_dim_contiguous(t) for t in (do, q, k, v, o))
     B, H, n_q, d = q.shape
@@ -230,45 +236,45 @@ def _backward_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     else:
         _launch(_delta_tuned, delta_pass_kernel, lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]), B * H),
                 q, k, v, do, lse, delta, *_strides(q), *_strides(k), *_strides(v), *_strides(do), H, group, n_q, n_k,
-                scale, HEAD_DIM=d, CAUSAL=causal, DELTA_SRC=delta_src, EMU=emu)
+                scale, softcap, HEAD_DIM=d, CAUSAL=causal, DELTA_SRC=delta_src, EMU=emu, **cap)
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     common = (*_strides(q), *_strides(k), *_strides(v), *_strides(do))
     _launch(_dkdv_tuned, attn_bwd_dkdv_kernel, lambda meta: (triton.cdiv(n_k, meta["BLOCK_N"]), B * Hk),
-            q, k, v, do, lse, delta, dk, dv, *common, *_strides(dk), H, group, n_q, n_k, scale,
-            HEAD_DIM=d, CAUSAL=causal, EMU=emu)
+            q, k, v, do, lse, delta, dk, dv, *common, *_strides(dk), H, group, n_q, n_k, scale, softcap,
+            HEAD_DIM=d, CAUSAL=causal, EMU=emu, **cap)
     _launch(_dq_tuned, attn_bwd_dq_kernel, lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]), B * H),
-            q, k, v, do, lse, delta, dq, *common, *_strides(dq), H, group, n_q, n_k, scale,
-            HEAD_DIM=d, CAUSAL=causal, EMU=emu)
+            q, k, v, do, lse, delta, dq, *common, *_strides(dq), H, group, n_q, n_k, scale, softcap,
+            HEAD_DIM=d, CAUSAL=causal, EMU=emu, **cap)
     return dq, dk, dv
 
 
 @torch.library.custom_op("stableflash::attn_bwd", mutates_args=())
 def attn_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
              lse: torch.Tensor, causal: bool, scale: float, emu: bool,
-             delta_src: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             delta_src: int, softcap: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dQ, dK, dV) for the forward that produced ``o`` and ``lse``."""
-    return _backward_impl(do, q, k, v, o, lse, causal, scale, emu, delta_src)
+    return _backward_impl(do, q, k, v, o, lse, causal, scale, emu, delta_src, softcap)
 
 
 @attn_bwd.register_fake
-def _(do, q, k, v, o, lse, causal, scale, emu, delta_src):
+def _(do, q, k, v, o, lse, causal, scale, emu, delta_src, softcap):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, causal, scale, _rule, _beta, _eps, _lo, _hi, emu, _mbits, _stochastic, _flags, _hp, delta_src = inputs
+    (q, k, v, causal, scale, _rule, _beta, _eps, _lo, _hi, emu, _mbits, _stochastic, _flags, _hp, softcap,
+     delta_src) = inputs
     o, lse, o32 = output
     ctx.save_for_backward(q, k, v, o32 if delta_src == KEEP_O32 else o, lse)
-    ctx.args = (causal, scale, emu, delta_src)
+    ctx.args = (causal, scale, emu, delta_src, softcap)
 
 
 def _backward(ctx, do, _dlse, _do32):
     q, k, v, o, lse = ctx.saved_tensors
-    causal, scale, emu, delta_src = ctx.args
-    dq, dk, dv = attn_bwd(do, q, k, v, o, lse, causal, scale, emu, delta_src)
-    return dq, dk, dv, *[None] * 13
+    dq, dk, dv = attn_bwd(do, q, k, v, o, lse, *ctx.args)
+    return dq, dk, dv, *[None] * 14
 
 
 attn_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -279,29 +285,31 @@ class _EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, causal, scale, rule, beta, eps, min_shift, max_shift, emu, mbits, stochastic,
-                flags, hp_mask, delta_src):
+                flags, hp_mask, softcap, delta_src):
         o, lse, o32 = _forward(q, k, v, causal, scale, rule, beta, eps, min_shift, max_shift, emu, mbits,
-                               stochastic, flags, hp_mask, delta_src == KEEP_O32)
+                               stochastic, flags, hp_mask, delta_src == KEEP_O32, softcap)
         ctx.save_for_backward(q, k, v, o32 if delta_src == KEEP_O32 else o, lse)
-        ctx.args = (causal, scale, emu, delta_src)
+        ctx.args = (causal, scale, emu, delta_src, softcap)
         return o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
         dq, dk, dv = _backward_impl(do, q, k, v, o, lse, *ctx.args)
-        return dq, dk, dv, *[None] * 13
+        return dq, dk, dv, *[None] * 14
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, rule: int,
               beta: float, eps: float, min_shift: float, max_shift: float, emu: bool, mbits: int,
-              delta_src: int, stochastic: bool = False, flags: int = NARROW_ALL, hp_mask: int = 0) -> torch.Tensor:
+              delta_src: int, stochastic: bool = False, flags: int = NARROW_ALL, hp_mask: int = 0,
+              softcap: float = 0.0) -> torch.Tensor:
     """O, differentiable: the custom op under torch.compile, the autograd.Function in eager mode.
     ``mbits`` > 0 narrows the forward's O (and, with ``emu``, ℓ and Ō) to that many mantissa bits;
     ``stochastic`` rounds those points (and a bf16 O) stochastically; ``flags`` and ``hp_mask`` as
-    in ``_forward``. ``delta_src`` KEEP_O32: the forward keeps an fp32 O, which δ reads."""
+    in ``_forward``. ``delta_src`` KEEP_O32: the forward keeps an fp32 O, which δ reads. ``softcap``
+    > 0: scores soft-capped to softcap·tanh(S/softcap)."""
     args = (q, k, v, causal, scale, rule, beta, eps, min_shift, max_shift, emu, mbits, stochastic, flags, hp_mask,
-            delta_src)
+            float(softcap), delta_src)
     if torch.compiler.is_compiling():
         return attn_fwd(*args)[0]
     return _EagerAttention.apply(*args)
