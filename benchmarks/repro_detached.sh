@@ -9,6 +9,10 @@
 #       $OUT/detached.tgz and prints each run's last logged loss and step
 #   bash benchmarks/repro_detached.sh solo PRESET STEPS [repro options ...]
 #       stops the detached runs, then times PRESET's baseline alone for STEPS steps (ms per step)
+#   bash benchmarks/repro_detached.sh stop [NAME ...]
+#       stops the named detached runs (default: all) with their worker processes: each run is its
+#       own process group, recorded at start (a `pkill -f` pattern can match the calling shell, and
+#       misses spawn workers, whose command line does not name the run)
 set -u
 root=/tmp/detached; mkdir -p $root
 export PYTHONPATH=$PWD/src:${PYTHONPATH:-} PYTHONUNBUFFERED=1
@@ -19,7 +23,15 @@ case $1 in
     python3 -c "from stableflash.train.corpus import default_data_dir as d; d()" 2>/dev/null
     setsid nohup python3 -m stableflash.cli repro --preset "$preset" --no-probe -q --out "$root/$name" "$@" \
       > "$root/$name.log" 2>&1 < /dev/null &
+    echo $! > "$root/$name.pgid"              # setsid: the run leads its own process group
     echo "started $name: $preset $*";;
+  stop)
+    shift
+    names=${*:-$(ls "$root"/*.pgid 2>/dev/null | xargs -r -n1 basename | sed 's/\.pgid$//')}
+    for name in $names; do
+      [ -f "$root/$name.pgid" ] && kill -- -"$(cat "$root/$name.pgid")" 2>/dev/null && echo "stopped $name"
+      rm -f "$root/$name.pgid"
+    done;;
   wait)
     sleep "$2"
     tar czf "$OUT/detached.tgz" --exclude='*.pt' --exclude=batches -C "$root" .
@@ -34,7 +46,7 @@ PY
     done
     grep -l -i "error\|traceback" "$root"/*.log 2>/dev/null | head;;
   solo)
-    pkill -f "stableflash.cli repro" ; sleep 5
+    bash "$0" stop; sleep 5
     preset=$2; steps=$3; shift 3
     python3 -m stableflash.cli repro --preset "$preset" --no-probe -q --roles baseline --steps "$steps" \
       --out "$root/solo-$preset" "$@" > "$root/solo-$preset.log" 2>&1
