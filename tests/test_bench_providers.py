@@ -15,7 +15,7 @@ def test_our_providers_match_float64_with_gradients(name):
     shape = (1, 2, 40, 16)
     q, k, v, do = (torch.randn(*shape, generator=gen).bfloat16() for _ in range(4))
     q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
-    want = reference.attention(q64, k64, v64, causal=True)
+    want = reference.attention(q64, k64, v64, causal=True, softcap=30.0 if name == "ours-softcap" else None)
     want.backward(do.double())
     device = "cuda" if torch.cuda.is_available() else "cpu"         # CPU: the Triton interpreter
     q, k, v, do = (t.to(device) for t in (q, k, v, do))
@@ -24,8 +24,12 @@ def test_our_providers_match_float64_with_gradients(name):
     got.backward(do)
     got = got.cpu()
     # the tolerance is about 2.5 rounding steps at 1 of the narrowest format O passes through:
-    # bf16 (2^-7) or, for the accelerated reproduction's arithmetic, e8m5 (2^-5)
-    tol = 8e-2 if "e8m5" in name else 2e-2
+    # bf16 (2^-7), for the accelerated reproduction's arithmetic e8m5 (2^-5), for fp8 e4m3 about one
+    # step (2^-3)
+    tol = 8e-2 if "e8m5" in name else 1.5e-1 if "fp8" in name else 2e-2     # e4m3: 2^-3 at 1
     assert (got.double() - want).abs().max().item() <= tol
     for g, w in ((q.grad, q64.grad), (k.grad, k64.grad), (v.grad, v64.grad)):
-        assert (g.cpu().double() - w).abs().max().item() <= 5e-2 * max(1.0, w.abs().max().item())
+        # gradients: δ = rowsum(dO ∘ O) reads O at the provider's format; fp8's 3 mantissa bits carry
+        # about 4× e8m5's error into it
+        gtol = 2e-1 if "fp8" in name else 5e-2
+        assert (g.cpu().double() - w).abs().max().item() <= gtol * max(1.0, w.abs().max().item())

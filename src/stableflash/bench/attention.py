@@ -37,7 +37,11 @@ OURS = {
     "ours-e8m5": (False, "paper", _E8M5),
     "ours-e8m5-sr": (False, "paper", {k: f"{v}:stochastic" for k, v in _E8M5.items()}),
     "ours-e8m5-o32": (False, "paper", {**_E8M5, "out": "fp32"}),
+    # the FP8 regime's arithmetic (P̄ and O rounded to e4m3, fa2), and logit soft-capping at 30
+    "ours-fp8": (True, "fa2", {"p_bar": "fp8_e4m3", "out": "fp8_e4m3"}),
+    "ours-softcap": (True, None, {}),
 }
+_EXTRA = {"ours-softcap": {"softcap": 30.0}}       # flash_attention arguments beyond the policy
 PROVIDERS = (*OURS, "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex")
 PEERS = ("sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex")
 
@@ -101,7 +105,8 @@ def provider_fn(name: str, shape, causal: bool, device) -> Callable:
                 low = "fp16" if q.dtype == torch.float16 else "bf16"
                 policy = resolve_policy(preset, q.dtype).replace(
                     **{f: val.format(low=low) for f, val in changes.items()})
-            return flash_attention(q, k, v, causal=causal, stabilize=stabilize, backend="triton", policy=policy)
+            return flash_attention(q, k, v, causal=causal, stabilize=stabilize, backend="triton", policy=policy,
+                                   **_EXTRA.get(name, {}))
         return ours
     if name == "flex":
         return _flex(shape, causal, device)
