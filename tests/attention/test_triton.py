@@ -318,6 +318,13 @@ def test_per_head_fp32_and_fp32_p_bar_agree_with_the_emulated_policy(gen, policy
     for name, a, b in zip(("O", "dQ", "dK", "dV"), fused, emulated):
         ok, msg = agree(a, b, top, O_FRAC if name == "O" else 1.0)
         assert ok, (name, msg)
+    if policy.hp_heads:           # the other heads run the policy as written, δ included: bit for bit
+        h = policy.hp_heads[0]
+        plain = run(q, k, v, do, backend="triton", policy=policy.replace(hp_heads=()), **kw)
+        for name, a, b in zip(("O", "dQ", "dK", "dV"), fused, plain):
+            assert torch.equal(a[:, 1 - h], b[:, 1 - h]), name
+        for name, a, b in zip(("O", "dQ"), fused, plain):     # the fp32 head's O and δ (hence dQ) change
+            assert not torch.equal(a[:, h], b[:, h]), name
     if policy.hp_heads and fmt.man_bits < 7:
         h = policy.hp_heads[0]
         narrow_o = fused[0][:, 1 - h].float()

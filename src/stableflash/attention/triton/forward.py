@@ -153,7 +153,9 @@ def attn_fwd_kernel(Q, K, V, O, LSE, O32,
     else:
         o = acc / l_i[:, None]
         lse = (m_i + tl.log2(l_i)) * 0.6931471805599453
-    if O_NARROW and (MBITS > 0 or SR):         # the O store: e8mY, or bf16 rounded stochastically
+    # the O store: e8mY, or bf16 rounded stochastically — or a bf16 O that δ reads from the fp32 copy
+    # (fp32 heads beside bf16 ones), rounded here so that the copy holds what the policy stores
+    if O_NARROW and (MBITS > 0 or SR or KEEP_O32):
         o = keep_hp(o, narrow(o, MBITS, SR, seed - 1, rows[:, None] * HEAD_DIM + offs_d[None, :], INTERP), hp, HP)
     if KEEP_O32:                               # contiguous (B, H, Nq, d) fp32: the O that δ reads
         tl.store(O32 + (bh * n_q + offs_m[:, None]) * HEAD_DIM + offs_d[None, :], o, mask=offs_m[:, None] < n_q)
