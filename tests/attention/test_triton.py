@@ -300,7 +300,9 @@ def test_fp32_o_kept_for_delta_agrees_with_the_emulated_policy(gen, policy):
 E8M5 = PrecisionPolicy.preset("paper").replace(acc="e8m5", row_sum="e8m5", out="e8m5")
 LADDER = [E8M5.replace(hp_heads=(1,)), E8M5.replace(p_bar="fp32", acc="fp32"),
           PrecisionPolicy.preset("fa2").replace(hp_heads=(0,)), PrecisionPolicy.preset("fa2").replace(p_bar="fp32"),
-          E8M5.replace(hp_heads=(0,), delta="dP·P")]
+          E8M5.replace(hp_heads=(0,), delta="dP·P"),
+          PrecisionPolicy.preset("fa2").replace(p_bar="fp16", hp_heads=(1,)),
+          PrecisionPolicy.preset("fa2").replace(p_bar="fp8_e4m3", out="fp8_e4m3", hp_heads=(0,))]
 
 
 @pytest.mark.parametrize("policy", LADDER, ids=lambda p: p.describe().replace(" ", ""))

@@ -210,13 +210,14 @@ def p_bar_v(p, v, hp, PBAR32: tl.constexpr, HP: tl.constexpr, INTERP: tl.constex
     bf16, e8mY and fp8 values are exact in bf16, fp16 values in tf32, so the products stay exact."""
     if PBAR32:
         pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-    elif PFMT == FP16:
-        pv = tl.dot(round_format(p, PFMT, INTERP), v.to(tl.float32), input_precision="tf32")
     else:
-        if PFMT >= 0:
-            p = round_format(p, PFMT, INTERP)
-        pv = mma(cast(p, v.dtype, INTERP), v, INTERP)
-        if HP:
+        if PFMT == FP16:
+            pv = tl.dot(round_format(p, PFMT, INTERP), v.to(tl.float32), input_precision="tf32")
+        elif PFMT >= 0:
+            pv = mma(cast(round_format(p, PFMT, INTERP), v.dtype, INTERP), v, INTERP)
+        else:
+            pv = mma(cast(p, v.dtype, INTERP), v, INTERP)
+        if HP:                                         # fp32 heads: the unrounded P̄, multiplied in fp32
             pv = tl.where(hp, tl.dot(p, v.to(tl.float32), input_precision="ieee"), pv)
     return pv
 
