@@ -55,9 +55,10 @@ def load_kernel(warp_specialize: bool):
 
 def compile_forward(kernel, stab: int, args) -> bytes:
     const = dict(HEAD_DIM=args.head_dim, BLOCK_M=args.block_m, BLOCK_N=args.block_n, CAUSAL=not args.non_causal, STAB=stab,
-                 EMU=False, MBITS=0, SR=False, TMA=args.tma, INTERP=False)
-    pointers = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "LSE": "*fp32"}
-    floats = {"scale", "beta", "eps", "lo", "hi", "period"}
+                 EMU=False, MBITS=0, SR=False, ACC_NARROW=False, ROW_NARROW=False, O_NARROW=True, PBAR32=False,
+                 HP=False, PFMT=-1, SOFTCAP=False, KEEP_O32=False, TMA=args.tma, INTERP=False)
+    pointers = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "LSE": "*fp32", "O32": "*fp32"}
+    floats = {"scale", "beta", "eps", "lo", "hi", "period", "cap_in", "cap_out"}
     names = kernel.arg_names
     sig = {n: "constexpr" if n in const else pointers.get(n, "fp32" if n in floats else "i32") for n in names}
     src = ASTSource(kernel, sig, constexprs={(names.index(k),): v for k, v in const.items()})
