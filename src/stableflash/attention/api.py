@@ -73,6 +73,15 @@ def _check_options(causal, scale, block_q, block_k) -> float | None:
     return scale
 
 
+def check_softcap(value, name: str = "softcap") -> float | None:
+    """A logit cap as a float, or None (off); ValueError naming ``name`` for anything else."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name}={value!r} is invalid; accepted: None (off) or a finite number > 0")
+    return float(value)
+
+
 def _triton_module():
     """The Triton backend, or None when Triton is not installed."""
     try:
@@ -153,11 +162,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     """
     _check_tensors(q, k, v)
     scale = _check_options(causal, scale, block_q, block_k)
-    if softcap is not None:
-        if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not math.isfinite(softcap) \
-                or softcap <= 0:
-            raise ValueError(f"softcap={softcap!r} is invalid; accepted: None (off) or a finite number > 0")
-        softcap = float(softcap)
+    softcap = check_softcap(softcap)
     rule = ShiftRule.from_arg(stabilize, beta, eps)
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is unknown; accepted: {', '.join(BACKENDS)}")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import datetime as dt
 import platform
 from dataclasses import asdict, dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -18,30 +18,38 @@ from stableflash.attention import flash_attention, reference
 from stableflash.attention.policy import resolve_policy
 
 DEFAULT_SHAPES = ((32, 12, 1024, 64), (8, 16, 4096, 64), (4, 16, 8192, 128))
-# our kernel's variants: name → (stabilize, base policy preset or None, policy fields changed)
+class Variant(NamedTuple):
+    """One of our kernel's benchmarked variants: the ``stabilize`` argument, the policy preset its
+    policy starts from (None: the dtype's default), the policy fields it changes ("{low}" is the
+    input dtype's name), and other ``flash_attention`` arguments."""
+    stabilize: bool | str
+    preset: str | None = None
+    changes: dict = {}
+    extra: dict = {}
+
+
 _E8M5 = {"acc": "e8m5", "row_sum": "e8m5", "out": "e8m5"}
 OURS = {
-    "ours-stable": (True, None, {}),
-    "ours-bounded": ("bounded", None, {}),
-    "ours-standard": (False, None, {}),
-    "ours-paper-rule": ("paper", None, {}),
+    "ours-stable": Variant(True),
+    "ours-bounded": Variant("bounded"),
+    "ours-standard": Variant(False),
+    "ours-paper-rule": Variant("paper"),
     # the mitigations of docs/mitigations.md: δ from dP·P or from an fp32 recompute of O (one more
-    # pass over the keys); O stored with stochastic rounding (the "{low}" is the input dtype's name)
-    "ours-dpp": (True, "fa2", {"delta": "dP·P"}),
-    "ours-recompute": (True, "fa2", {"delta": "recompute_fp32"}),
-    "ours-sr-out": (True, "fa2", {"out": "{low}:stochastic"}),
+    # pass over the keys); O stored with stochastic rounding
+    "ours-dpp": Variant(True, "fa2", {"delta": "dP·P"}),
+    "ours-recompute": Variant(True, "fa2", {"delta": "recompute_fp32"}),
+    "ours-sr-out": Variant(True, "fa2", {"out": "{low}:stochastic"}),
     # O kept in fp32 by the forward for δ = rowsum(dO ∘ O) (one fp32 store; the model still gets bf16)
-    "ours-o32": (True, "fa2", {"out": "fp32"}),
+    "ours-o32": Variant(True, "fa2", {"out": "fp32"}),
     # the accelerated reproduction's arithmetic (ℓ, Ō, O in e8m5 under the "paper" emulation), with
     # those three rounded to nearest-even and stochastically: what its mitigation costs there
-    "ours-e8m5": (False, "paper", _E8M5),
-    "ours-e8m5-sr": (False, "paper", {k: f"{v}:stochastic" for k, v in _E8M5.items()}),
-    "ours-e8m5-o32": (False, "paper", {**_E8M5, "out": "fp32"}),
+    "ours-e8m5": Variant(False, "paper", _E8M5),
+    "ours-e8m5-sr": Variant(False, "paper", {k: f"{v}:stochastic" for k, v in _E8M5.items()}),
+    "ours-e8m5-o32": Variant(False, "paper", {**_E8M5, "out": "fp32"}),
     # the FP8 regime's arithmetic (P̄ and O rounded to e4m3, fa2), and logit soft-capping at 30
-    "ours-fp8": (True, "fa2", {"p_bar": "fp8_e4m3", "out": "fp8_e4m3"}),
-    "ours-softcap": (True, None, {}),
+    "ours-fp8": Variant(True, "fa2", {"p_bar": "fp8_e4m3", "out": "fp8_e4m3"}),
+    "ours-softcap": Variant(True, extra={"softcap": 30.0}),
 }
-_EXTRA = {"ours-softcap": {"softcap": 30.0}}       # flash_attention arguments beyond the policy
 PROVIDERS = (*OURS, "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex")
 PEERS = ("sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex")
 
@@ -97,16 +105,16 @@ def provider_fn(name: str, shape, causal: bool, device) -> Callable:
     from torch.nn.attention import SDPBackend
 
     if name.startswith("ours"):
-        stabilize, preset, changes = OURS[name]
+        variant = OURS[name]
 
         def ours(q, k, v, causal):
             policy = None
-            if preset is not None:
+            if variant.preset is not None:
                 low = "fp16" if q.dtype == torch.float16 else "bf16"
-                policy = resolve_policy(preset, q.dtype).replace(
-                    **{f: val.format(low=low) for f, val in changes.items()})
-            return flash_attention(q, k, v, causal=causal, stabilize=stabilize, backend="triton", policy=policy,
-                                   **_EXTRA.get(name, {}))
+                policy = resolve_policy(variant.preset, q.dtype).replace(
+                    **{f: val.format(low=low) for f, val in variant.changes.items()})
+            return flash_attention(q, k, v, causal=causal, stabilize=variant.stabilize, backend="triton",
+                                   policy=policy, **variant.extra)
         return ours
     if name == "flex":
         return _flex(shape, causal, device)

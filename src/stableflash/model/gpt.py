@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 
 from stableflash.attention import flash_attention
+from stableflash.attention.api import check_softcap
 from stableflash.model.base import DecoderLM, check_tokens
 from stableflash.model.spec import AttentionChoice, AttentionSpec, as_attention_spec
 
@@ -57,9 +58,7 @@ class GPTConfig:
                 raise TypeError(f"{name}={getattr(self, name)!r} is invalid; accepted: True or False")
         if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) or not 0 <= self.dropout < 1:
             raise ValueError(f"dropout={self.dropout!r} is invalid; accepted: a number with 0 <= dropout < 1")
-        c = self.attn_softcap
-        if c is not None and (isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) or c <= 0):
-            raise ValueError(f"attn_softcap={c!r} is invalid; accepted: None (off) or a finite number > 0")
+        check_softcap(self.attn_softcap, "attn_softcap")
         if (isinstance(self.init_std, bool) or not isinstance(self.init_std, (int, float))
                 or not math.isfinite(self.init_std) or self.init_std <= 0):
             raise ValueError(f"init_std={self.init_std!r} is invalid; accepted: a finite number > 0")

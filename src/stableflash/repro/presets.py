@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from stableflash.numerics import get_format
+
 FP32_O = "p_bar=fp32 acc=fp32 row_sum=fp32 out=fp32"
 
 
@@ -60,14 +62,13 @@ def _leads(name: str, mbits: int | None) -> ReproPreset:
     )
 
 
-def _kernel(name: str, policy: str, mbits: int | None, fmt: str | None = None,
-            narrowed: tuple[str, ...] | None = None) -> ReproPreset:
+def _kernel(name: str, policy: str, fmt: str | None = None, narrowed: tuple[str, ...] | None = None) -> ReproPreset:
     """The leads' model and data with the fused Triton kernels (key block 64, as in real flash
     attention), so that thousands of steps take minutes: 8000 steps, twice the latest explosion
     measured on kernel-paper-e8m5 (step 3700), about 17 ms each alone on an H200. The control is the
     same kernel with ℓ, Ō and O in fp32 (P̄ stays bf16 for the tensor-core product; O reaches the
     model rounded once to bf16, as from the emulated backend) and δ from an fp32 recompute of O."""
-    fmt = fmt or (f"e8m{mbits}" if mbits else None)
+    mbits = get_format(fmt).man_bits if fmt else None
     narrowed = narrowed or (("out",) if policy == "fa2" else ("acc", "row_sum", "out"))
     rounding = "".join(f" {f}={fmt}" for f in narrowed) if fmt else ""
     what = {"fa2": "real flash-attention-2 arithmetic (fp32 scores and Ō, P̄ in bf16)",
@@ -103,13 +104,13 @@ REPRO_PRESETS: dict[str, ReproPreset] = {
     "leads-bf16": _leads("leads-bf16", None),
     "leads-e8m5": _leads("leads-e8m5", 5),
     "leads-e8m4": _leads("leads-e8m4", 4),
-    "kernel-fa2": _kernel("kernel-fa2", "fa2", None),
-    "kernel-paper": _kernel("kernel-paper", "paper", None),
-    "kernel-paper-e8m5": _kernel("kernel-paper-e8m5", "paper", 5),
-    "kernel-paper-e8m4": _kernel("kernel-paper-e8m4", "paper", 4),
-    "kernel-fa2-e8m4": _kernel("kernel-fa2-e8m4", "fa2", 4),
+    "kernel-fa2": _kernel("kernel-fa2", "fa2"),
+    "kernel-paper": _kernel("kernel-paper", "paper"),
+    "kernel-paper-e8m5": _kernel("kernel-paper-e8m5", "paper", "e8m5"),
+    "kernel-paper-e8m4": _kernel("kernel-paper-e8m4", "paper", "e8m4"),
+    "kernel-fa2-e8m4": _kernel("kernel-fa2-e8m4", "fa2", "e8m4"),
     # the FP8 regime: real FA2 arithmetic with P̄ (the tensor-core operand) and O in fp8 e4m3
-    "kernel-fa2-fp8": _kernel("kernel-fa2-fp8", "fa2", 3, fmt="fp8_e4m3", narrowed=("p_bar", "out")),
+    "kernel-fa2-fp8": _kernel("kernel-fa2-fp8", "fa2", "fp8_e4m3", narrowed=("p_bar", "out")),
 }
 
 

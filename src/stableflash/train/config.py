@@ -252,17 +252,16 @@ def validate(cfg: TrainConfig) -> None:
             raise ValueError(f"delta_layers={cfg.delta_layers!r} has a negative layer; accepted: indices >= 0")
     monitor_config(cfg)
     from stableflash.diagnostics.monitor import stabilized_choice_spec
-    from stableflash.model import parse_attention_spec as _parse
+    from stableflash.model import MODEL_PRESETS, model_config, parse_attention_spec
     for current in ("sdpa", "emulated policy=paper"):         # a bad switch target is named now, not mid-run
         try:
-            _parse(stabilized_choice_spec(current, False, cfg.monitor_switch_to))
+            parse_attention_spec(stabilized_choice_spec(current, False, cfg.monitor_switch_to))
         except ValueError as exc:
             if str(exc).startswith("monitor_switch_to="):
                 raise
             raise ValueError(f"monitor_switch_to={cfg.monitor_switch_to!r} is invalid: {exc}") from None
     if cfg.device not in ("auto", "cpu", "cuda") and not cfg.device.startswith("cuda:"):
         raise ValueError(f"device={cfg.device!r} is invalid; accepted: auto, cpu, cuda, cuda:N")
-    from stableflash.model import MODEL_PRESETS, model_config, parse_attention_spec
     if cfg.model not in MODEL_PRESETS:
         raise ValueError(f"model={cfg.model!r} is unknown; accepted: {', '.join(MODEL_PRESETS)}")
     mcfg = model_config(cfg.model, **cfg.model_overrides())        # a field the model family lacks, named now

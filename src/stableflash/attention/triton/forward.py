@@ -18,12 +18,12 @@ SR = 1 rounds those narrowing points, and the bf16 O store, stochastically inste
 (unbiased; ``seed`` and the element's place pick the random bits, so a call is reproducible).
 ACC_NARROW, ROW_NARROW, O_NARROW = 0 leave Ō, ℓ or O out of the narrowing (a policy's fp32 point);
 PBAR32 multiplies P̄V with P̄ in fp32 (no tensor-core rounding of P̄); PFMT ≥ 0 rounds P̄ to that
-format (bf16, e8mY, fp16, e5m2, e4m3: ``common.round_format``) before the product; HP keeps P̄, Ō, ℓ and O in
-fp32 for the heads set in ``hp_mask`` (a policy's ``hp_heads``). SOFTCAP soft-caps the scores
-(softcap·tanh(S/softcap); the launcher passes cap_in, cap_out in the mode's units). KEEP_O32 also
-stores O in fp32,
-as the policy stores it (before it is rounded to the input dtype for the model), for the backward's
-δ = rowsum(dO ∘ O): an fp32 ``out`` (or fp32 heads) with δ from dO·O, at the cost of one fp32 store.
+format (bf16, e8mY, fp16, e5m2, e4m3: ``common.round_format``) before the product; HP keeps P̄, Ō,
+ℓ and O in fp32 for the heads set in ``hp_mask`` (a policy's ``hp_heads``). SOFTCAP soft-caps the
+scores (softcap·tanh(S/softcap); the launcher passes cap_in, cap_out in the mode's units).
+KEEP_O32 also stores O in fp32, as the policy stores it (before it is rounded to the input dtype
+for the model), for the backward's δ = rowsum(dO ∘ O): an fp32 ``out`` (or fp32 heads) with δ from
+dO·O, at the cost of one fp32 store.
 """
 import triton
 import triton.language as tl

@@ -78,7 +78,8 @@ _fwd_tma_tuned = triton.autotune(_with_tma(FWD_CONFIGS, [(64, 64, 4, 3), (128, 6
 _dkdv_tuned = triton.autotune(DKDV_CONFIGS, key=_KEY + ["EMU", "SOFTCAP"], prune_configs_by=_prune)(attn_bwd_dkdv_kernel)
 _dq_tuned = triton.autotune(DQ_CONFIGS, key=_KEY + ["EMU", "SOFTCAP"], prune_configs_by=_prune)(attn_bwd_dq_kernel)
 # the δ pass (dP·P or an fp32 recompute) does the forward's two products per key block: the forward's tiles
-_delta_tuned = triton.autotune(FWD_CONFIGS, key=_KEY + ["EMU", "DELTA_SRC"], prune_configs_by=_prune)(delta_pass_kernel)
+_delta_tuned = triton.autotune(FWD_CONFIGS, key=_KEY + ["EMU", "DELTA_SRC", "SOFTCAP"],
+                             prune_configs_by=_prune)(delta_pass_kernel)
 # under the interpreter: one small tile, so that short test sequences still span several blocks
 _INTERP = {"BLOCK_M": 32, "BLOCK_N": 16}
 # with AUTOTUNE off (the tests: correctness needs no tuning, and tuning compiles every config),
