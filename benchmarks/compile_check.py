@@ -22,11 +22,13 @@ from stableflash.attention.triton.forward import attn_fwd_kernel
 FP32_POINTERS = {"LSE", "DELTA", "O32"}
 FLOATS = {"scale", "beta", "eps", "lo", "hi", "period", "cap_in", "cap_out", "softcap"}
 FWD = dict(HEAD_DIM=64, BLOCK_M=64, BLOCK_N=64, CAUSAL=True, STAB=2, EMU=False, MBITS=0, SR=False, ACC_NARROW=False,
-           ROW_NARROW=False, O_NARROW=True, PBAR32=False, HP=False, PFMT=-1, SOFTCAP=False, KEEP_O32=False, TMA=False,
+           ROW_NARROW=False, O_NARROW=True, PBAR32=False, HP=False, PFMT=-1, SOFTCAP=False, KEEP_O32=False, PERSISTENT=False, TMA=False,
            INTERP=False)
 FWD_VARIANTS = {
     "default (fa2, our rule)": {},
     "tensor descriptors": dict(TMA=True),
+    "persistent grid": dict(PERSISTENT=True),
+    "persistent grid, tensor descriptors": dict(PERSISTENT=True, TMA=True),
     "paper emulation, e8m5": dict(EMU=True, MBITS=5, ACC_NARROW=True, ROW_NARROW=True),
     "paper, e8m5, stochastic": dict(EMU=True, MBITS=5, ACC_NARROW=True, ROW_NARROW=True, SR=True),
     "paper, e8m5, O fp32 kept for δ": dict(EMU=True, MBITS=5, ACC_NARROW=True, ROW_NARROW=True, O_NARROW=False,
@@ -57,18 +59,33 @@ def compile_kernel(kernel, const: dict, warps: int = 4, stages: int = 3) -> int:
     return len(compiled.asm["cubin"])
 
 
+def key_block_jobs() -> list[tuple]:
+    """The "paper" forward at the key blocks a caller may choose (``op.key_block_config``: the
+    ladder's "tiling off" takes 512 keys at once), at the largest head_dim each allows."""
+    from stableflash.attention.triton.op import KEY_BLOCK_AREA, key_block_config
+    jobs = []
+    for block in (16, 128, 256, 512):
+        d = min(256, KEY_BLOCK_AREA // block)
+        cfg = key_block_config(block, d)
+        const = {**FWD, **FWD_VARIANTS["paper emulation, e8m5"], **cfg.kwargs, "HEAD_DIM": d}
+        jobs.append((f"forward: paper, e8m5, key block {block}, d {d}", attn_fwd_kernel, const,
+                     cfg.num_warps, cfg.num_stages))
+    return jobs
+
+
 def main() -> None:
     jobs = [(f"forward: {n}", attn_fwd_kernel, {**FWD, **v}) for n, v in FWD_VARIANTS.items()]
-    jobs += [(f"dK/dV: {n}", attn_bwd_dkdv_kernel, {**BWD, "BLOCK_M": 32, **v}) for n, v in BWD_VARIANTS.items()]
-    jobs += [(f"dQ: {n}", attn_bwd_dq_kernel, {**BWD, **v}) for n, v in BWD_VARIANTS.items()]
-    jobs += [(f"δ pass: {n}", delta_pass_kernel, {**BWD, **v}) for n, v in DELTA_VARIANTS.items()]
+    jobs = [(*j, 4, 3) for j in jobs] + key_block_jobs()
+    jobs += [(f"dK/dV: {n}", attn_bwd_dkdv_kernel, {**BWD, "BLOCK_M": 32, **v}, 4, 3) for n, v in BWD_VARIANTS.items()]
+    jobs += [(f"dQ: {n}", attn_bwd_dq_kernel, {**BWD, **v}, 4, 3) for n, v in BWD_VARIANTS.items()]
+    jobs += [(f"δ pass: {n}", delta_pass_kernel, {**BWD, **v}, 4, 3) for n, v in DELTA_VARIANTS.items()]
     failed = 0
-    for name, kernel, const in jobs:
+    for name, kernel, const, warps, stages in jobs:
         try:
-            print(f"{name:45s} ok   cubin {compile_kernel(kernel, const):>7} bytes", flush=True)
+            print(f"{name:50s} ok   cubin {compile_kernel(kernel, const, warps, stages):>7} bytes", flush=True)
         except Exception as exc:                      # report every variant, then fail
             failed += 1
-            print(f"{name:45s} FAIL {type(exc).__name__}: {str(exc).splitlines()[0][:200]}", flush=True)
+            print(f"{name:50s} FAIL {type(exc).__name__}: {str(exc).splitlines()[0][:200]}", flush=True)
     print(f"{len(jobs) - failed} of {len(jobs)} compiled for sm_90 (triton {triton.__version__})")
     sys.exit(1 if failed else 0)
 

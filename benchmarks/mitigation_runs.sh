@@ -41,19 +41,30 @@ for g in $groups; do
     fa2-e8m4) bash $d start fa2-e8m4 kernel-fa2-e8m4 --seeds 0 1 2 --roles baseline --steps 7500 --parallel 3;;
     # next: mitigations on real FA2 arithmetic with a narrow O, the FP8 regime, the whole ladder on
     # the kernels (only "tiling off" stays emulated), and the monitor's automatic switch
-    fa2-e8m4-m) bash $d start fa2-e8m4-m kernel-fa2-e8m4 --seeds 0 1 2 --roles stabilized control --steps 7500 --parallel 6
-           bash $d start fa2-e8m4-o32 kernel-fa2-e8m4 --seeds 0 1 2 --roles baseline --steps 7500 --parallel 3 \
+    # 6000 steps: 2.2× the latest fa2-e8m4 baseline explosion (2670)
+    fa2-e8m4-m) bash $d start fa2-e8m4-m kernel-fa2-e8m4 --seeds 0 1 2 --roles stabilized control --steps 6000 --parallel 6
+           bash $d start fa2-e8m4-o32 kernel-fa2-e8m4 --seeds 0 1 2 --roles baseline --steps 6000 --parallel 3 \
              --set "attention=triton policy=fa2 out=fp32 rule=ours"
-           bash $d start fa2-e8m4-rule kernel-fa2-e8m4 --seeds 0 1 2 --roles baseline --steps 7500 --parallel 3 \
+           bash $d start fa2-e8m4-rule kernel-fa2-e8m4 --seeds 0 1 2 --roles baseline --steps 6000 --parallel 3 \
              --set "attention=triton policy=fa2 out=e8m4 rule=ours";;
-    fp8) bash $d start fa2-fp8 kernel-fa2-fp8 --seeds 0 1 2 --parallel 9 --steps 7500;;
+    # the ladder's last three rungs, now all on the kernels (tiling off = a key block of 512): the
+    # finished rungs of the first session's ladder and its fp32-forward run are copied in and reused
+    ladder-rest)
+      mkdir -p /tmp/detached/ladder1-all /tmp/prev
+      tar xJf docs/results/mitigations-H200-2026-11-22/runs.tar.xz -C /tmp/prev sess/ladder1 sess/l-fp32-fwd
+      for r in /tmp/prev/sess/ladder1/*/; do [ -f "$r/summary.json" ] && cp -r "$r" /tmp/detached/ladder1-all/; done
+      cp -r /tmp/prev/sess/l-fp32-fwd/seed1/baseline /tmp/detached/ladder1-all/O_in_fp32_forward
+      bash $d start ladder1-all kernel-paper-e8m5 --ladder --seeds 1 --parallel 3 --steps 6000;;
+    fp8) bash $d start fa2-fp8 kernel-fa2-fp8 --seeds 0 1 2 --parallel 9 --steps 6000;;
     ladder-all) bash $d start ladder1-all kernel-paper-e8m5 --ladder --seeds 1 --parallel 9 --steps 6000;;
-    switch) bash $d start m-switch kernel-paper-e8m5 --seeds 0 1 2 --roles baseline --steps 7500 --parallel 3 \
+    switch) bash $d start m-switch kernel-paper-e8m5 --seeds 0 1 2 --roles baseline --steps 6000 --parallel 3 \
            --set monitor=switch --set "monitor_switch_to=delta=dP*P";;
     arch) bash $d start a-qknorm kernel-paper-e8m5 --seeds 0 1 2 --roles baseline --steps 7500 --parallel 3 --set qk_norm=true
           bash $d start a-gate kernel-paper-e8m5 --seeds 0 1 2 --roles baseline --steps 7500 --parallel 3 --set attn_gate=true
           bash $d start a-softcap kernel-paper-e8m5 --seeds 0 1 2 --roles baseline --steps 7500 --parallel 3 \
             --set attn_softcap=30;;
+    arch1) for a in "qknorm qk_norm=true" "gate attn_gate=true" "softcap attn_softcap=30"; do set -- $a
+             bash $d start a-$1-s1 kernel-paper-e8m5 --seeds 1 --roles baseline --steps 6000 --set $2; done;;
     *) echo "unknown group $g"; exit 2;;
   esac
 done

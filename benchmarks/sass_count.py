@@ -56,7 +56,7 @@ def load_kernel(warp_specialize: bool):
 def compile_forward(kernel, stab: int, args) -> bytes:
     const = dict(HEAD_DIM=args.head_dim, BLOCK_M=args.block_m, BLOCK_N=args.block_n, CAUSAL=not args.non_causal, STAB=stab,
                  EMU=False, MBITS=0, SR=False, ACC_NARROW=False, ROW_NARROW=False, O_NARROW=True, PBAR32=False,
-                 HP=False, PFMT=-1, SOFTCAP=False, KEEP_O32=False, TMA=args.tma, INTERP=False)
+                 HP=False, PFMT=-1, SOFTCAP=False, KEEP_O32=False, PERSISTENT=False, TMA=args.tma, INTERP=False)
     pointers = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "LSE": "*fp32", "O32": "*fp32"}
     floats = {"scale", "beta", "eps", "lo", "hi", "period", "cap_in", "cap_out"}
     names = kernel.arg_names

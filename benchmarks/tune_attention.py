@@ -2,12 +2,14 @@
 variant gains.
 
 Forward: each config × rule (standard, paper, ours, bounded) × key loop through pointers or
-tensor descriptors (TMA). Backward (unless FWD_ONLY=1): the dK/dV and dQ kernels per config.
-BWD_ONLY=1 skips the forward. (Commit 8cabe67 also timed the backward kernels through tensor
-descriptors: benchmarks/results/tune-bwd-tma-H200-2026-11-22.txt; removed, no end-to-end gain.)
-(The one-kernel backward with dQ by atomic adds that commit 58928ed timed here was slower and was
-removed: docs/kernels.md, optimisation log.) Medians of do_bench; the
-best of each is printed last. JSON under $OUT. Env: RULES=0,2,3 to time fewer rules."""
+tensor descriptors (TMA) × grid (one program per tile, or persistent: P programs per SM walking
+every tile longest first). Backward (unless FWD_ONLY=1): the dK/dV and dQ kernels per config.
+BWD_ONLY=1 skips the forward. Env: RULES=0,2 to time fewer rules, TMAS=0 or 1 for one key loop,
+PERSIST=0,1,2 for the grids (programs per SM; 0: one per tile). (Commit 8cabe67 also timed the
+backward kernels through tensor descriptors: benchmarks/results/tune-bwd-tma-H200-2026-11-22.txt;
+removed, no end-to-end gain. The one-kernel backward with dQ by atomic adds that commit 58928ed
+timed here was slower and was removed: docs/kernels.md, optimisation log.) Medians of do_bench; the
+best of each is printed last. JSON under $OUT."""
 import json
 import math
 import os
@@ -27,6 +29,8 @@ DQ = [(64, 64, 4, 3), (128, 64, 8, 3), (128, 32, 8, 3)]
 LOG2E = 1 / math.log(2)
 RULE_NAMES = ("standard", "paper", "ours", "bounded")
 RULES = tuple(int(r) for r in os.environ.get("RULES", "0,1,2,3").split(","))
+TMAS = tuple(bool(int(t)) for t in os.environ.get("TMAS", "0,1").split(","))
+PERSIST = tuple(int(p) for p in os.environ.get("PERSIST", "0").split(","))
 dev = "cuda"
 rows = []
 op._ensure_allocator()        # the TMA variants need Triton's scratch allocator
@@ -47,34 +51,43 @@ for shape in SHAPES:
     lse = torch.empty(B, H, N, device=dev, dtype=torch.float32)
     st = lambda t: (t.stride(0), t.stride(1), t.stride(2))  # noqa: E731
     scale = D ** -0.5
+    o32 = torch.empty(0, device=dev, dtype=torch.float32)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     for bm, bn, w, s in ([] if os.environ.get("BWD_ONLY") == "1" else FWD):
         for stab in RULES:
-            for tma in (False, True):
-                def fwd():
-                    attn_fwd_kernel[(triton.cdiv(N, bm), B * H)](
-                        q, k, v, o, lse, *st(q), *st(k), *st(v), *st(o), H, 1, N, N, scale * LOG2E, 2.0,
-                        1e-3 * LOG2E, 0.13 * LOG2E, 8.4 * LOG2E, 1.0, 0, HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn,
-                        CAUSAL=True, STAB=stab, EMU=False, MBITS=0, SR=False, TMA=tma, INTERP=False, num_warps=w, num_stages=s)
-                rows.append(dict(shape=shape, kernel="fwd-tma" if tma else "fwd", cfg=(bm, bn, w, s), stab=stab,
-                                 ms=bench(fwd)))
+            for tma in TMAS:
+                for per in PERSIST:
+                    grid = (min(triton.cdiv(N, bm) * B * H, per * sms),) if per else (triton.cdiv(N, bm), B * H)
+
+                    def fwd():
+                        attn_fwd_kernel[grid](
+                            q, k, v, o, lse, o32, *st(q), *st(k), *st(v), *st(o), n_heads=H, group=1, n_q=N, n_k=N,
+                            n_bh=B * H, scale=scale * LOG2E, beta=2.0, eps=1e-3 * LOG2E, lo=0.13 * LOG2E,
+                            hi=8.4 * LOG2E, period=1.0, seed=0, hp_mask=0, cap_in=0.0, cap_out=0.0, HEAD_DIM=D,
+                            BLOCK_M=bm, BLOCK_N=bn, CAUSAL=True, STAB=stab, EMU=False, MBITS=0, SR=False,
+                            ACC_NARROW=False, ROW_NARROW=False, O_NARROW=True, PBAR32=False, HP=False, PFMT=-1,
+                            SOFTCAP=False, KEEP_O32=False, PERSISTENT=per > 0, TMA=tma, INTERP=False,
+                            num_warps=w, num_stages=s)
+                    kernel = ("fwd-tma" if tma else "fwd") + (f"-persistent{per}" if per else "")
+                    rows.append(dict(shape=shape, kernel=kernel, cfg=(bm, bn, w, s), stab=stab, ms=bench(fwd)))
     if os.environ.get("FWD_ONLY") == "1":
         continue
     # the backward needs a real lse and delta
-    o, lse = op.attn_fwd(q, k, v, True, scale, 0, 2.0, 1e-3, 0.13, 8.4, False, 0, False, 0)
+    o, lse, _ = op._forward(q, k, v, True, scale, 0, 2.0, 1e-3, 0.13, 8.4, False, 0)
     delta = (o.float() * do.float()).sum(-1)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     common = (*st(q), *st(k), *st(v), *st(do))
     for bm, bn, w, s in DKDV:
         def dkdv():
             bw.attn_bwd_dkdv_kernel[(triton.cdiv(N, bn), B * H)](
-                q, k, v, do, lse, delta, dk, dv, *common, *st(dk), H, 1, N, N, scale, HEAD_DIM=D, BLOCK_M=bm,
-                BLOCK_N=bn, CAUSAL=True, EMU=False, INTERP=False, num_warps=w, num_stages=s)
+                q, k, v, do, lse, delta, dk, dv, *common, *st(dk), H, 1, N, N, scale, 0.0, HEAD_DIM=D, BLOCK_M=bm,
+                BLOCK_N=bn, CAUSAL=True, EMU=False, SOFTCAP=False, INTERP=False, num_warps=w, num_stages=s)
         rows.append(dict(shape=shape, kernel="dkdv", cfg=(bm, bn, w, s), ms=bench(dkdv)))
     for bm, bn, w, s in DQ:
         def dq_():
             bw.attn_bwd_dq_kernel[(triton.cdiv(N, bm), B * H)](
-                q, k, v, do, lse, delta, dq, *common, *st(dq), H, 1, N, N, scale, HEAD_DIM=D, BLOCK_M=bm,
-                BLOCK_N=bn, CAUSAL=True, EMU=False, INTERP=False, num_warps=w, num_stages=s)
+                q, k, v, do, lse, delta, dq, *common, *st(dq), H, 1, N, N, scale, 0.0, HEAD_DIM=D, BLOCK_M=bm,
+                BLOCK_N=bn, CAUSAL=True, EMU=False, SOFTCAP=False, INTERP=False, num_warps=w, num_stages=s)
         rows.append(dict(shape=shape, kernel="dq", cfg=(bm, bn, w, s), ms=bench(dq_)))
     torch.cuda.empty_cache()
 

@@ -97,3 +97,18 @@ def test_data_prepare_text_and_errors(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["data", "prepare", "--out", str(tmp_path / "none")])
     assert exc.value.code == 2 and "nothing to prepare" in capsys.readouterr().err
+
+
+def test_the_benchmarked_training_step_trains(recwarn):
+    """The step `bench train` times (and benchmarks/train_profile.py profiles): the same seed builds
+    the same model, and the step lowers the loss on its fixed batch (CPU, tiny model, no compile)."""
+    import torch
+
+    from stableflash.bench.training import TrainBenchConfig, training_step
+    cfg = TrainBenchConfig(model="tiny", attentions=("sdpa",), batch_size=2, compile=False)
+    losses = []
+    for _ in range(2):
+        step, _ = training_step("sdpa", cfg, torch.device("cpu"))
+        losses.append([step().item() for _ in range(4)])
+    assert losses[0] == losses[1]                                   # same seed, same run
+    assert all(b < a for a, b in zip(losses[0], losses[0][1:])), losses[0]

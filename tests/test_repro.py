@@ -135,8 +135,12 @@ def test_ladder_on_the_kernels_moves_only_what_they_cannot_run_to_the_emulation(
     r = rungs("triton policy=paper acc=e8m5 row_sum=e8m5 out=e8m5", layer=1, heads=[0, 2], seq_len=512)
     on = {name: parse_attention_spec(text) for name, text in r.items()}
     kernel = {n for n, s in on.items() if all(c.backend in ("triton", "sdpa") for c in s.choices(6))}
-    assert kernel == set(on) - {"tiling off (block = sequence) [emulated backend]"}
-    assert on["tiling off (block = sequence) [emulated backend]"].default.block == 512
+    assert kernel == set(on)                    # tiling off too: a key block of 512 under "paper"
+    assert on["tiling off (block = sequence)"].default.block == 512
+    long = rungs("triton policy=paper", layer=1, heads=[0], seq_len=1024)    # beyond the kernels' 512
+    assert parse_attention_spec(long["tiling off (block = sequence) [emulated backend]"]).default.backend == "emulated"
+    fa2 = rungs("triton policy=fa2 out=e8m4", layer=1, heads=[0], seq_len=512)  # a key block only under "paper"
+    assert parse_attention_spec(fa2["tiling off (block = sequence) [emulated backend]"]).default.block == 512
     fp32 = on["O in fp32 (forward)"].default.policy           # the kernels keep an fp32 O for δ
     assert (fp32.acc, fp32.row_sum, fp32.out, fp32.delta) == ("fp32", "fp32", "fp32", "dO·O")
     heads = on["O in fp32 for heads 0,2 of layer 1"]

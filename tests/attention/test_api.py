@@ -126,8 +126,6 @@ BAD_OPTIONS = [
     ({"scale": float("inf")}, ValueError, r"scale=inf is invalid"),
     ({"causal": 1}, TypeError, r"causal=1 must be a bool"),
     ({"block_k": 0}, ValueError, r"block_k=0 is invalid; accepted: a positive int"),
-    ({"backend": "triton", "block_k": 128}, ValueError,
-     r"block_k=128 sets the emulated backend's key block; backend='triton' chooses its own"),
     ({"policy": PrecisionPolicy.preset("paper").replace(hp_heads=(1, 5))}, ValueError,
      r"hp_heads=\(1, 5\) names heads \[5\], but q has 3 heads"),
     ({"softcap": 0.0}, ValueError, r"softcap=0.0 is invalid; accepted: None \(off\) or a finite number > 0"),

@@ -407,6 +407,36 @@ def test_delta_sources_agree_with_the_emulation(gen, source, policy):
         assert ok, (name, msg)
 
 
+@pytest.mark.parametrize("block", [32, 128])
+@pytest.mark.parametrize("stabilize", [False, True])
+def test_a_chosen_key_block_agrees_with_the_emulation(gen, block, stabilize):
+    """Under "paper" the key block is part of the arithmetic (ℓ and Ō are rounded after each): the
+    kernel walks the keys in the block it is given — 128 covers the whole sequence, the ladder's
+    "tiling off" — and computes what the emulation computes with that block, bit for bit here."""
+    q, k, v, do = make(gen, 1, 2, 70, 32)
+    pol = PrecisionPolicy.preset("paper").replace(acc="e8m4", row_sum="e8m4", out="e8m4")
+    kw = dict(causal=True, stabilize=stabilize, policy=pol)
+    fused = run(q, k, v, do, backend="triton", block_k=block, **kw)
+    emulated = run(q, k, v, do, backend="emulated", block_q=32, block_k=block, **kw)
+    for name, a, b in zip(("O", "dQ", "dK", "dV"), fused, emulated):
+        ok, msg = agree(a, b, 2.0 * 2.0 ** 3, O_FRAC if name == "O" else 1.0)
+        assert ok, (name, msg)
+    own = run(q, k, v, do, backend="triton", **kw)[0]          # the kernel's own block (16 here): it differs
+    assert not torch.equal(fused[0], own)
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(policy="fa2", block_k=32), r"block_k=32 with policy=fa2\(.*takes a key block only under the 'paper'"),
+    (dict(policy="paper", block_k=96), r"block_k=96 is not a key block the kernels take; accepted: one of \(16, 32"),
+    (dict(policy="paper", block_k=1024), r"block_k=1024 is not a key block"),
+    (dict(policy="paper", block_k=512, d=128), r"block_k=512 with head_dim=128 is not a key block .* ≤ 32768"),
+])
+def test_key_blocks_the_kernels_cannot_take_are_refused_by_name(gen, kw, match):
+    q, k, v, _ = make(gen, 1, 2, 8, kw.pop("d", 32))
+    with pytest.raises(ValueError, match=match):
+        sf.flash_attention(q, k, v, backend="triton", **kw)
+
+
 @pytest.mark.parametrize("rm", [3.0, -3.0, 0.0, 40.0])
 def test_repeated_maxima(gen, rm):
     """Rows whose maximum is attained several times, at positive, negative, zero and large maxima:
@@ -459,6 +489,20 @@ def test_tensor_descriptor_loops_give_the_same_results(gen, case, stabilize, mon
         assert torch.equal(a, t), name
 
 
+@pytest.mark.parametrize("programs_per_sm", [1, 3])
+@pytest.mark.parametrize("policy", ["fa2", "paper"])
+def test_persistent_grid_gives_the_same_results(gen, programs_per_sm, policy, monkeypatch):
+    """A persistent forward (a few programs walking every (query block, head) tile, longest first)
+    computes each tile as the one-program-per-tile grid does: bit for bit, ragged and grouped too."""
+    q, k, v, do = make(gen, 2, 4, 70, 32, h_kv=2)
+    kw = dict(causal=True, stabilize=True, policy=policy, backend="triton")
+    want = run(q, k, v, do, **kw)
+    monkeypatch.setattr(triton_op, "PERSISTENT", programs_per_sm)
+    got = run(q, k, v, do, **kw)
+    for name, a, b in zip(("O", "dQ", "dK", "dV"), got, want):
+        assert torch.equal(a, b), name
+
+
 def test_tma_allocator_is_set_on_every_thread_and_a_users_is_kept(monkeypatch):
     """Triton's allocator is per thread (a context variable) and autograd runs the backward on its
     own thread: a TMA launch on a thread with no allocator must install one; one the user set stays."""
@@ -500,12 +544,35 @@ def test_torch_compile_traces_through_without_graph_break(gen):
         torch.testing.assert_close(a, b * 2.0, rtol=0, atol=0)
 
 
+def test_outputs_and_gradients_are_laid_out_like_the_inputs(gen):
+    """q, k, v as a model makes them — (B, H, N, d) views of one (B, N, 3·H·d) projection — give O
+    and dQ, dK, dV in (B, N, H, d) memory, so the model's transpose back and the join of the
+    gradients are cheap; the numbers equal those from contiguous inputs bit for bit."""
+    B, N, H, d = 1, 40, 2, 32
+    x = torch.randn(B, N, 3 * H * d, generator=gen).to(torch.bfloat16).to(DEVICE)
+    q, k, v = (t.view(B, N, H, d).transpose(1, 2) for t in x.split(H * d, dim=2))
+    do = torch.randn(B, H, N, d, generator=gen).to(torch.bfloat16).to(DEVICE)
+    got = run(q, k, v, do, causal=True, backend="triton")
+    want = run(q.contiguous(), k.contiguous(), v.contiguous(), do, causal=True, backend="triton")
+    for name, a, b in zip(("O", "dQ", "dK", "dV"), got, want):
+        assert torch.equal(a, b), name
+        assert a.stride() == (N * H * d, d, H * d, 1), (name, a.stride())
+        assert b.is_contiguous(), name                   # contiguous inputs: contiguous outputs
+    args = (do, q, k, v, got[0], torch.zeros(B, H, N, device=DEVICE), True, 0.25, False, 0, 0.0)
+    torch.library.opcheck(triton_op.attn_bwd, args, test_utils=("test_schema", "test_faketensor"))
+
+
 def test_custom_ops_pass_the_opcheck(gen):
     q, k, v, _ = make(gen, 1, 2, 20, 16)
     for delta_src, hp_mask in ((0, 0), (triton_op.KEEP_O32, 0), (triton_op.KEEP_O32, 2)):
         args = (q, k, v, True, 0.25, 2, 2.0, 1e-3, 0.13, 8.4, False, 0, False, triton_op.NARROW_ALL, hp_mask,
-                0.0, delta_src)
+                0.0, delta_src, 0)
         torch.library.opcheck(triton_op.attn_fwd, args, test_utils=("test_schema", "test_faketensor"))
+    args = (q, k, v, True, 0.25, 2, 2.0, 1e-3, 0.13, 8.4, True, 5, False, triton_op.NARROW_ALL, 0, 0.0, 0, 32)
+    torch.library.opcheck(triton_op.attn_fwd, args, test_utils=("test_schema", "test_faketensor"))
+    qt, kt, vt = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))   # (B, N, H, d) memory
+    args = (qt, kt, vt, True, 0.25, 2, 2.0, 1e-3, 0.13, 8.4, False, 0, False, triton_op.NARROW_ALL, 0, 0.0, 0, 0)
+    torch.library.opcheck(triton_op.attn_fwd, args, test_utils=("test_schema", "test_faketensor"))
 
 
 BAD = [
@@ -573,6 +640,21 @@ def test_full_shapes_against_sdpa(gen, shape, stabilize):
     for name, a, s, w in zip(("O", "dQ", "dK", "dV"), ours, theirs, want):
         e_ours, e_sdpa = rel_err(a, w), rel_err(s, w)
         assert e_ours <= factor * e_sdpa + 2 ** -9, (name, e_ours, e_sdpa)
+
+
+@gpu
+@pytest.mark.parametrize("block,d", [(512, 64), (256, 128), (128, 256), (16, 64)])
+def test_chosen_key_blocks_at_full_shapes(gen, block, d):
+    """The tiles of ``key_block_config`` on the GPU (512 keys at once: the ladder's "tiling off" at
+    context 512): against the emulation with the same block."""
+    q, k, v, do = make(gen, 2, 6, 512, d)
+    pol = PrecisionPolicy.preset("paper").replace(acc="e8m5", row_sum="e8m5", out="e8m5")
+    kw = dict(causal=True, stabilize=True, policy=pol, block_k=block)
+    fused = run(q, k, v, do, backend="triton", **kw)
+    emulated = run(q, k, v, do, backend="emulated", block_q=64, **kw)
+    for name, a, b in zip(("O", "dQ", "dK", "dV"), fused, emulated):
+        ok, msg = agree(a, b, 2.0 * 2.0 ** 2, O_FRAC if name == "O" else 1.0)
+        assert ok, (name, block, d, msg)
 
 
 @pytest.mark.parametrize("stabilize", [True, "bounded"])

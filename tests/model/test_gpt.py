@@ -247,6 +247,24 @@ def test_qk_norm_bounds_the_logits_whatever_w_q(gen):
             assert top > 100 * hd ** 0.5
 
 
+def test_qk_norm_hands_attention_one_dtype_when_the_norm_returns_fp32(gen):
+    """CUDA autocast runs LayerNorm in fp32, so the normed q and k came back fp32 beside a bf16 v and
+    attention refused them (a GPU run failed so). A norm that returns fp32, as there, must still
+    give attention q, k and v in one dtype."""
+    class Fp32Norm(torch.nn.LayerNorm):
+        def forward(self, x):
+            return super().forward(x.float())
+
+    model = tiny(attention="emulated", dtype=torch.bfloat16, qk_norm=True)
+    dtypes = set()
+    for block in model.transformer.h:
+        hd = model.config.head_dim
+        block.attn.q_norm, block.attn.k_norm = Fp32Norm(hd), Fp32Norm(hd)
+        block.attn.observer = lambda mod, x, q, k, v, y: dtypes.add((q.dtype, k.dtype, v.dtype))
+    _, loss = model(tokens(gen), tokens(gen))
+    assert torch.isfinite(loss) and dtypes == {(torch.bfloat16,) * 3}
+
+
 def test_attention_gate_multiplies_each_output_by_its_sigmoid(gen):
     """attn_gate: y·σ(x W_g) before W_O. With W_g = 0 the gate is ½ everywhere, so the attention
     branch's output is exactly half the ungated model's (same weights otherwise)."""

@@ -1,4 +1,6 @@
 """The attention spec: the examples of the grammar, round trips, errors that name the bad token."""
+import importlib.util
+
 import pytest
 
 from stableflash.attention import PrecisionPolicy
@@ -77,6 +79,8 @@ def test_kwargs():
                   "block_k": 16}
     assert AttentionChoice().kwargs() == {"backend": "sdpa", "stabilize": False, "beta": 2.0, "eps": 1e-3,
                                           "policy": None}
+    if importlib.util.find_spec("triton"):       # the kernels take a key block under "paper"
+        assert parse_attention_spec("triton policy=paper block=512").default.kwargs()["block_k"] == 512
 
 
 @pytest.mark.parametrize("text", EXAMPLES)
@@ -125,7 +129,9 @@ def test_round_trip_of_built_policies():
     ("emulated acc=fp33", "fp33"),
     ("emulated hp_heads=1,x", "1,x"),
     ("emulated low=fp17", "fp17"),
-    ("triton block=32", "block"),
+    ("triton block=32", "block"),                              # a key block only under "paper"
+    ("triton policy=paper block=48", "block"),
+    ("sdpa block=32", "block"),
     ("emulated block=0", "block"),
     ("emulated policy", "policy"),
     ("2: ", "2:"),

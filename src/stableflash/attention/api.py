@@ -155,7 +155,9 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     policy: a PrecisionPolicy or preset name (emulated and triton only); None means what a real
     kernel does for the input dtype. block_k: the emulated backend's key block (it sets where the
     running maximum and accumulator are updated, hence the rounding); block_q: how many query rows
-    it processes at once (memory only; None: all). The Triton kernels choose theirs by autotuning.
+    it processes at once (memory only; None: all). The Triton kernels choose theirs by autotuning,
+    except under the "paper" policy, where a block_k other than the default sets the forward's key
+    block (a power of two from 16 to 512, block_k·head_dim ≤ 32768), as it does the emulation's.
     k and v may have fewer heads than q, as long as they divide q's (grouped-query attention).
     softcap: logit soft-capping — the scores become softcap·tanh(S/softcap) before the softmax
     (bounded by ±softcap; an architectural control, not exact softmax attention); None: off.
@@ -170,12 +172,8 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     if backend == "auto":
         backend = _pick_auto(q, k, rule, policy, resolved, softcap)
         if backend == "triton" and block_k != DEFAULT_BLOCK_K:
-            backend = "emulated"                   # only the emulation takes another key block
+            backend = "emulated"                   # the emulation takes any key block
         log.info("flash_attention: backend='auto' picked %r", backend)
-    elif backend == "triton" and block_k != DEFAULT_BLOCK_K:
-        raise ValueError(f"block_k={block_k} sets the emulated backend's key block; backend='triton' chooses "
-                         f"its own (stableflash.attention.triton.op.key_block); accepted with triton: the "
-                         f"default block_k={DEFAULT_BLOCK_K}, or backend='emulated' for another key block")
     if policy is not None and backend in ("reference", "sdpa"):
         raise ValueError(f"policy={policy!r} is honoured only by backend='emulated' or 'triton'; "
                          f"got backend={backend!r}")
@@ -203,6 +201,6 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
             raise ValueError("backend='triton' needs the triton package (pip install 'stableflash[triton]')")
         tri.check_inputs(q, k)
         return tri.triton_attention(q, k, v, causal=causal, scale=scale_val, rule=rule, policy=resolved,
-                                    softcap=softcap)
+                                    softcap=softcap, block_k=None if block_k == DEFAULT_BLOCK_K else block_k)
     return emulated.emulated_attention(q, _expand_kv(q, k), _expand_kv(q, v), causal=causal, scale=scale_val,
                                        policy=resolved, rule=rule, block_q=block_q, block_k=block_k, softcap=softcap)

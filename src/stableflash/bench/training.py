@@ -40,8 +40,10 @@ class TrainBenchConfig:
                 raise ValueError(f"{name}={getattr(self, name)} is invalid; accepted: >= 1")
 
 
-def time_attention(spec: str, cfg: TrainBenchConfig, device: torch.device) -> dict:
-    """Median step time of one attention choice; the model is rebuilt from the same seed."""
+def training_step(spec: str, cfg: TrainBenchConfig, device: torch.device):
+    """(step, model): one training step of ``cfg.model`` with attention ``spec`` (forward under bf16
+    autocast, backward, clip, fused AdamW) on fixed random tokens, returning the loss; the model is
+    built from ``cfg.seed``. Shared with benchmarks/train_profile.py."""
     torch.manual_seed(cfg.seed)
     mcfg = model_config(cfg.model)
     model = build_model(mcfg, attention=spec).to(device)
@@ -60,6 +62,13 @@ def time_attention(spec: str, cfg: TrainBenchConfig, device: torch.device) -> di
         opt.zero_grad(set_to_none=True)
         return loss
 
+    return step, model
+
+
+def time_attention(spec: str, cfg: TrainBenchConfig, device: torch.device) -> dict:
+    """Median step time of one attention choice; the model is rebuilt from the same seed."""
+    step, model = training_step(spec, cfg, device)
+    mcfg = model.config
     t0 = time.perf_counter()
     for _ in range(cfg.warmup):
         loss = step()

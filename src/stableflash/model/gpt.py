@@ -93,7 +93,8 @@ class CausalSelfAttention(nn.Module):
         q, k, v = self.c_attn(x).split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+            # under autocast LayerNorm returns fp32: back to v's dtype, as attention takes one dtype
+            q, k = self.q_norm(q).to(v.dtype), self.k_norm(k).to(v.dtype)
         extra = {} if self.softcap is None else {"softcap": self.softcap}
         y = flash_attention(q, k, v, causal=True, **self.choice.kwargs(), **extra)
         if self.observer is not None:

@@ -12,8 +12,8 @@ LAYERS is ``*``, a layer index, an inclusive range ``2-5``, or a comma list of t
 without LAYERS (or with ``*``) sets the default for every layer; entries apply in order, so a later
 entry overrides an earlier one for the layers it names (a later default resets them all).
 
-Keys: ``rule`` (standard, paper, ours, bounded), ``beta``, ``eps``, ``block`` (tile size of the
-emulated backend), ``policy`` (a preset: fa2, paper, fp32, fp64), ``low`` (the preset's low
+Keys: ``rule`` (standard, paper, ours, bounded), ``beta``, ``eps``, ``block`` (key block of the
+emulated backend, and of the triton kernels under the "paper" policy), ``policy`` (a preset: fa2, paper, fp32, fp64), ``low`` (the preset's low
 format), and the PrecisionPolicy fields ``inputs``, ``scores``, ``p_bar``, ``acc``, ``row_sum``,
 ``out``, ``bwd``, ``delta``, ``hp_heads`` (e.g. ``1,7,8``), ``compute``. ``policy=paper`` alone
 stays the preset *name*, which ``flash_attention`` builds for the input dtype (fp16 inputs get
@@ -43,13 +43,28 @@ def _listing(names: Iterable[str]) -> str:
     return ", ".join(names)
 
 
+def _check_kernel_block(block: int, policy: PrecisionPolicy | str | None) -> None:
+    """The fused kernels take a key block only under the "paper" emulation, and only a power of two
+    from 16 to 512 (``attention.triton.launch.check_key_block``; head_dim is checked at the call).
+    Without Triton installed the check waits for the call."""
+    try:
+        from stableflash.attention.triton.launch import check_key_block
+    except ImportError:
+        return
+    import torch
+
+    from stableflash.attention.policy import resolve_policy
+    check_key_block(block, resolve_policy(policy, torch.bfloat16), torch.bfloat16, None)
+
+
 @dataclass(frozen=True)
 class AttentionChoice:
     """One layer's attention: backend, row-maximum rule and its parameters, precision policy.
 
     ``policy`` is None (what a real kernel does for the input dtype), a preset name, or a
     PrecisionPolicy; only the emulated and triton backends take one. ``block`` is the emulated
-    backend's key block (block_k; its query rows all go at once). Validated on construction.
+    backend's key block (block_k; its query rows all go at once), and the triton forward's under
+    the "paper" policy (a power of two, 16-512). Validated on construction.
     """
 
     backend: str = "sdpa"
@@ -72,9 +87,10 @@ class AttentionChoice:
         ShiftRule(self.rule, self.beta, self.eps)                 # validates beta > 1 and eps >= 0
         if isinstance(self.block, bool) or not isinstance(self.block, int) or self.block < 1:
             raise ValueError(f"block={self.block!r} is invalid; accepted: a positive int")
-        if self.block != DEFAULT_BLOCK and self.backend != "emulated":
+        if self.block != DEFAULT_BLOCK and self.backend not in ("emulated", "triton"):
             raise ValueError(f"block={self.block} is the emulated backend's tile size; backend="
-                             f"{self.backend!r} chooses its own (accepted: block only with emulated)")
+                             f"{self.backend!r} chooses its own (accepted: block only with emulated, or with "
+                             "triton under the 'paper' policy)")
         if self.policy is not None and not isinstance(self.policy, (str, PrecisionPolicy)):
             raise TypeError(f"policy={self.policy!r} is invalid; accepted: None, a PrecisionPolicy, or one of "
                             f"{_listing(PRESETS)}")
@@ -88,6 +104,8 @@ class AttentionChoice:
             raise ValueError(f"backend='sdpa' cannot apply rule={self.rule!r}: torch's SDPA always subtracts "
                              "the standard row maximum; accepted with sdpa: rule=standard (use triton or "
                              "emulated for a stabilized rule)")
+        if self.block != DEFAULT_BLOCK and self.backend == "triton":
+            _check_kernel_block(self.block, self.policy)
         if isinstance(self.policy, PrecisionPolicy):              # one canonical form, so str() round-trips
             base, low, changes = _decompose(self.policy)
             exact = base in ("fp32", "fp64") and not changes     # the same whatever the input dtype
@@ -97,7 +115,7 @@ class AttentionChoice:
         """Keyword arguments for ``stableflash.attention.flash_attention`` (the caller adds ``causal``)."""
         kw = {"backend": self.backend, "stabilize": False if self.rule == "standard" else self.rule,
               "beta": self.beta, "eps": self.eps, "policy": self.policy}
-        if self.backend == "emulated":
+        if self.backend == "emulated" or self.block != DEFAULT_BLOCK:
             kw.update(block_k=self.block)
         return kw
 

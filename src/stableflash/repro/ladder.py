@@ -68,8 +68,8 @@ def _kernel_can_run(choice_text: str) -> bool:
 def rungs(baseline: str, layer: int, heads: list[int], seq_len: int) -> dict[str, str]:
     """The attention spec of every rung, from a single-choice baseline spec.
 
-    A rung the fused kernels cannot express (another key block; fp32 heads above 30) runs on the
-    emulated backend under the same policy, and its
+    A rung the fused kernels cannot express (a key block they cannot hold, or one under a policy
+    other than "paper"; fp32 heads above 30) runs on the emulated backend under the same policy, and its
     name says so: the kernels' "paper" switch computes what the emulated "paper" policy does with
     the kernels' key block of 64 (tests/attention/test_triton.py), so the rung changes only what it
     names."""
@@ -89,10 +89,10 @@ def rungs(baseline: str, layer: int, heads: list[int], seq_len: int) -> dict[str
         return "", text
 
     heads_text = ",".join(map(str, heads))
+    suffix, tiling_off = choice(f"block={seq_len}")       # the kernels take key blocks of 16-512
     table = {
         "baseline": base,
-        "tiling off (block = sequence)" + (" [emulated backend]" if kernel else ""):
-            with_settings(emulated, f"block={seq_len}"),
+        "tiling off (block = sequence)" + suffix: tiling_off,
         f"failing attention in layer {layer} only": f"sdpa; {layer}: {base}",
         f"SDPA in layer {layer} only": f"{base}; {layer}: sdpa",
     }

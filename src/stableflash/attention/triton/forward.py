@@ -100,17 +100,47 @@ def _fwd_blocks(acc, l_i, m_i, r_i, q, K, V, stride_kn, stride_vn, offs_m, offs_
 def attn_fwd_kernel(Q, K, V, O, LSE, O32,
                     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
                     stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om,
-                    n_heads, group, n_q, n_k, scale, beta, eps, lo, hi, period, seed, hp_mask, cap_in, cap_out,
+                    n_heads, group, n_q, n_k, n_bh, scale, beta, eps, lo, hi, period, seed, hp_mask, cap_in, cap_out,
                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     CAUSAL: tl.constexpr, STAB: tl.constexpr, EMU: tl.constexpr, MBITS: tl.constexpr,
                     SR: tl.constexpr, ACC_NARROW: tl.constexpr, ROW_NARROW: tl.constexpr, O_NARROW: tl.constexpr,
                     PBAR32: tl.constexpr, HP: tl.constexpr, PFMT: tl.constexpr, SOFTCAP: tl.constexpr,
-                    KEEP_O32: tl.constexpr,
+                    KEEP_O32: tl.constexpr, PERSISTENT: tl.constexpr,
                     TMA: tl.constexpr, INTERP: tl.constexpr):
-    # the last query blocks see the most keys under a causal mask: launch them first, so that the
-    # grid's tail is made of short programs (longest-processing-time-first scheduling)
-    start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
-    bh = tl.program_id(1)
+    """One (query block, batch·head) tile per program on a (query blocks, n_bh) grid; or, with
+    PERSISTENT, a 1-D grid of a few programs per SM, each walking tiles program_id, program_id +
+    num_programs, ... of one list ordered longest first over every head (a persistent grid)."""
+    if PERSISTENT:
+        n_m = tl.cdiv(n_q, BLOCK_M)
+        for tile in range(tl.program_id(0), n_m * n_bh, tl.num_programs(0)):
+            _fwd_tile((n_m - 1 - tile // n_bh) * BLOCK_M, tile % n_bh, Q, K, V, O, LSE, O32,
+                      stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+                      stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om,
+                      n_heads, group, n_q, n_k, scale, beta, eps, lo, hi, period, seed, hp_mask, cap_in, cap_out,
+                      HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, STAB, EMU, MBITS, SR, ACC_NARROW, ROW_NARROW, O_NARROW,
+                      PBAR32, HP, PFMT, SOFTCAP, KEEP_O32, TMA, INTERP)
+    else:
+        # the last query blocks see the most keys under a causal mask: launch them first, so that
+        # the grid's tail is made of short programs (longest-processing-time-first scheduling)
+        _fwd_tile((tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M, tl.program_id(1), Q, K, V, O, LSE, O32,
+                  stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+                  stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om,
+                  n_heads, group, n_q, n_k, scale, beta, eps, lo, hi, period, seed, hp_mask, cap_in, cap_out,
+                  HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, STAB, EMU, MBITS, SR, ACC_NARROW, ROW_NARROW, O_NARROW,
+                  PBAR32, HP, PFMT, SOFTCAP, KEEP_O32, TMA, INTERP)
+
+
+@triton.jit
+def _fwd_tile(start_m, bh, Q, K, V, O, LSE, O32,
+              stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+              stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om,
+              n_heads, group, n_q, n_k, scale, beta, eps, lo, hi, period, seed, hp_mask, cap_in, cap_out,
+              HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              CAUSAL: tl.constexpr, STAB: tl.constexpr, EMU: tl.constexpr, MBITS: tl.constexpr,
+              SR: tl.constexpr, ACC_NARROW: tl.constexpr, ROW_NARROW: tl.constexpr, O_NARROW: tl.constexpr,
+              PBAR32: tl.constexpr, HP: tl.constexpr, PFMT: tl.constexpr, SOFTCAP: tl.constexpr,
+              KEEP_O32: tl.constexpr, TMA: tl.constexpr, INTERP: tl.constexpr):
+    """Query rows [start_m, start_m + BLOCK_M) of batch·head ``bh``: Algorithm 1 and the stores."""
     b, h = bh // n_heads, bh % n_heads
     hk = h // group
     offs_m = start_m + tl.arange(0, BLOCK_M)

@@ -9,8 +9,8 @@ import torch
 from stableflash.attention.policy import PrecisionPolicy, memoize, parse_point
 from stableflash.attention.shift import ShiftRule
 from stableflash.attention.triton.op import (ACC_NARROW, DELTA_SOURCES, DTYPES, HEAD_DIMS, HP_HEAD_LIMIT, KEEP_O32,
-                                             NARROW_ALL, O_NARROW, PBAR32, PFMT_SHIFT, ROW_NARROW, RULE_CODES, attention,
-                                             interpreting)
+                                             KEY_BLOCKS, NARROW_ALL, O_NARROW, PBAR32, PFMT_SHIFT, ROW_NARROW,
+                                             RULE_CODES, attention, interpreting, key_block_config)
 
 SUPPORT = {
     "head_dims": HEAD_DIMS,
@@ -113,10 +113,31 @@ def kernel_mode(policy: PrecisionPolicy, dtype: torch.dtype) -> KernelMode:
                      f"{SUPPORT['policies']} — use backend='emulated' for any other policy")
 
 
+def check_key_block(block_k: int | None, policy: PrecisionPolicy, dtype: torch.dtype, head_dim: int | None) -> int:
+    """The forward's key block for ``block_k`` (0: the kernel's own, for None). A chosen key block
+    is part of the "paper" emulation's arithmetic (ℓ and Ō are rounded after every key block), so
+    the kernels take one only for a policy they run in that mode, and only a tile they can hold
+    (``op.key_block_config``; with head_dim None, the block's size alone); ValueError otherwise."""
+    if block_k is None:
+        return 0
+    if not kernel_mode(policy, dtype).emu:
+        raise ValueError(f"block_k={block_k} with policy={policy.describe()}: backend='triton' takes a key block "
+                         "only under the 'paper' emulation, where it sets where ℓ and Ō are rounded; accepted: "
+                         "block_k=None (the kernel's own tiles), or backend='emulated' for this policy")
+    if block_k not in KEY_BLOCKS:
+        raise ValueError(f"block_k={block_k} is not a key block the kernels take; accepted: one of {KEY_BLOCKS}")
+    if head_dim is not None:
+        key_block_config(block_k, head_dim)
+    return block_k
+
+
 def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float,
-                     rule: ShiftRule, policy: PrecisionPolicy, softcap: float | None = None) -> torch.Tensor:
-    """The fused kernels, differentiable. Inputs validated by ``flash_attention`` and ``check_inputs``."""
+                     rule: ShiftRule, policy: PrecisionPolicy, softcap: float | None = None,
+                     block_k: int | None = None) -> torch.Tensor:
+    """The fused kernels, differentiable. Inputs validated by ``flash_attention`` and ``check_inputs``;
+    ``block_k``: the forward's key block under the "paper" emulation (``check_key_block``)."""
     mode = kernel_mode(policy, q.dtype)
+    block = check_key_block(block_k, policy, q.dtype, q.shape[-1])
     return attention(q, k, v, causal, scale, RULE_CODES[rule.kind], float(rule.beta), float(rule.eps),
                      float(rule.min_shift), float(rule.max_shift), mode.emu, mode.mbits, mode.delta, mode.stochastic,
-                     mode.flags, mode.hp_mask, softcap or 0.0)
+                     mode.flags, mode.hp_mask, softcap or 0.0, block)

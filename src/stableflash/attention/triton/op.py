@@ -9,6 +9,7 @@ machine), as much as a small attention kernel takes on the GPU. Both paths run t
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -59,7 +60,7 @@ DQ_CONFIGS = [_cfg(64, 64, 4, 3), _cfg(128, 64, 8, 3), _cfg(128, 64, 8, 2), _cfg
               _cfg(64, 16, 4, 2)]
 _KEY = ["n_q", "n_k", "HEAD_DIM", "CAUSAL"]
 _FWD_MODE = ["STAB", "EMU", "MBITS", "SR", "ACC_NARROW", "ROW_NARROW", "O_NARROW", "PBAR32", "HP", "PFMT", "SOFTCAP",
-             "KEEP_O32"]
+             "KEEP_O32", "PERSISTENT"]
 _prune = {"early_config_prune": _fits}
 
 
@@ -99,12 +100,40 @@ def key_block(head_dim: int) -> int:
     return _FIXED[_fwd_tuned][head_dim <= 128].kwargs["BLOCK_N"]
 
 
-def _launch(tuned, raw, grid, *args, tma_tuned=None, tma: bool | None = None, fixed: bool = False, **meta):
+# a key block chosen by the caller (the "paper" emulation's block_k, e.g. the isolation ladder's
+# "tiling off"): a power of two, with K and V tiles within shared memory (block_k · head_dim ≤ this)
+KEY_BLOCKS = (16, 32, 64, 128, 256, 512)
+KEY_BLOCK_AREA = 512 * 64
+
+
+def key_block_config(block_k: int, head_dim: int) -> triton.Config:
+    """The forward's tile for a chosen key block: fewer query rows as the key block grows, so that
+    the scores tile stays at ≤ 8192 fp32 values (compiled for sm_90 without register failures:
+    benchmarks/compile_check.py), one pipeline stage once K and V tiles fill shared memory."""
+    if block_k not in KEY_BLOCKS or block_k * head_dim > KEY_BLOCK_AREA:
+        raise ValueError(f"block_k={block_k} with head_dim={head_dim} is not a key block the kernels take; "
+                         f"accepted: one of {KEY_BLOCKS} with block_k·head_dim ≤ {KEY_BLOCK_AREA}")
+    block_m = max(16, min(64, 8192 // block_k))
+    return _cfg(block_m, block_k, 8 if block_k >= 256 else 4, 1 if block_k * head_dim >= 16384 else 2)
+
+
+def _launch(tuned, raw, grid, *args, tma_tuned=None, tma: bool | None = None, fixed: bool = False,
+            config: triton.Config | None = None, **meta):
     """Run ``raw`` through its tuner, its fixed config, or the interpreter's tile. A kernel with a
     TMA switch gets ``tma`` (alignment and GPU checked by the caller): when true it may read through
     tensor descriptors — each config of ``tma_tuned`` says whether it does; a fixed config does.
     ``fixed``: use the fixed config even when tuning — the forward's "paper" emulation rounds Ō and
-    ℓ after every key block, so its key block is part of its arithmetic (``key_block``)."""
+    ℓ after every key block, so its key block is part of its arithmetic (``key_block``). ``config``:
+    this tile and no other (a key block the caller chose: ``key_block_config``), through pointers."""
+    if config is not None:
+        tile = dict(config.kwargs)
+        if interpreting():
+            tile["BLOCK_M"] = _INTERP["BLOCK_M"]
+            raw[grid(tile)](*args, **meta, **tile, TMA=False, INTERP=True)
+        else:
+            raw[grid(tile)](*args, **meta, **tile, TMA=False, num_warps=config.num_warps,
+                            num_stages=config.num_stages, INTERP=False)
+        return
     tune = AUTOTUNE and not fixed
     if tma:
         _ensure_allocator()
@@ -125,6 +154,20 @@ def _launch(tuned, raw, grid, *args, tma_tuned=None, tma: bool | None = None, fi
 
 # whether the forward may read K and V through tensor descriptors (Hopper's TMA); its tuner decides
 TMA = True
+# the forward's persistent grid: this many programs per SM, each walking tiles longest first over
+# every head (0: one program per tile). Off until timed on a GPU (benchmarks/tune_attention.py).
+PERSISTENT = 0
+
+
+def _programs(device: torch.device) -> int:
+    """How many programs a persistent forward launches: PERSISTENT per SM (2 SMs under the interpreter)."""
+    sms = 2 if interpreting() else _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return PERSISTENT * sms
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def _use_tma(*ts: torch.Tensor) -> bool:
@@ -166,21 +209,36 @@ def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def _empty_like_layout(t: torch.Tensor) -> torch.Tensor:
+    """An uninitialised tensor of t's shape and dtype whose memory follows t's order of dimensions
+    (largest stride first), as the kernel will see t (last dimension contiguous). A model's q, k, v
+    are (B, N, H, d) buffers seen as (B, H, N, d); outputs laid out the same way make its transpose
+    back free, and the three gradients cheap to join into the gradient of the fused QKV projection
+    (a GPT-2 small step spent 2.2 ms of 36.7 on that join from (B, H, N, d) gradients:
+    benchmarks/results/train-profile-H200-2026-11-23.txt). Used by the ops and their fakes alike,
+    so that torch.compile sees the strides the kernels produce."""
+    t = _last_dim_contiguous(t)
+    order = sorted(range(t.dim()), key=lambda i: -t.stride(i))
+    return torch.empty_permuted(t.shape, order, dtype=t.dtype, device=t.device)
+
+
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, rule: int,
              beta: float, eps: float, min_shift: float, max_shift: float, emu: bool,
              mbits: int, stochastic: bool = False, flags: int = NARROW_ALL, hp_mask: int = 0,
-             keep_o32: bool = False, softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             keep_o32: bool = False, softcap: float = 0.0,
+             block_k: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(O, LSE, O32): O like q, LSE (B, H, Nq) fp32 in natural log, O32 the fp32 O for δ when
     ``keep_o32`` (else an empty tensor). ``stochastic`` rounds the narrowing points stochastically,
     with a seed drawn from torch's default generator (so ``torch.manual_seed`` makes a run
     reproducible and checkpoints carry the stream on). ``flags``: which of Ō, ℓ, O ``mbits`` narrows
     (ACC_NARROW, ROW_NARROW, O_NARROW), whether P̄V takes P̄ in fp32 (PBAR32) and, above PFMT_SHIFT,
     1 + the format P̄ is rounded to first (0: none); ``hp_mask``: bit h set keeps head h's P̄, Ō, ℓ
-    and O in fp32. ``softcap`` > 0 soft-caps the scores to softcap·tanh(S/softcap)."""
+    and O in fp32. ``softcap`` > 0 soft-caps the scores to softcap·tanh(S/softcap). ``block_k`` > 0:
+    the forward walks the keys in blocks of that size (``key_block_config``; 0: the kernel's own)."""
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     B, H, n_q, d = q.shape
     n_k = k.shape[2]
-    o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    o = _empty_like_layout(q)
     lse = torch.empty(B, H, n_q, dtype=torch.float32, device=q.device)
     o32 = torch.empty(q.shape if keep_o32 else (0,), dtype=torch.float32, device=q.device)
     scale_u, eps_u, lo, hi, period = _units(emu, scale, eps, min_shift, max_shift)
@@ -190,32 +248,38 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sc
         scale_u = scale_u if emu else 1.0
     # streams seed − 1 (O) and seed + 3b, seed + 3b + 1 (Ō, ℓ of key block b) stay positive int32
     seed = int(torch.randint(1, 2**30, (1,))) if stochastic else 0
-    grid = lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]), B * H)  # noqa: E731
+    if PERSISTENT:
+        programs = _programs(q.device)
+        grid = lambda meta: (min(triton.cdiv(n_q, meta["BLOCK_M"]) * B * H, programs),)  # noqa: E731
+    else:
+        grid = lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]), B * H)  # noqa: E731
+    config = key_block_config(block_k, d) if block_k else None
     _launch(_fwd_tuned, attn_fwd_kernel, grid, q, k, v, o, lse, o32, *_strides(q), *_strides(k), *_strides(v),
-            *_strides(o), H, H // k.shape[1], n_q, n_k, scale_u, beta, eps_u, lo, hi, period,
-            seed, hp_mask, cap_in, cap_out, tma_tuned=_fwd_tma_tuned, tma=_use_tma(k, v), fixed=emu, HEAD_DIM=d, CAUSAL=causal,
+            *_strides(o), H, H // k.shape[1], n_q, n_k, B * H, scale_u, beta, eps_u, lo, hi, period,
+            seed, hp_mask, cap_in, cap_out, tma_tuned=_fwd_tma_tuned, tma=_use_tma(k, v) and config is None, fixed=emu, config=config, HEAD_DIM=d, CAUSAL=causal,
             STAB=rule, EMU=emu, MBITS=mbits, SR=stochastic, ACC_NARROW=bool(flags & ACC_NARROW),
             ROW_NARROW=bool(flags & ROW_NARROW), O_NARROW=bool(flags & O_NARROW), PBAR32=bool(flags & PBAR32),
-            HP=hp_mask != 0, PFMT=(flags >> PFMT_SHIFT) - 1, SOFTCAP=softcap > 0, KEEP_O32=keep_o32)
+            HP=hp_mask != 0, PFMT=(flags >> PFMT_SHIFT) - 1, SOFTCAP=softcap > 0, KEEP_O32=keep_o32,
+            PERSISTENT=PERSISTENT > 0)
     return o, lse, o32
 
 
 @torch.library.custom_op("stableflash::attn_fwd", mutates_args=())
 def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, rule: int,
              beta: float, eps: float, min_shift: float, max_shift: float, emu: bool, mbits: int,
-             stochastic: bool, flags: int, hp_mask: int, softcap: float,
-             delta_src: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             stochastic: bool, flags: int, hp_mask: int, softcap: float, delta_src: int,
+             block_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(O, LSE, O32): O like q, LSE (B, H, Nq) fp32 in natural log, O32 the fp32 O that δ reads
     (``delta_src`` = 3) or an empty tensor."""
     return _forward(q, k, v, causal, scale, rule, beta, eps, min_shift, max_shift, emu, mbits, stochastic,
-                    flags, hp_mask, delta_src == KEEP_O32, softcap)
+                    flags, hp_mask, delta_src == KEEP_O32, softcap, block_k)
 
 
 @attn_fwd.register_fake
 def _(q, k, v, causal, scale, rule, beta, eps, min_shift, max_shift, emu, mbits, stochastic, flags, hp_mask,
-      softcap, delta_src):
+      softcap, delta_src, block_k):
     o32 = q.new_empty(q.shape if delta_src == KEEP_O32 else (0,), dtype=torch.float32)
-    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32), o32
+    return _empty_like_layout(q), q.new_empty(q.shape[:3], dtype=torch.float32), o32
 
 
 def _backward_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
@@ -238,9 +302,7 @@ def _backward_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
         _launch(_delta_tuned, delta_pass_kernel, lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]), B * H),
                 q, k, v, do, lse, delta, *_strides(q), *_strides(k), *_strides(v), *_strides(do), H, group, n_q, n_k,
                 scale, softcap, HEAD_DIM=d, CAUSAL=causal, DELTA_SRC=delta_src, EMU=emu, **cap)
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    dq, dk, dv = _empty_like_layout(q), _empty_like_layout(k), _empty_like_layout(k)   # dK, dV: one set of strides
     common = (*_strides(q), *_strides(k), *_strides(v), *_strides(do))
     _launch(_dkdv_tuned, attn_bwd_dkdv_kernel, lambda meta: (triton.cdiv(n_k, meta["BLOCK_N"]), B * Hk),
             q, k, v, do, lse, delta, dk, dv, *common, *_strides(dk), H, group, n_q, n_k, scale, softcap,
@@ -261,12 +323,12 @@ def attn_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 
 @attn_bwd.register_fake
 def _(do, q, k, v, o, lse, causal, scale, emu, delta_src, softcap):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    return _empty_like_layout(q), _empty_like_layout(k), _empty_like_layout(k)
 
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, causal, scale, _rule, _beta, _eps, _lo, _hi, emu, _mbits, _stochastic, _flags, _hp, softcap,
-     delta_src) = inputs
+     delta_src, _block_k) = inputs
     o, lse, o32 = output
     ctx.save_for_backward(q, k, v, o32 if delta_src == KEEP_O32 else o, lse)
     ctx.args = (causal, scale, emu, delta_src, softcap)
@@ -275,7 +337,7 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, do, _dlse, _do32):
     q, k, v, o, lse = ctx.saved_tensors
     dq, dk, dv = attn_bwd(do, q, k, v, o, lse, *ctx.args)
-    return dq, dk, dv, *[None] * 14
+    return dq, dk, dv, *[None] * 15
 
 
 attn_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -286,9 +348,9 @@ class _EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, causal, scale, rule, beta, eps, min_shift, max_shift, emu, mbits, stochastic,
-                flags, hp_mask, softcap, delta_src):
+                flags, hp_mask, softcap, delta_src, block_k):
         o, lse, o32 = _forward(q, k, v, causal, scale, rule, beta, eps, min_shift, max_shift, emu, mbits,
-                               stochastic, flags, hp_mask, delta_src == KEEP_O32, softcap)
+                               stochastic, flags, hp_mask, delta_src == KEEP_O32, softcap, block_k)
         ctx.save_for_backward(q, k, v, o32 if delta_src == KEEP_O32 else o, lse)
         ctx.args = (causal, scale, emu, delta_src, softcap)
         return o
@@ -297,20 +359,21 @@ class _EagerAttention(torch.autograd.Function):
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
         dq, dk, dv = _backward_impl(do, q, k, v, o, lse, *ctx.args)
-        return dq, dk, dv, *[None] * 14
+        return dq, dk, dv, *[None] * 15
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, rule: int,
               beta: float, eps: float, min_shift: float, max_shift: float, emu: bool, mbits: int,
               delta_src: int, stochastic: bool = False, flags: int = NARROW_ALL, hp_mask: int = 0,
-              softcap: float = 0.0) -> torch.Tensor:
+              softcap: float = 0.0, block_k: int = 0) -> torch.Tensor:
     """O, differentiable: the custom op under torch.compile, the autograd.Function in eager mode.
     ``mbits`` > 0 narrows the forward's O (and, with ``emu``, ℓ and Ō) to that many mantissa bits;
     ``stochastic`` rounds those points (and a bf16 O) stochastically; ``flags`` and ``hp_mask`` as
     in ``_forward``. ``delta_src`` KEEP_O32: the forward keeps an fp32 O, which δ reads. ``softcap``
-    > 0: scores soft-capped to softcap·tanh(S/softcap)."""
+    > 0: scores soft-capped to softcap·tanh(S/softcap). ``block_k`` > 0: the forward's key block
+    (``key_block_config``), 0 the kernel's own."""
     args = (q, k, v, causal, scale, rule, beta, eps, min_shift, max_shift, emu, mbits, stochastic, flags, hp_mask,
-            float(softcap), delta_src)
+            float(softcap), delta_src, int(block_k))
     if torch.compiler.is_compiling():
         return attn_fwd(*args)[0]
     return _EagerAttention.apply(*args)
