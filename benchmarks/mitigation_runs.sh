@@ -59,12 +59,24 @@ for g in $groups; do
     ladder-all) bash $d start ladder1-all kernel-paper-e8m5 --ladder --seeds 1 --parallel 9 --steps 6000;;
     switch) bash $d start m-switch kernel-paper-e8m5 --seeds 0 1 2 --roles baseline --steps 6000 --parallel 3 \
            --set monitor=switch --set "monitor_switch_to=delta=dP*P";;
-    arch) bash $d start a-qknorm kernel-paper-e8m5 --seeds 0 1 2 --roles baseline --steps 7500 --parallel 3 --set qk_norm=true
-          bash $d start a-gate kernel-paper-e8m5 --seeds 0 1 2 --roles baseline --steps 7500 --parallel 3 --set attn_gate=true
-          bash $d start a-softcap kernel-paper-e8m5 --seeds 0 1 2 --roles baseline --steps 7500 --parallel 3 \
+    arch) bash $d start a-qknorm kernel-paper-e8m5 --seeds 0 1 2 --roles baseline --steps 6000 --parallel 3 --set qk_norm=true
+          bash $d start a-gate kernel-paper-e8m5 --seeds 0 2 --roles baseline --steps 6000 --parallel 2 --set attn_gate=true
+          bash $d start a-softcap kernel-paper-e8m5 --seeds 0 2 --roles baseline --steps 6000 --parallel 2 \
             --set attn_softcap=30;;
     arch1) for a in "qknorm qk_norm=true" "gate attn_gate=true" "softcap attn_softcap=30"; do set -- $a
              bash $d start a-$1-s1 kernel-paper-e8m5 --seeds 1 --roles baseline --steps 6000 --set $2; done;;
+    # next: the monitor's switch to the ~2% fix where it held (an fp32 O for δ on real FA2
+    # arithmetic), and ε of our rule on the same failing configuration
+    switch-o32) bash $d start m-switch-o32 kernel-fa2-e8m4 --seeds 0 1 2 --roles baseline --steps 6000 --parallel 3 \
+           --set "attention=triton policy=fa2 out=e8m4 rule=ours" --set monitor=switch --set monitor_switch_to=out=fp32;;
+    eps) for e in 0 0.01 0.1; do bash $d start m-eps-$e kernel-fa2-e8m4 --seeds 1 --roles baseline --steps 6000 \
+           --set "attention=triton policy=fa2 out=e8m4 rule=ours eps=$e"; done;;
+    # δ from O as computed (an fp32 copy kept before the narrow store; the model still gets the
+    # narrow O): does an exact O for δ alone hold where Ō and ℓ are fp32 (real FA2 arithmetic)?
+    o32c) bash $d start m-o32c-e8m4 kernel-fa2-e8m4 --seeds 0 1 2 --roles baseline --steps 6000 --parallel 3 \
+           --set "attention=triton policy=fa2 out=e8m4 rule=ours delta=dO*O32"
+          bash $d start m-o32c-fp8 kernel-fa2-fp8 --seeds 0 1 2 --roles baseline --steps 6000 --parallel 3 \
+           --set "attention=triton policy=fa2 p_bar=fp8_e4m3 out=fp8_e4m3 rule=ours delta=dO*O32";;
     *) echo "unknown group $g"; exit 2;;
   esac
 done

@@ -394,6 +394,29 @@ def test_heads_above_the_kernels_mask_are_refused_by_name():
     assert kernel_mode(E8M5.replace(hp_heads=(2, 30)), torch.bfloat16).hp_mask == (1 << 2) | (1 << 30)
 
 
+@pytest.mark.parametrize("policy", [PrecisionPolicy.preset("fa2").replace(out="e8m4"),
+                                    PrecisionPolicy.preset("fa2").replace(p_bar="fp8_e4m3", out="fp8_e4m3"),
+                                    PrecisionPolicy.preset("paper").replace(acc="e8m5", row_sum="e8m5", out="e8m5")],
+                         ids=["fa2-e8m4", "fa2-fp8", "paper-e8m5"])
+@pytest.mark.parametrize("backend", ["emulated", "triton"])
+def test_delta_from_o_as_computed(gen, policy, backend):
+    """δ from dO·O32 reads O before its store is rounded: the model still gets O in the policy's
+    format, and the gradients are those of the same policy with O stored in fp32 (δ from that fp32
+    O) — exactly, as nothing else in the backward depends on the stored O."""
+    q, k, v, do = make(gen, 1, 2, 50, 32)
+    kw = dict(causal=True, stabilize=True, backend=backend)
+    if backend == "emulated":
+        kw.update(block_q=32, block_k=triton_op.key_block(32))
+    got = run(q, k, v, do, policy=policy.replace(delta="dO·O32"), **kw)
+    stored = run(q, k, v, do, policy=policy, **kw)
+    fp32_out = run(q, k, v, do, policy=policy.replace(out="fp32"), **kw)
+    assert torch.equal(got[0], stored[0])                       # the model's O: the policy's format
+    for name, a, b, c in zip(("dQ", "dK", "dV"), got[1:], fp32_out[1:], stored[1:]):
+        assert torch.equal(a, b), name
+        if name != "dV":                                        # dV = Pᵀ dO does not read δ
+            assert not torch.equal(a, c), name                  # δ from the rounded O differs
+
+
 @pytest.mark.parametrize("source", ["dP·P", "recompute_fp32"])
 @pytest.mark.parametrize("policy", ["fa2", "paper"])
 def test_delta_sources_agree_with_the_emulation(gen, source, policy):

@@ -13,6 +13,7 @@ EXAMPLES = [
     "emulated policy=paper; 2: emulated policy=paper hp_heads=1,7,8",
     "*: emulated policy=paper rule=paper beta=4; 0-1,5: sdpa",
     "2: emulated policy=paper acc=fp32 delta=dP*P",
+    "triton rule=ours policy=fa2 out=e8m4 delta=dO*O32",
     "emulated low=fp16 p_bar=bf16:stochastic block=16; 3-4: reference; 1: triton rule=bounded eps=1e-05",
 ]
 

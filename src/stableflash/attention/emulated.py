@@ -169,7 +169,7 @@ def emulated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
                    do: torch.Tensor, *, causal: bool, scale: float, policy: PrecisionPolicy,
                    block_q: int | None = None, block_k: int = 64, softcap: float | None = None) -> torch.Tensor:
     """δ per the policy's source; q, k, v, do already rounded and in the compute dtype."""
-    if policy.delta == "dO·O":
+    if policy.delta in ("dO·O", "dO·O32"):              # ``out``: O as stored, or as computed (dO·O32)
         return (do * out).sum(dim=-1)
     r = _Rounders(policy, q.shape[1], q.device)
     full_mask = causal_mask(q.shape[2], k.shape[2], q.device) if causal else None
@@ -224,7 +224,9 @@ class EmulatedAttention(torch.autograd.Function):
         with torch.autocast(q.device.type, enabled=False):
             res = emulated_forward(q, k, v, causal=causal, scale=scale, policy=policy, rule=rule,
                                    block_q=block_q, block_k=block_k, softcap=softcap)
-        ctx.save_for_backward(q, k, v, res.out, res.lse)
+        # δ from dO·O32 reads O as computed (Ō/ℓ before the ``out`` rounding), in the compute dtype
+        o_for_delta = res.acc / res.row_sum.unsqueeze(-1) if policy.delta == "dO·O32" else res.out
+        ctx.save_for_backward(q, k, v, o_for_delta, res.lse)
         ctx.args = (causal, scale, policy, block_q, block_k, softcap)
         return res.out.to(q.dtype)
 

@@ -48,6 +48,8 @@ OURS = {
     "ours-e8m5-o32": Variant(False, "paper", {**_E8M5, "out": "fp32"}),
     # the FP8 regime's arithmetic (P̄ and O rounded to e4m3, fa2), and logit soft-capping at 30
     "ours-fp8": Variant(True, "fa2", {"p_bar": "fp8_e4m3", "out": "fp8_e4m3"}),
+    # the same with δ from O as computed (an fp32 copy before the e4m3 store: one more fp32 store)
+    "ours-fp8-o32c": Variant(True, "fa2", {"p_bar": "fp8_e4m3", "out": "fp8_e4m3", "delta": "dO·O32"}),
     "ours-softcap": Variant(True, extra={"softcap": 30.0}),
 }
 PROVIDERS = (*OURS, "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex")

@@ -21,9 +21,10 @@ PBAR32 multiplies P̄V with P̄ in fp32 (no tensor-core rounding of P̄); PFMT �
 format (bf16, e8mY, fp16, e5m2, e4m3: ``common.round_format``) before the product; HP keeps P̄, Ō,
 ℓ and O in fp32 for the heads set in ``hp_mask`` (a policy's ``hp_heads``). SOFTCAP soft-caps the
 scores (softcap·tanh(S/softcap); the launcher passes cap_in, cap_out in the mode's units).
-KEEP_O32 also stores O in fp32, as the policy stores it (before it is rounded to the input dtype
+KEEP_O32 = 1 also stores O in fp32, as the policy stores it (before it is rounded to the input dtype
 for the model), for the backward's δ = rowsum(dO ∘ O): an fp32 ``out`` (or fp32 heads) with δ from
-dO·O, at the cost of one fp32 store.
+dO·O, at the cost of one fp32 store. KEEP_O32 = 2 stores O as computed, Ō/ℓ before any rounding of
+the store (δ from "dO·O32": an exact O for δ while the model gets the policy's format).
 """
 import triton
 import triton.language as tl
@@ -185,9 +186,11 @@ def _fwd_tile(start_m, bh, Q, K, V, O, LSE, O32,
         lse = (m_i + tl.log2(l_i)) * 0.6931471805599453
     # the O store: e8mY, or bf16 rounded stochastically — or a bf16 O that δ reads from the fp32 copy
     # (fp32 heads beside bf16 ones), rounded here so that the copy holds what the policy stores
-    if O_NARROW and (MBITS > 0 or SR or KEEP_O32):
+    if KEEP_O32 == 2:                          # δ from O as computed: the copy before the store's rounding
+        tl.store(O32 + (bh * n_q + offs_m[:, None]) * HEAD_DIM + offs_d[None, :], o, mask=offs_m[:, None] < n_q)
+    if O_NARROW and (MBITS > 0 or SR or KEEP_O32 == 1):
         o = keep_hp(o, narrow(o, MBITS, SR, seed - 1, rows[:, None] * HEAD_DIM + offs_d[None, :], INTERP), hp, HP)
-    if KEEP_O32:                               # contiguous (B, H, Nq, d) fp32: the O that δ reads
+    if KEEP_O32 == 1:                          # contiguous (B, H, Nq, d) fp32: the O that δ reads
         tl.store(O32 + (bh * n_q + offs_m[:, None]) * HEAD_DIM + offs_d[None, :], o, mask=offs_m[:, None] < n_q)
     O += b * stride_ob + h * stride_oh
     tl.store(O + offs_m[:, None] * stride_om + offs_d[None, :], cast(o, O.dtype.element_ty, INTERP),

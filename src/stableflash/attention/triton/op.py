@@ -24,8 +24,11 @@ from stableflash.attention.triton.forward import attn_fwd_kernel
 LOG2E = 1.0 / math.log(2.0)
 HEAD_DIMS = (16, 32, 64, 128, 256)
 DTYPES = (torch.float16, torch.bfloat16)
-DELTA_SOURCES = {"dO·O": 0, "dP·P": 1, "recompute_fp32": 2}
+DELTA_SOURCES = {"dO·O": 0, "dP·P": 1, "recompute_fp32": 2, "dO·O32": 4}
 KEEP_O32 = 3        # δ from dO·O with the O the forward kept in fp32 (a policy's out=fp32, delta dO·O)
+O32_AS_COMPUTED = 4  # δ from dO·O32: the forward keeps O in fp32 before the store's rounding
+# what the forward keeps for δ, per δ code: nothing, O as stored (in fp32), or O as computed
+KEEP_MODE = {KEEP_O32: 1, O32_AS_COMPUTED: 2}
 # the forward's precision switches beyond the format (mbits) and rounding mode, as one int for the op:
 # which of Ō, ℓ, O the format narrows, and P̄ multiplied in fp32
 ACC_NARROW, ROW_NARROW, O_NARROW, PBAR32 = 1, 2, 4, 8
@@ -225,10 +228,11 @@ def _empty_like_layout(t: torch.Tensor) -> torch.Tensor:
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, rule: int,
              beta: float, eps: float, min_shift: float, max_shift: float, emu: bool,
              mbits: int, stochastic: bool = False, flags: int = NARROW_ALL, hp_mask: int = 0,
-             keep_o32: bool = False, softcap: float = 0.0,
+             keep_o32: int = 0, softcap: float = 0.0,
              block_k: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(O, LSE, O32): O like q, LSE (B, H, Nq) fp32 in natural log, O32 the fp32 O for δ when
-    ``keep_o32`` (else an empty tensor). ``stochastic`` rounds the narrowing points stochastically,
+    ``keep_o32`` (1: O as the policy stores it, 2: as computed, before the store's rounding; else an
+    empty tensor). ``stochastic`` rounds the narrowing points stochastically,
     with a seed drawn from torch's default generator (so ``torch.manual_seed`` makes a run
     reproducible and checkpoints carry the stream on). ``flags``: which of Ō, ℓ, O ``mbits`` narrows
     (ACC_NARROW, ROW_NARROW, O_NARROW), whether P̄V takes P̄ in fp32 (PBAR32) and, above PFMT_SHIFT,
@@ -259,7 +263,7 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sc
             seed, hp_mask, cap_in, cap_out, tma_tuned=_fwd_tma_tuned, tma=_use_tma(k, v) and config is None, fixed=emu, config=config, HEAD_DIM=d, CAUSAL=causal,
             STAB=rule, EMU=emu, MBITS=mbits, SR=stochastic, ACC_NARROW=bool(flags & ACC_NARROW),
             ROW_NARROW=bool(flags & ROW_NARROW), O_NARROW=bool(flags & O_NARROW), PBAR32=bool(flags & PBAR32),
-            HP=hp_mask != 0, PFMT=(flags >> PFMT_SHIFT) - 1, SOFTCAP=softcap > 0, KEEP_O32=keep_o32,
+            HP=hp_mask != 0, PFMT=(flags >> PFMT_SHIFT) - 1, SOFTCAP=softcap > 0, KEEP_O32=int(keep_o32),
             PERSISTENT=PERSISTENT > 0)
     return o, lse, o32
 
@@ -272,13 +276,13 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sc
     """(O, LSE, O32): O like q, LSE (B, H, Nq) fp32 in natural log, O32 the fp32 O that δ reads
     (``delta_src`` = 3) or an empty tensor."""
     return _forward(q, k, v, causal, scale, rule, beta, eps, min_shift, max_shift, emu, mbits, stochastic,
-                    flags, hp_mask, delta_src == KEEP_O32, softcap, block_k)
+                    flags, hp_mask, KEEP_MODE.get(delta_src, 0), softcap, block_k)
 
 
 @attn_fwd.register_fake
 def _(q, k, v, causal, scale, rule, beta, eps, min_shift, max_shift, emu, mbits, stochastic, flags, hp_mask,
       softcap, delta_src, block_k):
-    o32 = q.new_empty(q.shape if delta_src == KEEP_O32 else (0,), dtype=torch.float32)
+    o32 = q.new_empty(q.shape if delta_src in KEEP_MODE else (0,), dtype=torch.float32)
     return _empty_like_layout(q), q.new_empty(q.shape[:3], dtype=torch.float32), o32
 
 
@@ -288,7 +292,7 @@ def _backward_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     """(dQ, dK, dV) for the forward that produced ``o`` and ``lse`` (``o``: the fp32 O when the
     forward kept one, which δ = rowsum(dO ∘ O) then reads); ``softcap`` as in the forward."""
     cap = dict(SOFTCAP=softcap > 0)
-    delta_src = 0 if delta_src == KEEP_O32 else delta_src
+    delta_src = 0 if delta_src in KEEP_MODE else delta_src   # δ = rowsum(dO ∘ O) from the fp32 O
     do, q, k, v, o = (_last_dim_contiguous(t) for t in (do, q, k, v, o))
     B, H, n_q, d = q.shape
     Hk, n_k = k.shape[1], k.shape[2]
@@ -330,7 +334,7 @@ def _setup_context(ctx, inputs, output):
     (q, k, v, causal, scale, _rule, _beta, _eps, _lo, _hi, emu, _mbits, _stochastic, _flags, _hp, softcap,
      delta_src, _block_k) = inputs
     o, lse, o32 = output
-    ctx.save_for_backward(q, k, v, o32 if delta_src == KEEP_O32 else o, lse)
+    ctx.save_for_backward(q, k, v, o32 if delta_src in KEEP_MODE else o, lse)
     ctx.args = (causal, scale, emu, delta_src, softcap)
 
 
@@ -350,8 +354,8 @@ class _EagerAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, causal, scale, rule, beta, eps, min_shift, max_shift, emu, mbits, stochastic,
                 flags, hp_mask, softcap, delta_src, block_k):
         o, lse, o32 = _forward(q, k, v, causal, scale, rule, beta, eps, min_shift, max_shift, emu, mbits,
-                               stochastic, flags, hp_mask, delta_src == KEEP_O32, softcap, block_k)
-        ctx.save_for_backward(q, k, v, o32 if delta_src == KEEP_O32 else o, lse)
+                               stochastic, flags, hp_mask, KEEP_MODE.get(delta_src, 0), softcap, block_k)
+        ctx.save_for_backward(q, k, v, o32 if delta_src in KEEP_MODE else o, lse)
         ctx.args = (causal, scale, emu, delta_src, softcap)
         return o
 
@@ -369,7 +373,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, s
     """O, differentiable: the custom op under torch.compile, the autograd.Function in eager mode.
     ``mbits`` > 0 narrows the forward's O (and, with ``emu``, ℓ and Ō) to that many mantissa bits;
     ``stochastic`` rounds those points (and a bf16 O) stochastically; ``flags`` and ``hp_mask`` as
-    in ``_forward``. ``delta_src`` KEEP_O32: the forward keeps an fp32 O, which δ reads. ``softcap``
+    in ``_forward``. ``delta_src`` KEEP_O32 / O32_AS_COMPUTED: the forward keeps an fp32 O (as stored / as
+    computed), which δ reads. ``softcap``
     > 0: scores soft-capped to softcap·tanh(S/softcap). ``block_k`` > 0: the forward's key block
     (``key_block_config``), 0 the kernel's own."""
     args = (q, k, v, causal, scale, rule, beta, eps, min_shift, max_shift, emu, mbits, stochastic, flags, hp_mask,
