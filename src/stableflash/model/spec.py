@@ -13,9 +13,10 @@ without LAYERS (or with ``*``) sets the default for every layer; entries apply i
 entry overrides an earlier one for the layers it names (a later default resets them all).
 
 Keys: ``rule`` (standard, paper, ours, bounded), ``beta``, ``eps``, ``block`` (key block of the
-emulated backend, and of the triton kernels under the "paper" policy), ``policy`` (a preset: fa2, paper, fp32, fp64), ``low`` (the preset's low
-format), and the PrecisionPolicy fields ``inputs``, ``scores``, ``p_bar``, ``acc``, ``row_sum``,
-``out``, ``bwd``, ``delta``, ``hp_heads`` (e.g. ``1,7,8``), ``compute``. ``policy=paper`` alone
+emulated backend, and of the triton kernels under the "paper" policy), ``policy`` (a preset: fa2,
+paper, fp32, fp64), ``low`` (the preset's low format), and the PrecisionPolicy fields ``inputs``,
+``scores``, ``p_bar``, ``acc``, ``row_sum``, ``out``, ``bwd``, ``delta``, ``hp_heads`` (e.g.
+``1,7,8``), ``compute``. ``policy=paper`` alone
 stays the preset *name*, which ``flash_attention`` builds for the input dtype (fp16 inputs get
 ``low=fp16``); with ``low`` or any field the policy is built here, as
 ``PrecisionPolicy.preset(policy or "fa2", low or "bf16").replace(**fields)``, so an fp16 model

@@ -69,8 +69,8 @@ def rungs(baseline: str, layer: int, heads: list[int], seq_len: int) -> dict[str
     """The attention spec of every rung, from a single-choice baseline spec.
 
     A rung the fused kernels cannot express (a key block they cannot hold, or one under a policy
-    other than "paper"; fp32 heads above 30) runs on the emulated backend under the same policy, and its
-    name says so: the kernels' "paper" switch computes what the emulated "paper" policy does with
+    other than "paper"; fp32 heads above 30) runs on the emulated backend under the same policy,
+    and its name says so: the kernels' "paper" switch computes what the emulated "paper" policy does with
     the kernels' key block of 64 (tests/attention/test_triton.py), so the rung changes only what it
     names."""
     spec = parse_attention_spec(baseline)

@@ -186,12 +186,13 @@ def _fwd_tile(start_m, bh, Q, K, V, O, LSE, O32,
         lse = (m_i + tl.log2(l_i)) * 0.6931471805599453
     # the O store: e8mY, or bf16 rounded stochastically — or a bf16 O that δ reads from the fp32 copy
     # (fp32 heads beside bf16 ones), rounded here so that the copy holds what the policy stores
-    if KEEP_O32 == 2:                          # δ from O as computed: the copy before the store's rounding
-        tl.store(O32 + (bh * n_q + offs_m[:, None]) * HEAD_DIM + offs_d[None, :], o, mask=offs_m[:, None] < n_q)
+    o32 = o                                    # KEEP_O32 = 2: the O that δ reads is O as computed
     if O_NARROW and (MBITS > 0 or SR or KEEP_O32 == 1):
         o = keep_hp(o, narrow(o, MBITS, SR, seed - 1, rows[:, None] * HEAD_DIM + offs_d[None, :], INTERP), hp, HP)
-    if KEEP_O32 == 1:                          # contiguous (B, H, Nq, d) fp32: the O that δ reads
-        tl.store(O32 + (bh * n_q + offs_m[:, None]) * HEAD_DIM + offs_d[None, :], o, mask=offs_m[:, None] < n_q)
+    if KEEP_O32 == 1:
+        o32 = o                                # KEEP_O32 = 1: O as the policy stores it
+    if KEEP_O32:                               # contiguous (B, H, Nq, d) fp32
+        tl.store(O32 + (bh * n_q + offs_m[:, None]) * HEAD_DIM + offs_d[None, :], o32, mask=offs_m[:, None] < n_q)
     O += b * stride_ob + h * stride_oh
     tl.store(O + offs_m[:, None] * stride_om + offs_d[None, :], cast(o, O.dtype.element_ty, INTERP),
              mask=offs_m[:, None] < n_q)

@@ -24,9 +24,9 @@ from stableflash.attention.triton.forward import attn_fwd_kernel
 LOG2E = 1.0 / math.log(2.0)
 HEAD_DIMS = (16, 32, 64, 128, 256)
 DTYPES = (torch.float16, torch.bfloat16)
-DELTA_SOURCES = {"dO·O": 0, "dP·P": 1, "recompute_fp32": 2, "dO·O32": 4}
 KEEP_O32 = 3        # δ from dO·O with the O the forward kept in fp32 (a policy's out=fp32, delta dO·O)
 O32_AS_COMPUTED = 4  # δ from dO·O32: the forward keeps O in fp32 before the store's rounding
+DELTA_SOURCES = {"dO·O": 0, "dP·P": 1, "recompute_fp32": 2, "dO·O32": O32_AS_COMPUTED}
 # what the forward keeps for δ, per δ code: nothing, O as stored (in fp32), or O as computed
 KEEP_MODE = {KEEP_O32: 1, O32_AS_COMPUTED: 2}
 # the forward's precision switches beyond the format (mbits) and rounding mode, as one int for the op:
@@ -127,17 +127,9 @@ def _launch(tuned, raw, grid, *args, tma_tuned=None, tma: bool | None = None, fi
     tensor descriptors — each config of ``tma_tuned`` says whether it does; a fixed config does.
     ``fixed``: use the fixed config even when tuning — the forward's "paper" emulation rounds Ō and
     ℓ after every key block, so its key block is part of its arithmetic (``key_block``). ``config``:
-    this tile and no other (a key block the caller chose: ``key_block_config``), through pointers."""
-    if config is not None:
-        tile = dict(config.kwargs)
-        if interpreting():
-            tile["BLOCK_M"] = _INTERP["BLOCK_M"]
-            raw[grid(tile)](*args, **meta, **tile, TMA=False, INTERP=True)
-        else:
-            raw[grid(tile)](*args, **meta, **tile, TMA=False, num_warps=config.num_warps,
-                            num_stages=config.num_stages, INTERP=False)
-        return
-    tune = AUTOTUNE and not fixed
+    this tile and no other (a key block the caller chose: ``key_block_config``); the caller passes
+    tma=False with it."""
+    tune = AUTOTUNE and not fixed and config is None
     if tma:
         _ensure_allocator()
         if tune and not interpreting():
@@ -145,12 +137,13 @@ def _launch(tuned, raw, grid, *args, tma_tuned=None, tma: bool | None = None, fi
             return
     if tma is not None:
         meta["TMA"] = tma
-    if interpreting():
-        raw[grid(_INTERP)](*args, **meta, **_INTERP, INTERP=True)
+    if interpreting():                             # a chosen key block keeps its BLOCK_N
+        tile = _INTERP if config is None else {**_INTERP, "BLOCK_N": config.kwargs["BLOCK_N"]}
+        raw[grid(tile)](*args, **meta, **tile, INTERP=True)
     elif tune:
         tuned[grid](*args, **meta, INTERP=False)
     else:
-        cfg = _FIXED[tuned][meta["HEAD_DIM"] <= 128]
+        cfg = config or _FIXED[tuned][meta["HEAD_DIM"] <= 128]
         raw[grid(cfg.kwargs)](*args, **meta, **cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                               INTERP=False)
 
@@ -232,9 +225,9 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sc
              block_k: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(O, LSE, O32): O like q, LSE (B, H, Nq) fp32 in natural log, O32 the fp32 O for δ when
     ``keep_o32`` (1: O as the policy stores it, 2: as computed, before the store's rounding; else an
-    empty tensor). ``stochastic`` rounds the narrowing points stochastically,
-    with a seed drawn from torch's default generator (so ``torch.manual_seed`` makes a run
-    reproducible and checkpoints carry the stream on). ``flags``: which of Ō, ℓ, O ``mbits`` narrows
+    empty tensor). ``stochastic`` rounds the narrowing points stochastically, with a seed drawn from
+    torch's default generator (so ``torch.manual_seed`` makes a run reproducible and checkpoints
+    carry the stream on). ``flags``: which of Ō, ℓ, O ``mbits`` narrows
     (ACC_NARROW, ROW_NARROW, O_NARROW), whether P̄V takes P̄ in fp32 (PBAR32) and, above PFMT_SHIFT,
     1 + the format P̄ is rounded to first (0: none); ``hp_mask``: bit h set keeps head h's P̄, Ō, ℓ
     and O in fp32. ``softcap`` > 0 soft-caps the scores to softcap·tanh(S/softcap). ``block_k`` > 0:
@@ -260,8 +253,8 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sc
     config = key_block_config(block_k, d) if block_k else None
     _launch(_fwd_tuned, attn_fwd_kernel, grid, q, k, v, o, lse, o32, *_strides(q), *_strides(k), *_strides(v),
             *_strides(o), H, H // k.shape[1], n_q, n_k, B * H, scale_u, beta, eps_u, lo, hi, period,
-            seed, hp_mask, cap_in, cap_out, tma_tuned=_fwd_tma_tuned, tma=_use_tma(k, v) and config is None, fixed=emu, config=config, HEAD_DIM=d, CAUSAL=causal,
-            STAB=rule, EMU=emu, MBITS=mbits, SR=stochastic, ACC_NARROW=bool(flags & ACC_NARROW),
+            seed, hp_mask, cap_in, cap_out, tma_tuned=_fwd_tma_tuned, tma=_use_tma(k, v) and config is None,
+            fixed=emu, config=config, HEAD_DIM=d, CAUSAL=causal, STAB=rule, EMU=emu, MBITS=mbits, SR=stochastic, ACC_NARROW=bool(flags & ACC_NARROW),
             ROW_NARROW=bool(flags & ROW_NARROW), O_NARROW=bool(flags & O_NARROW), PBAR32=bool(flags & PBAR32),
             HP=hp_mask != 0, PFMT=(flags >> PFMT_SHIFT) - 1, SOFTCAP=softcap > 0, KEEP_O32=int(keep_o32),
             PERSISTENT=PERSISTENT > 0)
@@ -274,7 +267,7 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sc
              stochastic: bool, flags: int, hp_mask: int, softcap: float, delta_src: int,
              block_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(O, LSE, O32): O like q, LSE (B, H, Nq) fp32 in natural log, O32 the fp32 O that δ reads
-    (``delta_src`` = 3) or an empty tensor."""
+    (``delta_src`` KEEP_O32 or O32_AS_COMPUTED) or an empty tensor."""
     return _forward(q, k, v, causal, scale, rule, beta, eps, min_shift, max_shift, emu, mbits, stochastic,
                     flags, hp_mask, KEEP_MODE.get(delta_src, 0), softcap, block_k)
 
@@ -373,10 +366,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, s
     """O, differentiable: the custom op under torch.compile, the autograd.Function in eager mode.
     ``mbits`` > 0 narrows the forward's O (and, with ``emu``, ℓ and Ō) to that many mantissa bits;
     ``stochastic`` rounds those points (and a bf16 O) stochastically; ``flags`` and ``hp_mask`` as
-    in ``_forward``. ``delta_src`` KEEP_O32 / O32_AS_COMPUTED: the forward keeps an fp32 O (as stored / as
-    computed), which δ reads. ``softcap``
-    > 0: scores soft-capped to softcap·tanh(S/softcap). ``block_k`` > 0: the forward's key block
-    (``key_block_config``), 0 the kernel's own."""
+    in ``_forward``. ``delta_src`` KEEP_O32 / O32_AS_COMPUTED: the forward keeps an fp32 O (as
+    stored / as computed), which δ reads. ``softcap`` > 0: scores soft-capped to
+    softcap·tanh(S/softcap). ``block_k`` > 0: the forward's key block (``key_block_config``), 0 the
+    kernel's own."""
     args = (q, k, v, causal, scale, rule, beta, eps, min_shift, max_shift, emu, mbits, stochastic, flags, hp_mask,
             float(softcap), delta_src, int(block_k))
     if torch.compiler.is_compiling():
