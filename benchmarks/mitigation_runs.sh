@@ -77,6 +77,10 @@ for g in $groups; do
            --set "attention=triton policy=fa2 out=e8m4 rule=ours delta=dO*O32"
           bash $d start m-o32c-fp8 kernel-fa2-fp8 --seeds 0 1 2 --roles baseline --steps 6000 --parallel 3 \
            --set "attention=triton policy=fa2 p_bar=fp8_e4m3 out=fp8_e4m3 rule=ours delta=dO*O32";;
+    # FP8 P̄V with the output kept in bf16 (what an FP8 attention kernel returns): does it fail, and
+    # does δ from O as computed hold there?
+    fp8-pv) bash $d start fp8-pv kernel-fa2-fp8 --seeds 0 1 2 --roles baseline --steps 6000 --parallel 3 \
+           --set "attention=triton policy=fa2 p_bar=fp8_e4m3";;
     *) echo "unknown group $g"; exit 2;;
   esac
 done

@@ -33,3 +33,39 @@ def test_our_providers_match_float64_with_gradients(name):
         # about 4× e8m5's error into it
         gtol = 2e-1 if "fp8" in name else 5e-2
         assert (g.cpu().double() - w).abs().max().item() <= gtol * max(1.0, w.abs().max().item())
+
+
+def test_timed_rows_reach_the_caller_one_by_one_and_a_failure_is_its_rows_error():
+    """``time_jobs`` hands the partial result to ``on_row`` after every row (the CLI writes it, so
+    a benchmark cut short keeps what it measured); a provider that fails gets an "error" row."""
+    from stableflash.bench.attention import flops, time_jobs
+
+    shape = (2, 4, 256, 64)
+    jobs = [(shape, "fwd", "ours-stable"), (shape, "fwd", "flex"), (shape, "fwd+bwd", "ours-stable")]
+    times = {"ours-stable": 2.0}
+
+    def timer(shape, mode, name):
+        if name == "flex":
+            raise RuntimeError("no FlexAttention here")
+        return times[name] * (3.5 if mode == "fwd+bwd" else 1.0)
+
+    seen = []
+    result = time_jobs(jobs, timer, {"rows": [], "complete": False}, True,
+                       on_row=lambda r: seen.append((len(r["rows"]), r["complete"])))
+    assert seen == [(1, False), (2, False), (3, False)]
+    assert result["complete"] is True
+    first, failed, last = result["rows"]
+    assert first["ms"] == 2.0 and first["tflops"] == pytest.approx(flops(shape, True, "fwd") / 2.0 / 1e9)
+    assert failed["error"] == "RuntimeError: no FlexAttention here" and "ms" not in failed
+    assert last["ms"] == 7.0
+
+
+def test_the_json_is_replaced_whole(tmp_path):
+    from stableflash.cli import _write_json
+
+    out = tmp_path / "deeper" / "bench.json"
+    _write_json({"rows": [1]}, out)
+    _write_json({"rows": [1, 2]}, out)
+    import json
+    assert json.loads(out.read_text()) == {"rows": [1, 2]}
+    assert [p.name for p in out.parent.iterdir()] == ["bench.json"]      # no temporary file left

@@ -55,19 +55,34 @@ def _cmd_bench_attention(args: argparse.Namespace) -> int:
     cfg = BenchConfig(shapes=tuple(args.shape) if args.shape else BenchConfig.shapes,
                       providers=tuple(args.providers) if args.providers else BenchConfig.providers,
                       causal=not args.no_causal, dtype=args.dtype, modes=tuple(args.modes))
-    result = run_bench(cfg, progress=not args.json)
-    result["command"] = "stableflash " + shlex.join(args.argv)
-    out = args.out
-    if out.suffix != ".json":
+    command = "stableflash " + shlex.join(args.argv)
+
+    def out_path(result: dict) -> Path:
+        if args.out.suffix == ".json":
+            return args.out
         gpu = (result["env"]["gpu"] or "cpu").replace(" ", "-")
-        out = out / f"attention-{gpu}-{result['env']['date'][:19].replace(':', '')}.json"
-    return _report(result, out, format_table, args.json)
+        return args.out / f"attention-{gpu}-{result['env']['date'][:19].replace(':', '')}.json"
+
+    def save_partial(result: dict) -> None:           # what a run cut short has measured so far
+        _write_json({**result, "command": command}, out_path(result))
+
+    result = run_bench(cfg, progress=not args.json, on_row=save_partial)
+    result["command"] = command
+    return _report(result, out_path(result), format_table, args.json)
+
+
+def _write_json(data: dict, out: Path) -> None:
+    """Write ``data`` to ``out`` through a temporary file and a rename: a reader, or a run killed
+    mid-write, never sees half a file."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2))
+    os.replace(tmp, out)
 
 
 def _report(result: dict, out: Path, format_table, as_json: bool) -> int:
     """Write a benchmark's JSON to ``out`` and print it, or its table."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+    _write_json(result, out)
     print(json.dumps(result, indent=2) if as_json else format_table(result))
     if not as_json:
         print(f"JSON written to {out}")

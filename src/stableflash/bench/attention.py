@@ -41,6 +41,8 @@ OURS = {
     "ours-sr-out": Variant(True, "fa2", {"out": "{low}:stochastic"}),
     # O kept in fp32 by the forward for δ = rowsum(dO ∘ O) (one fp32 store; the model still gets bf16)
     "ours-o32": Variant(True, "fa2", {"out": "fp32"}),
+    # δ from O as computed: the forward keeps an fp32 copy of O beside the bf16 one it returns
+    "ours-o32c": Variant(True, "fa2", {"delta": "dO·O32"}),
     # the accelerated reproduction's arithmetic (ℓ, Ō, O in e8m5 under the "paper" emulation), with
     # those three rounded to nearest-even and stochastically: what its mitigation costs there
     "ours-e8m5": Variant(False, "paper", _E8M5),
@@ -176,8 +178,10 @@ def environment() -> dict:
             "python": platform.python_version(), "date": dt.datetime.now(dt.timezone.utc).isoformat()}
 
 
-def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
-    """Check, then time every (shape, mode, provider). Returns a JSON-serialisable dict."""
+def run_bench(cfg: BenchConfig, progress: bool = True, on_row: Callable[[dict], None] | None = None) -> dict:
+    """Check, then time every (shape, mode, provider). Returns a JSON-serialisable dict, whose
+    "complete" is True; ``on_row`` (if given) gets the partial dict ("complete": False) after every
+    timed row, so that a run cut short (a time limit, a lost machine) keeps what it measured."""
     from tqdm.auto import tqdm
 
     if not torch.cuda.is_available():
@@ -185,7 +189,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
     device = torch.device("cuda")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[cfg.dtype]
     gen = torch.Generator(device=device).manual_seed(cfg.seed)
-    result = {"config": asdict(cfg), "env": environment(), "checks": {}, "rows": []}
+    result = {"config": asdict(cfg), "env": environment(), "complete": False, "checks": {}, "rows": []}
     for name in cfg.providers:
         try:
             result["checks"][name] = check(name, cfg.causal, dtype, device, gen)
@@ -193,16 +197,31 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
             result["checks"][name] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
     jobs = [(s, m, p) for s in cfg.shapes for m in cfg.modes for p in cfg.providers
             if "error" not in result["checks"][p]]
-    for shape, mode, name in tqdm(jobs, desc="bench", disable=not progress):
+    def timer(shape, mode, name):
         try:
-            ms = time_one(name, shape, mode, cfg, dtype, device, gen)
-            row = {"shape": list(shape), "mode": mode, "provider": name, "ms": ms,
-                   "tflops": flops(shape, cfg.causal, mode) / ms / 1e9}
+            return time_one(name, shape, mode, cfg, dtype, device, gen)
+        finally:
+            torch.cuda.empty_cache()
+
+    return time_jobs(tqdm(jobs, desc="bench", disable=not progress), timer, result, cfg.causal, on_row)
+
+
+def time_jobs(jobs, timer: Callable, result: dict, causal: bool, on_row: Callable[[dict], None] | None = None) -> dict:
+    """Time each (shape, mode, provider) with ``timer`` (ms) into result["rows"] — a failure
+    becomes that row's "error" — handing the partial result to ``on_row`` after each; then the
+    ratios, and "complete": True."""
+    for shape, mode, name in jobs:
+        row = {"shape": list(shape), "mode": mode, "provider": name}
+        try:
+            ms = timer(shape, mode, name)
+            row.update(ms=ms, tflops=flops(shape, causal, mode) / ms / 1e9)
         except Exception as exc:
-            row = {"shape": list(shape), "mode": mode, "provider": name, "error": f"{type(exc).__name__}: {exc}"[:300]}
+            row["error"] = f"{type(exc).__name__}: {exc}"[:300]
         result["rows"].append(row)
-        torch.cuda.empty_cache()
+        if on_row is not None:
+            on_row(result)
     result["ratios"] = ratios(result["rows"])
+    result["complete"] = True
     return result
 
 

@@ -24,7 +24,7 @@ def _scores(q, kT, lse, scale, softcap, EMU: tl.constexpr, SOFTCAP: tl.constexpr
         s = to_bf16(s, INTERP)
     slope = 1.0
     if SOFTCAP:
-        s = softcap * tanh(s * (1.0 / softcap))
+        s = softcap * tanh(s * (1.0 / softcap), not EMU and not INTERP)   # as the forward computed it
         if EMU:
             s = to_bf16(s, INTERP)
         t = s * (1.0 / softcap)

@@ -61,7 +61,7 @@ def _fwd_blocks(acc, l_i, m_i, r_i, q, K, V, stride_kn, stride_vn, offs_m, offs_
             v = tl.load(V + cols[:, None] * stride_vn + offs_d[None, :])
         qk = mma(q, k, INTERP)
         if SOFTCAP and not EMU:                # capped scores in log2 units: cap_out·tanh(qk·cap_in); scale = 1
-            qk = cap_out * tanh(qk * cap_in)
+            qk = cap_out * tanh(qk * cap_in, not INTERP)
         if MASKED:
             keep = cols[None, :] < n_k
             if CAUSAL:
@@ -70,7 +70,7 @@ def _fwd_blocks(acc, l_i, m_i, r_i, q, K, V, stride_kn, stride_vn, offs_m, offs_
         if EMU:                                    # the "paper" policy: bf16 scores, natural units
             s = to_bf16(qk * scale, INTERP)
             if SOFTCAP:                            # natural units: softcap·tanh(S/softcap), rounded again
-                s = tl.where(s > float("-inf"), to_bf16(cap_out * tanh(s * cap_in), INTERP), s)
+                s = tl.where(s > float("-inf"), to_bf16(cap_out * tanh(s * cap_in, False), INTERP), s)
             m_new, r_i = next_shift(s, m_i, r_i, STAB, beta, eps, lo, hi, period)
             m_new = bound_rounded_shift(round_up_bf16(m_new), m_i, r_i, STAB)
             p = tl.exp2(to_bf16(s - m_new[:, None], INTERP) * 1.4426950408889634)
