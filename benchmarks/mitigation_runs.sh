@@ -81,6 +81,12 @@ for g in $groups; do
     # does δ from O as computed hold there?
     fp8-pv) bash $d start fp8-pv kernel-fa2-fp8 --seeds 0 1 2 --roles baseline --steps 6000 --parallel 3 \
            --set "attention=triton policy=fa2 p_bar=fp8_e4m3";;
+    # δ from the O of a bf16 P̄V computed beside the fp8 one (dO·O16): the cheaper candidate for the
+    # FP8 regime, where δ from O as computed did not hold — P̄ and O in e4m3, and P̄ alone
+    o16) bash $d start m-o16-fp8 kernel-fa2-fp8 --seeds 0 1 2 --roles baseline --steps 6000 --parallel 3 \
+           --set "attention=triton policy=fa2 p_bar=fp8_e4m3 out=fp8_e4m3 rule=ours delta=dO*O16"
+         bash $d start m-o16-fp8pv kernel-fa2-fp8 --seeds 0 1 2 --roles baseline --steps 6000 --parallel 3 \
+           --set "attention=triton policy=fa2 p_bar=fp8_e4m3 rule=ours delta=dO*O16";;
     *) echo "unknown group $g"; exit 2;;
   esac
 done

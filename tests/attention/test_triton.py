@@ -417,6 +417,36 @@ def test_delta_from_o_as_computed(gen, policy, backend):
             assert not torch.equal(a, c), name                  # δ from the rounded O differs
 
 
+@pytest.mark.parametrize("p_bar", ["fp8_e4m3", "e8m3"])
+@pytest.mark.parametrize("backend", ["emulated", "triton"])
+def test_delta_from_the_16_bit_product(gen, p_bar, backend):
+    """δ from dO·O16 reads the O that P̄V with P̄ in bf16 gives, computed beside the narrow product:
+    the model gets the narrow P̄'s O, and the gradients are exactly those of the bf16-P̄ policy with
+    δ from O as computed (the backward recomputes P itself; only δ reads the forward's O)."""
+    q, k, v, do = make(gen, 1, 2, 50, 32)
+    policy = PrecisionPolicy.preset("fa2").replace(p_bar=p_bar)
+    kw = dict(causal=True, stabilize=True, backend=backend)
+    if backend == "emulated":
+        kw.update(block_q=32, block_k=triton_op.key_block(32))
+    got = run(q, k, v, do, policy=policy.replace(delta="dO·O16"), **kw)
+    narrow = run(q, k, v, do, policy=policy, **kw)
+    wide = run(q, k, v, do, policy=policy.replace(p_bar="bf16", delta="dO·O32"), **kw)
+    assert torch.equal(got[0], narrow[0])                        # the model's O: the narrow P̄'s
+    assert not torch.equal(got[0], wide[0])
+    for name, a, b, c in zip(("dQ", "dK", "dV"), got[1:], wide[1:], narrow[1:]):
+        assert torch.equal(a, b), name
+        if name != "dV":                                         # dV = Pᵀ dO does not read δ
+            assert not torch.equal(a, c), name
+
+
+def test_the_16_bit_product_for_delta_is_refused_under_the_paper_emulation():
+    from stableflash.attention.triton.launch import kernel_mode
+    with pytest.raises(ValueError, match=r"delta='dO·O16' with policy=.*only under 'fa2' arithmetic"):
+        kernel_mode(E8M5.replace(delta="dO·O16"), torch.bfloat16)
+    assert kernel_mode(PrecisionPolicy.preset("fa2").replace(delta="dO*O16"), torch.bfloat16).delta == \
+        triton_op.O16_AS_COMPUTED
+
+
 @pytest.mark.parametrize("source", ["dP·P", "recompute_fp32"])
 @pytest.mark.parametrize("policy", ["fa2", "paper"])
 def test_delta_sources_agree_with_the_emulation(gen, source, policy):

@@ -36,7 +36,8 @@ class ForwardResult:
     acc: the final unnormalised Ō, (B, H, Nq, d); row_sum: the final ℓ; shift: the final m;
     pbar_ones: per row, how many P̄ = 1 terms (after rounding to policy.p_bar) enter the final Ō
     with weight exactly 1, i.e. were not rescaled by a later increase of m. Several such terms
-    are what the paper's rounding bias needs.
+    are what the paper's rounding bias needs. o16 (δ source "dO·O16" only, else None): O as a
+    16-bit kernel computes it beside the policy's — P̄ rounded as the inputs are, Ō, ℓ, O unrounded.
     """
 
     out: torch.Tensor
@@ -45,6 +46,7 @@ class ForwardResult:
     row_sum: torch.Tensor
     shift: torch.Tensor
     pbar_ones: torch.Tensor
+    o16: torch.Tensor | None = None
 
 
 def _rounder(policy: PrecisionPolicy, field: str, n_heads: int, device: torch.device) -> Rounder:
@@ -136,11 +138,13 @@ def emulated_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causa
     acc_all = torch.empty_like(out)
     lse, row_sum, shift = (torch.empty(B, H, n_q, dtype=dtype, device=dev) for _ in range(3))
     ones = torch.zeros(B, H, n_q, dtype=torch.int64, device=dev)
+    o16 = torch.empty_like(out) if policy.delta == "dO·O16" else None
 
     for c0, c1 in _chunks(n_q, block_q):                 # line 5: initialise O, ℓ, m for these rows
         n = c1 - c0
         acc = torch.zeros(B, H, n, d, dtype=dtype, device=dev)
         ell = torch.zeros(B, H, n, dtype=dtype, device=dev)
+        acc16, ell16 = acc.clone(), ell.clone()          # δ source dO·O16 only
         m = torch.full((B, H, n), -math.inf, dtype=dtype, device=dev)
         rmax = m.clone()
         for first, cols, needs_mask in _key_steps(c0, c1, n_k, block_k, causal):
@@ -158,18 +162,23 @@ def emulated_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causa
             kept = torch.where(m_new > m_a, 0, ones[:, :, first:c1])   # earlier ones were rescaled by alpha < 1
             ones[:, :, first:c1] = kept + (p_low == 1).sum(dim=-1)
             acc[:, :, a:] = r.acc(alpha.unsqueeze(-1) * acc[:, :, a:] + torch.matmul(p_low, v[:, :, cols]))
+            if o16 is not None:
+                ell16[:, :, a:] = alpha * ell16[:, :, a:] + p.sum(dim=-1)
+                acc16[:, :, a:] = alpha.unsqueeze(-1) * acc16[:, :, a:] + torch.matmul(r.inputs(p), v[:, :, cols])
             m[:, :, a:] = m_new
         out[:, :, c0:c1] = r.out(acc / ell.unsqueeze(-1))
+        if o16 is not None:
+            o16[:, :, c0:c1] = acc16 / ell16.unsqueeze(-1)
         lse[:, :, c0:c1] = m + torch.log(ell)
         acc_all[:, :, c0:c1], row_sum[:, :, c0:c1], shift[:, :, c0:c1] = acc, ell, m
-    return ForwardResult(out, lse, acc_all, row_sum, shift, ones)
+    return ForwardResult(out, lse, acc_all, row_sum, shift, ones, o16)
 
 
 def emulated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                    do: torch.Tensor, *, causal: bool, scale: float, policy: PrecisionPolicy,
                    block_q: int | None = None, block_k: int = 64, softcap: float | None = None) -> torch.Tensor:
     """δ per the policy's source; q, k, v, do already rounded and in the compute dtype."""
-    if policy.delta in ("dO·O", "dO·O32"):              # ``out``: O as stored, or as computed (dO·O32)
+    if policy.delta in ("dO·O", "dO·O32", "dO·O16"):    # ``out``: the O that δ reads (EmulatedAttention)
         return (do * out).sum(dim=-1)
     r = _Rounders(policy, q.shape[1], q.device)
     full_mask = causal_mask(q.shape[2], k.shape[2], q.device) if causal else None
@@ -224,8 +233,10 @@ class EmulatedAttention(torch.autograd.Function):
         with torch.autocast(q.device.type, enabled=False):
             res = emulated_forward(q, k, v, causal=causal, scale=scale, policy=policy, rule=rule,
                                    block_q=block_q, block_k=block_k, softcap=softcap)
-        # δ from dO·O32 reads O as computed (Ō/ℓ before the ``out`` rounding), in the compute dtype
-        o_for_delta = res.acc / res.row_sum.unsqueeze(-1) if policy.delta == "dO·O32" else res.out
+        # δ from dO·O32 reads O as computed (Ō/ℓ before the ``out`` rounding), in the compute dtype;
+        # from dO·O16 the O of a 16-bit P̄V beside the policy's
+        o_for_delta = {"dO·O32": lambda: res.acc / res.row_sum.unsqueeze(-1),
+                       "dO·O16": lambda: res.o16}.get(policy.delta, lambda: res.out)()
         ctx.save_for_backward(q, k, v, o_for_delta, res.lse)
         ctx.args = (causal, scale, policy, block_q, block_k, softcap)
         return res.out.to(q.dtype)

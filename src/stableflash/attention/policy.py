@@ -14,13 +14,15 @@ the GPU, or fp64 for exactness checks).
 | row_sum  | ℓ, after every key block                          | fp32 | low   | fp32 |
 | out      | O as stored (and used for δ = rowsum(dO∘O))       | low  | low   | fp32 |
 | bwd      | P and dS before the backward matmuls              | low  | low   | fp32 |
-| delta    | δ source: "dO·O", "dO·O32", "dP·P", "recompute_fp32" | dO·O | dO·O  | dO·O |
+| delta    | δ source: "dO·O", "dO·O32", "dO·O16", "dP·P", "recompute_fp32" | dO·O | dO·O | dO·O |
 | hp_heads | heads whose p_bar, acc, row_sum, out use compute  | ()   | ()    | ()   |
 
 δ sources: "dO·O" reads O as stored (``out``); "dO·O32" reads O as computed, Ō/ℓ before the
 ``out`` rounding (the forward keeps it in fp32: exact O for δ while the model gets the stored
-format); "dP·P" sums dP ∘ P with dP = dO·Vᵀ (a pass over the keys); "recompute_fp32" recomputes
-O = PV in fp32.
+format); "dO·O16" reads the O that a 16-bit kernel computes beside the policy's: P̄ rounded as the
+inputs are (bf16 or fp16, not ``p_bar``), Ō, ℓ and O unrounded in ``compute`` (one more P̄V product
+in the forward; for a ``p_bar`` narrower than the inputs, such as fp8); "dP·P" sums dP ∘ P with
+dP = dO·Vᵀ (a pass over the keys); "recompute_fp32" recomputes O = PV in fp32.
 
 ``low`` is bf16 unless the preset is built for another format (fp16 inputs, or an explicit
 ``PrecisionPolicy.preset("paper", low="fp16")``).
@@ -35,9 +37,10 @@ import torch
 from stableflash.numerics import ROUNDING_MODES, FloatFormat, get_format
 
 PRESETS = ("fa2", "paper", "fp32", "fp64")
-DELTA_SOURCES = ("dO·O", "dO·O32", "dP·P", "recompute_fp32")
+DELTA_SOURCES = ("dO·O", "dO·O32", "dO·O16", "dP·P", "recompute_fp32")
 _DELTA_ALIASES = {"dO·O": "dO·O", "dO*O": "dO·O", "do_o": "dO·O", "dO·O32": "dO·O32", "dO*O32": "dO·O32",
-                  "do_o32": "dO·O32", "dP·P": "dP·P", "dP*P": "dP·P",
+                  "do_o32": "dO·O32", "dO·O16": "dO·O16", "dO*O16": "dO·O16", "do_o16": "dO·O16",
+                  "dP·P": "dP·P", "dP*P": "dP·P",
                   "dp_p": "dP·P", "recompute_fp32": "recompute_fp32", "recompute": "recompute_fp32"}
 ROUNDING_POINTS = ("inputs", "scores", "p_bar", "acc", "row_sum", "out", "bwd")
 COMPUTE_FORMATS = ("fp32", "fp64")

@@ -52,6 +52,8 @@ OURS = {
     "ours-fp8": Variant(True, "fa2", {"p_bar": "fp8_e4m3", "out": "fp8_e4m3"}),
     # the same with δ from O as computed (an fp32 copy before the e4m3 store: one more fp32 store)
     "ours-fp8-o32c": Variant(True, "fa2", {"p_bar": "fp8_e4m3", "out": "fp8_e4m3", "delta": "dO·O32"}),
+    # fp8 P̄ with the O of a bf16 P̄V computed beside it for δ (one more product in the forward)
+    "ours-fp8-o16": Variant(True, "fa2", {"p_bar": "fp8_e4m3", "out": "fp8_e4m3", "delta": "dO·O16"}),
     "ours-softcap": Variant(True, extra={"softcap": 30.0}),
 }
 PROVIDERS = (*OURS, "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex")

@@ -24,7 +24,10 @@ scores (softcap·tanh(S/softcap); the launcher passes cap_in, cap_out in the mod
 KEEP_O32 = 1 also stores O in fp32, as the policy stores it (before it is rounded to the input dtype
 for the model), for the backward's δ = rowsum(dO ∘ O): an fp32 ``out`` (or fp32 heads) with δ from
 dO·O, at the cost of one fp32 store. KEEP_O32 = 2 stores O as computed, Ō/ℓ before any rounding of
-the store (δ from "dO·O32": an exact O for δ while the model gets the policy's format).
+the store (δ from "dO·O32": an exact O for δ while the model gets the policy's format). KEEP_O32 = 3
+("fa2" only; δ from "dO·O16") also accumulates P̄V with P̄ in the input dtype beside the policy's
+product (one more product per key block) and stores that O in fp32: the O of a 16-bit kernel for δ
+while the model gets the O of a narrower P̄ (fp8).
 """
 import triton
 import triton.language as tl
@@ -37,16 +40,18 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _fwd_blocks(acc, l_i, m_i, r_i, q, K, V, stride_kn, stride_vn, offs_m, offs_d, start, stop, n_k,
+def _fwd_blocks(acc, acc16, l_i, m_i, r_i, q, K, V, stride_kn, stride_vn, offs_m, offs_d, start, stop, n_k,
                 scale, beta, eps, lo, hi, period, seed, rows, hp, cap_in, cap_out,
                 BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
                 STAB: tl.constexpr, EMU: tl.constexpr, MBITS: tl.constexpr, SR: tl.constexpr,
                 ACC_NARROW: tl.constexpr, ROW_NARROW: tl.constexpr, PBAR32: tl.constexpr, HP: tl.constexpr,
-                PFMT: tl.constexpr, SOFTCAP: tl.constexpr, TMA: tl.constexpr, INTERP: tl.constexpr):
+                PFMT: tl.constexpr, SOFTCAP: tl.constexpr, O16: tl.constexpr, TMA: tl.constexpr,
+                INTERP: tl.constexpr):
     """Lines 6-11 of Algorithm 1 for key blocks [start, stop). TMA: K and V are tensor
     descriptors (rows past n_k come back as zeros) instead of pointers. ``rows``: the rows' indices
     over the whole (batch, head, query) grid, which with ``seed`` and the key block number pick the
-    random streams of stochastic rounding (SR). ``hp`` (with HP): this head keeps P̄, Ō and ℓ in fp32."""
+    random streams of stochastic rounding (SR). ``hp`` (with HP): this head keeps P̄, Ō and ℓ in fp32.
+    O16 ("fa2" mode): ``acc16`` accumulates P̄V with P̄ in the input dtype beside ``acc``."""
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in range(start, stop, BLOCK_N):
         cols = start_n + offs_n
@@ -93,8 +98,10 @@ def _fwd_blocks(acc, l_i, m_i, r_i, q, K, V, stride_kn, stride_vn, offs_m, offs_
             alpha = tl.exp2(m_i - m_new)
             l_i = l_i * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + p_bar_v(p, v, hp, PBAR32, HP, INTERP, PFMT)
+            if O16:                                # the 16-bit product beside the policy's, for δ
+                acc16 = acc16 * alpha[:, None] + p_bar_v(p, v, hp, False, False, INTERP)
         m_i = m_new
-    return acc, l_i, m_i, r_i
+    return acc, acc16, l_i, m_i, r_i
 
 
 @triton.jit
@@ -164,20 +171,23 @@ def _fwd_tile(start_m, bh, Q, K, V, O, LSE, O32,
     r_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    acc16 = 0.0                                # KEEP_O32 = 3 only: P̄V with P̄ in the input dtype
+    if KEEP_O32 == 3:
+        acc16 = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
 
     # keys [0, full) need no mask; [full, stop) hold the causal diagonal and the ragged tail
     stop = tl.minimum(n_k, start_m + BLOCK_M) if CAUSAL else n_k
     full = (n_k // BLOCK_N) * BLOCK_N
     if CAUSAL:
         full = tl.minimum(full, (start_m // BLOCK_N) * BLOCK_N)
-    acc, l_i, m_i, r_i = _fwd_blocks(acc, l_i, m_i, r_i, q, K, V, stride_kn, stride_vn, offs_m, offs_d,
-                                     0, full, n_k, scale, beta, eps, lo, hi, period, seed, rows, hp, cap_in, cap_out,
-                                     BLOCK_N, CAUSAL, False, STAB, EMU, MBITS, SR, ACC_NARROW, ROW_NARROW,
-                                     PBAR32, HP, PFMT, SOFTCAP, TMA, INTERP)
-    acc, l_i, m_i, r_i = _fwd_blocks(acc, l_i, m_i, r_i, q, K, V, stride_kn, stride_vn, offs_m, offs_d,
-                                     full, stop, n_k, scale, beta, eps, lo, hi, period, seed, rows, hp, cap_in, cap_out,
-                                     BLOCK_N, CAUSAL, True, STAB, EMU, MBITS, SR, ACC_NARROW, ROW_NARROW,
-                                     PBAR32, HP, PFMT, SOFTCAP, TMA, INTERP)
+    acc, acc16, l_i, m_i, r_i = _fwd_blocks(acc, acc16, l_i, m_i, r_i, q, K, V, stride_kn, stride_vn, offs_m,
+                                            offs_d, 0, full, n_k, scale, beta, eps, lo, hi, period, seed, rows, hp,
+                                            cap_in, cap_out, BLOCK_N, CAUSAL, False, STAB, EMU, MBITS, SR, ACC_NARROW,
+                                            ROW_NARROW, PBAR32, HP, PFMT, SOFTCAP, KEEP_O32 == 3, TMA, INTERP)
+    acc, acc16, l_i, m_i, r_i = _fwd_blocks(acc, acc16, l_i, m_i, r_i, q, K, V, stride_kn, stride_vn, offs_m,
+                                            offs_d, full, stop, n_k, scale, beta, eps, lo, hi, period, seed, rows, hp,
+                                            cap_in, cap_out, BLOCK_N, CAUSAL, True, STAB, EMU, MBITS, SR, ACC_NARROW,
+                                            ROW_NARROW, PBAR32, HP, PFMT, SOFTCAP, KEEP_O32 == 3, TMA, INTERP)
     if EMU:
         o = acc / l_i[:, None]
         lse = m_i + tl.log(l_i)
@@ -191,6 +201,8 @@ def _fwd_tile(start_m, bh, Q, K, V, O, LSE, O32,
         o = keep_hp(o, narrow(o, MBITS, SR, seed - 1, rows[:, None] * HEAD_DIM + offs_d[None, :], INTERP), hp, HP)
     if KEEP_O32 == 1:
         o32 = o                                # KEEP_O32 = 1: O as the policy stores it
+    if KEEP_O32 == 3:
+        o32 = acc16 / l_i[:, None]             # KEEP_O32 = 3: O of the 16-bit product (ℓ is the same sum)
     if KEEP_O32:                               # contiguous (B, H, Nq, d) fp32
         tl.store(O32 + (bh * n_q + offs_m[:, None]) * HEAD_DIM + offs_d[None, :], o32, mask=offs_m[:, None] < n_q)
     O += b * stride_ob + h * stride_oh

@@ -15,7 +15,8 @@ from stableflash.attention.triton.op import (ACC_NARROW, DELTA_SOURCES, DTYPES, 
 SUPPORT = {
     "head_dims": HEAD_DIMS,
     "dtypes": DTYPES,
-    "policies": "'fa2' (bf16 or fp16) or 'paper' (bf16), with delta 'dO·O', 'dO·O32', 'dP·P' or 'recompute_fp32'; "
+    "policies": "'fa2' (bf16 or fp16) or 'paper' (bf16), with delta 'dO·O', 'dO·O32', 'dP·P' or 'recompute_fp32' "
+                "('dO·O16' too under 'fa2'); "
                 "for bf16 also hp_heads 0-30, p_bar in fp32, e8m1-e8m6, fp16, fp8_e5m2 or fp8_e4m3, and 'fa2' "
                 "with out or 'paper' with acc, row_sum and out each in fp32 or in one shared format bf16, "
                 "e8m1-e8m6 (nearest-even, or ':stochastic'), fp16, fp8_e5m2 or fp8_e4m3 (nearest-even)",
@@ -107,6 +108,10 @@ def kernel_mode(policy: PrecisionPolicy, dtype: torch.dtype) -> KernelMode:
         if p_bar is not None:                   # P̄ rounded to its own format before P̄V
             flags |= (p_bar[0] + 1) << PFMT_SHIFT
         hp_mask = sum(1 << h for h in policy.hp_heads)
+        if emu and policy.delta == "dO·O16":
+            raise ValueError(f"delta='dO·O16' with policy={policy.describe()}: backend='triton' computes the 16-bit "
+                             "product for δ only under 'fa2' arithmetic; accepted under 'paper': delta 'dO·O', "
+                             "'dO·O32', 'dP·P' or 'recompute_fp32' — or use backend='emulated'")
         keep = (points["out"] == (23, False) or hp_mask) and policy.delta == "dO·O"
         return KernelMode(emu, bits, stochastic, KEEP_O32 if keep else DELTA_SOURCES[policy.delta], flags, hp_mask)
     raise ValueError(f"policy={policy.describe()} is not implemented by backend='triton'; accepted: "

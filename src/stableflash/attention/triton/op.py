@@ -26,9 +26,11 @@ HEAD_DIMS = (16, 32, 64, 128, 256)
 DTYPES = (torch.float16, torch.bfloat16)
 KEEP_O32 = 3        # δ from dO·O with the O the forward kept in fp32 (a policy's out=fp32, delta dO·O)
 O32_AS_COMPUTED = 4  # δ from dO·O32: the forward keeps O in fp32 before the store's rounding
-DELTA_SOURCES = {"dO·O": 0, "dP·P": 1, "recompute_fp32": 2, "dO·O32": O32_AS_COMPUTED}
-# what the forward keeps for δ, per δ code: nothing, O as stored (in fp32), or O as computed
-KEEP_MODE = {KEEP_O32: 1, O32_AS_COMPUTED: 2}
+O16_AS_COMPUTED = 5  # δ from dO·O16: the forward also computes O with a 16-bit P̄ and keeps it in fp32
+DELTA_SOURCES = {"dO·O": 0, "dP·P": 1, "recompute_fp32": 2, "dO·O32": O32_AS_COMPUTED, "dO·O16": O16_AS_COMPUTED}
+# what the forward keeps for δ, per δ code: nothing, O as stored (in fp32), O as computed, or O as
+# computed with a 16-bit P̄
+KEEP_MODE = {KEEP_O32: 1, O32_AS_COMPUTED: 2, O16_AS_COMPUTED: 3}
 # the forward's precision switches beyond the format (mbits) and rounding mode, as one int for the op:
 # which of Ō, ℓ, O the format narrows, and P̄ multiplied in fp32
 ACC_NARROW, ROW_NARROW, O_NARROW, PBAR32 = 1, 2, 4, 8
@@ -267,7 +269,7 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sc
              stochastic: bool, flags: int, hp_mask: int, softcap: float, delta_src: int,
              block_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(O, LSE, O32): O like q, LSE (B, H, Nq) fp32 in natural log, O32 the fp32 O that δ reads
-    (``delta_src`` KEEP_O32 or O32_AS_COMPUTED) or an empty tensor."""
+    (``delta_src`` KEEP_O32, O32_AS_COMPUTED or O16_AS_COMPUTED) or an empty tensor."""
     return _forward(q, k, v, causal, scale, rule, beta, eps, min_shift, max_shift, emu, mbits, stochastic,
                     flags, hp_mask, KEEP_MODE.get(delta_src, 0), softcap, block_k)
 
