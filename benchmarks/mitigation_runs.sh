@@ -87,6 +87,10 @@ for g in $groups; do
            --set "attention=triton policy=fa2 p_bar=fp8_e4m3 out=fp8_e4m3 rule=ours delta=dO*O16"
          bash $d start m-o16-fp8pv kernel-fa2-fp8 --seeds 0 1 2 --roles baseline --steps 6000 --parallel 3 \
            --set "attention=triton policy=fa2 p_bar=fp8_e4m3 rule=ours delta=dO*O16";;
+    # the Llama-style model on the fastest failing configuration (fp8 P̄ and O), 3 seeds: does it
+    # fail there, and how often do its rows put a (tied) maximum on the first key? (probes' sink_frac)
+    llama-fp8) bash $d start a-llama-fp8 kernel-fa2-fp8 --seeds 0 1 2 --roles baseline --steps 6000 --parallel 3 \
+           --set model=llama-small;;
     *) echo "unknown group $g"; exit 2;;
   esac
 done

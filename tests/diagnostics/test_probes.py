@@ -367,3 +367,34 @@ def test_probe_record_under_autocast_and_its_cost(gen):
     start = time.perf_counter()
     probe_record(model, x, y, delta_layers=(1,))
     assert time.perf_counter() - start < 2.0               # ~0.06 s on 2 CPU cores
+
+
+def test_sinks_on_the_first_key_are_counted_over_rows_that_see_two_keys():
+    """Key 0 scores highest for every row (a sink); in head 1 key 3 ties with it. Causal: row 0 sees
+    key 0 alone and is left out, rows 1-2 have the sink alone, rows 3+ of head 1 a tied sink."""
+    n, d = 10, 4
+    q = torch.zeros(1, 2, n, d)
+    q[..., 0] = 1.0
+    k = torch.zeros(1, 2, n, d)
+    k[:, :, 0, 0] = 2.0
+    k[:, 1, 3, 0] = 2.0
+    st = row_max_stats(q, k, causal=True, scale=1.0)
+    assert st["sink_frac"].tolist() == [1.0, 1.0]
+    assert st["sink_repeated_frac"].tolist() == pytest.approx([0.0, 7 / 9])
+    k[:, 0, 5, 0] = 3.0                               # head 0: key 5 beats the sink from row 5 on
+    st = row_max_stats(q, k, causal=True, scale=1.0)
+    assert st["sink_frac"].tolist() == pytest.approx([4 / 9, 1.0])
+    st = row_max_stats(q, k, causal=False, scale=1.0)  # every row sees every key
+    assert st["sink_frac"].tolist() == [0.0, 1.0] and st["sink_repeated_frac"].tolist() == [0.0, 1.0]
+
+
+def test_a_model_probe_reports_sinks_per_layer_and_head(gen):
+    from stableflash.model.presets import build_model, model_config
+    model = build_model(model_config("llama-tiny"))
+    x = torch.randint(0, 256, (2, 32), generator=gen)
+    with AttentionProbe(model, n_seq=2) as probe:
+        model(x)
+    stats = probe.row_stats()
+    assert len(stats["sink_frac"]) == 2 and len(stats["sink_frac"][0]) == 4          # layers × heads
+    assert all(0.0 <= f <= 1.0 for layer in stats["sink_frac"] for f in layer)
+    assert all(r <= f for lr, lf in zip(stats["sink_repeated_frac"], stats["sink_frac"]) for r, f in zip(lr, lf))

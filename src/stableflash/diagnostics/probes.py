@@ -208,7 +208,11 @@ def row_max_stats(q: torch.Tensor, k: torch.Tensor, *, causal: bool = True, scal
     and so one maximum;
     ``pbar_one_count``: mean over rows of #{j : round(exp(S_j − rm)) = 1} in ``p_bar_format``
     (a format name, optionally with ":mode");
-    ``max_logit``: max of S over the visible entries.
+    ``max_logit``: max of S over the visible entries;
+    ``sink_frac``: fraction of the rows that see more than one key whose maximum is attained at key
+    0, S_0 ≥ rm − eps (an attention sink on the first token, as the paper's Appendix D reports for
+    Llama-3.1-8B); ``sink_repeated_frac``: of those rows, the fraction where the maximum at key 0 is
+    also attained elsewhere (a sink that makes a repeated maximum), over the same rows.
     Query rows are processed in chunks of at most CHUNK_ELEMENTS scores (B·H·rows·T_k), so a
     GPT-2 layer with two sequences goes in one chunk (one pass of a few kernels, no host syncs).
     """
@@ -230,6 +234,7 @@ def row_max_stats(q: torch.Tensor, k: torch.Tensor, *, causal: bool = True, scal
     repeated = torch.zeros(H, dtype=torch.float64, device=q.device)
     ones = torch.zeros(H, dtype=torch.float64, device=q.device)
     top = torch.full((H,), -math.inf, dtype=torch.float64, device=q.device)
+    sinks, sink_ties, multi = (torch.zeros(H, dtype=torch.float64, device=q.device) for _ in range(3))
     with torch.no_grad(), torch.autocast(q.device.type, enabled=False):
         rows_per_chunk = max(1, CHUNK_ELEMENTS // (B * H * n_k))
         for i0 in range(0, n_q, rows_per_chunk):
@@ -242,6 +247,11 @@ def row_max_stats(q: torch.Tensor, k: torch.Tensor, *, causal: bool = True, scal
             valid = torch.isfinite(rm)
             ties = ((s >= rm - eps) & valid).sum(dim=-1)
             repeated += (ties > 1).sum(dim=(0, 2)).double()
+            several = torch.isfinite(s).sum(dim=-1) > 1                      # rows that see two keys or more
+            at_first = (s[..., 0] >= rm[..., 0] - eps) & several
+            multi += several.sum(dim=(0, 2)).double()
+            sinks += at_first.sum(dim=(0, 2)).double()
+            sink_ties += (at_first & (ties > 1)).sum(dim=(0, 2)).double()
             p_bar = torch.exp(s - torch.where(valid, rm, torch.zeros_like(rm)))
             if mode == "rne":       # rounds to 1 exactly from the midpoint between below_one and 1 up
                 hit = p_bar >= 1.0 - 2.0 ** -(fmt.man_bits + 2)
@@ -252,7 +262,8 @@ def row_max_stats(q: torch.Tensor, k: torch.Tensor, *, causal: bool = True, scal
             ones += hit.sum(dim=(0, 2, 3)).double()
             top = torch.maximum(top, torch.where(valid, rm, torch.full_like(rm, -math.inf)).amax(dim=(0, 2, 3)).double())
     rows = B * n_q
-    return {"repeated_max_frac": repeated / rows, "pbar_one_count": ones / rows, "max_logit": top}
+    return {"repeated_max_frac": repeated / rows, "pbar_one_count": ones / rows, "max_logit": top,
+            "sink_frac": sinks / multi.clamp(min=1), "sink_repeated_frac": sink_ties / multi.clamp(min=1)}
 
 
 # ----------------------------------------------------------------------------- the observer
@@ -348,11 +359,12 @@ class AttentionProbe:
     def row_stats(self, eps: float = 1e-3, p_bar_format: str = "bf16",
                   scale: float | None = None) -> dict[str, list[list[float]]]:
         """``row_max_stats`` of every recorded layer (causal): {"repeated_max_frac", "pbar_one_count",
-        "max_logit": [[value per head] per layer]}, plain floats."""
+        "max_logit", "sink_frac", "sink_repeated_frac": [[value per head] per layer]}, plain floats."""
         missing = [i for i in range(len(self.layers)) if i not in self.q]
         if missing:
             raise RuntimeError(f"no forward pass recorded for layers {missing}; run the model inside the probe first")
-        out: dict[str, list[list[float]]] = {"repeated_max_frac": [], "pbar_one_count": [], "max_logit": []}
+        out: dict[str, list[list[float]]] = {key: [] for key in ("repeated_max_frac", "pbar_one_count", "max_logit",
+                                                                  "sink_frac", "sink_repeated_frac")}
         for i in range(len(self.layers)):
             stats = row_max_stats(self.q[i], self.k[i], causal=True, scale=scale, eps=eps,
                                   p_bar_format=p_bar_format)
