@@ -91,6 +91,12 @@ for g in $groups; do
     # fail there, and how often do its rows put a (tied) maximum on the first key? (probes' sink_frac)
     llama-fp8) bash $d start a-llama-fp8 kernel-fa2-fp8 --seeds 0 1 2 --roles baseline --steps 6000 --parallel 3 \
            --set model=llama-small;;
+    # the other formats on the kernels (real FA2 arithmetic): P̄ and O in fp8 e5m2 (2 mantissa bits)
+    # and in fp16 (10), baselines on 3 seeds, beside kernel-fa2-fp8's e4m3
+    formats) bash $d start fmt-e5m2 kernel-fa2-fp8 --seeds 0 1 2 --roles baseline --steps 6000 --parallel 3 \
+           --set "attention=triton policy=fa2 p_bar=fp8_e5m2 out=fp8_e5m2"
+         bash $d start fmt-fp16 kernel-fa2-fp8 --seeds 0 1 2 --roles baseline --steps 6000 --parallel 3 \
+           --set "attention=triton policy=fa2 p_bar=fp16 out=fp16";;
     *) echo "unknown group $g"; exit 2;;
   esac
 done
