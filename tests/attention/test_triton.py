@@ -617,7 +617,8 @@ def test_outputs_and_gradients_are_laid_out_like_the_inputs(gen):
 
 def test_custom_ops_pass_the_opcheck(gen):
     q, k, v, _ = make(gen, 1, 2, 20, 16)
-    for delta_src, hp_mask in ((0, 0), (triton_op.KEEP_O32, 0), (triton_op.KEEP_O32, 2)):
+    for delta_src, hp_mask in ((0, 0), (triton_op.KEEP_O32, 0), (triton_op.KEEP_O32, 2),
+                               (triton_op.O16_AS_COMPUTED, 0)):
         args = (q, k, v, True, 0.25, 2, 2.0, 1e-3, 0.13, 8.4, False, 0, False, triton_op.NARROW_ALL, hp_mask,
                 0.0, delta_src, 0)
         torch.library.opcheck(triton_op.attn_fwd, args, test_utils=("test_schema", "test_faketensor"))
