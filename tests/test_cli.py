@@ -112,3 +112,12 @@ def test_the_benchmarked_training_step_trains(recwarn):
         losses.append([step().item() for _ in range(4)])
     assert losses[0] == losses[1]                                   # same seed, same run
     assert all(b < a for a, b in zip(losses[0], losses[0][1:])), losses[0]
+
+
+def test_a_compile_mode_the_benchmark_cannot_take_is_refused_by_name():
+    from stableflash.bench.training import TrainBenchConfig
+    with pytest.raises(ValueError, match=r"compile_mode='graphs' is invalid; accepted: default, reduce-overhead"):
+        TrainBenchConfig(compile_mode="graphs")
+    assert TrainBenchConfig(compile_mode="reduce-overhead").compile_mode == "reduce-overhead"
+    with pytest.raises(SystemExit):
+        main(["bench", "train", "--compile-mode", "graphs"])

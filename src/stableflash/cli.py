@@ -138,7 +138,8 @@ def _cmd_bench_train(args: argparse.Namespace) -> int:
     from stableflash.bench.training import DEFAULT_ATTENTIONS, TrainBenchConfig, format_table, run_train_bench
 
     cfg = TrainBenchConfig(model=args.model, attentions=tuple(args.attention or DEFAULT_ATTENTIONS),
-                           batch_size=args.batch_size, compile=not args.no_compile, steps=args.steps)
+                           batch_size=args.batch_size, compile=not args.no_compile, steps=args.steps,
+                           compile_mode=args.compile_mode)
     out = args.out
     if out.suffix != ".json":
         out = out / "training-latest.json"
@@ -370,6 +371,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--no-compile", action="store_true")
+    from stableflash.bench.training import COMPILE_MODES
+    p.add_argument("--compile-mode", choices=COMPILE_MODES, default="default",
+                   help="torch.compile mode (reduce-overhead: CUDA graphs, no CPU launch work per step)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_bench_train)

@@ -19,6 +19,9 @@ from stableflash.model import build_model, model_config, parse_attention_spec
 
 log = logging.getLogger(__name__)
 DEFAULT_ATTENTIONS = ("sdpa", "triton rule=ours", "triton", "emulated policy=fa2", "emulated policy=paper")
+# torch.compile's modes; "reduce-overhead" replays the step's kernels as CUDA graphs, which removes
+# the CPU's launch work (Python launchers included) from the step
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
 @dataclass
@@ -27,6 +30,7 @@ class TrainBenchConfig:
     attentions: tuple[str, ...] = DEFAULT_ATTENTIONS
     batch_size: int = 16
     compile: bool = True
+    compile_mode: str = "default"
     warmup: int = 5
     steps: int = 20
     seed: int = 0
@@ -35,6 +39,8 @@ class TrainBenchConfig:
     def __post_init__(self) -> None:
         for spec in self.attentions:
             parse_attention_spec(spec)
+        if self.compile_mode not in COMPILE_MODES:
+            raise ValueError(f"compile_mode={self.compile_mode!r} is invalid; accepted: {', '.join(COMPILE_MODES)}")
         for name in ("batch_size", "warmup", "steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} is invalid; accepted: >= 1")
@@ -48,12 +54,15 @@ def training_step(spec: str, cfg: TrainBenchConfig, device: torch.device):
     mcfg = model_config(cfg.model)
     model = build_model(mcfg, attention=spec).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), fused=True)
-    net = torch.compile(model) if cfg.compile else model
+    net = torch.compile(model, mode=cfg.compile_mode) if cfg.compile else model
+    graphs = cfg.compile and cfg.compile_mode in ("reduce-overhead", "max-autotune")   # modes that use CUDA graphs
     gen = torch.Generator(device=device).manual_seed(cfg.seed)
     x = torch.randint(0, mcfg.vocab_size, (cfg.batch_size, mcfg.block_size), device=device, generator=gen)
     y = torch.randint(0, mcfg.vocab_size, (cfg.batch_size, mcfg.block_size), device=device, generator=gen)
 
     def step():
+        if graphs:                       # a new iteration: the graphs' earlier outputs may be overwritten
+            torch.compiler.cudagraph_mark_step_begin()
         with torch.autocast("cuda", dtype=torch.bfloat16):
             _, loss = net(x, y)
         loss.backward()
@@ -117,7 +126,8 @@ def run_train_bench(cfg: TrainBenchConfig, progress: bool = True, partial: Path 
 
 def format_table(result: dict) -> str:
     cfg, env = result["config"], result["env"]
-    lines = [f"GPT training step, {cfg['model']}, batch {cfg['batch_size']}, compile={cfg['compile']} — "
+    mode = f" ({cfg.get('compile_mode', 'default')})" if cfg["compile"] else ""
+    lines = [f"GPT training step, {cfg['model']}, batch {cfg['batch_size']}, compile={cfg['compile']}{mode} — "
              f"{env['gpu']}, torch {env['torch']}, triton {env['triton']}",
              f"{'attention':32s} {'ms/step':>9s} {'tokens/s':>10s} {'MFU':>6s} {'vs first':>9s}"]
     for r in result["rows"]:
