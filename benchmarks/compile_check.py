@@ -36,6 +36,8 @@ FWD_VARIANTS = {
     "fa2, P̄ and O in fp8 e4m3": dict(MBITS=32, PFMT=32),
     "fa2, O e8m4, O as computed kept for δ": dict(MBITS=4, KEEP_O32=2),
     "fa2, P̄ in e4m3, 16-bit P̄V beside it for δ": dict(PFMT=32, KEEP_O32=3),
+    "fa2, P̄V on the fp8 tensor cores (e4m3)": dict(PFMT=96),
+    "fa2, P̄V on the fp8 tensor cores (e5m2)": dict(PFMT=95),
     "fa2, P̄ and O in fp16": dict(MBITS=30, PFMT=30),
     "fa2, fp32 P̄": dict(PBAR32=True),
     "paper, e8m5, heads in fp32": dict(EMU=True, MBITS=5, ACC_NARROW=True, ROW_NARROW=True, HP=True, KEEP_O32=True),

@@ -97,6 +97,12 @@ for g in $groups; do
            --set "attention=triton policy=fa2 p_bar=fp8_e5m2 out=fp8_e5m2"
          bash $d start fmt-fp16 kernel-fa2-fp8 --seeds 0 1 2 --roles baseline --steps 6000 --parallel 3 \
            --set "attention=triton policy=fa2 p_bar=fp16 out=fp16";;
+    # FP8 attention's product on the fp8 tensor cores (P̄ and V in e4m3, O in bf16): does it fail, and
+    # does δ from the 16-bit product hold there?
+    fp8-real) bash $d start fp8-real kernel-fa2-fp8 --seeds 0 1 2 --roles baseline --steps 6000 --parallel 3 \
+           --set "attention=triton policy=fa2 p_bar=fp8_e4m3 v_bar=fp8_e4m3"
+         bash $d start fp8-real-o16 kernel-fa2-fp8 --seeds 0 1 2 --roles baseline --steps 6000 --parallel 3 \
+           --set "attention=triton policy=fa2 p_bar=fp8_e4m3 v_bar=fp8_e4m3 rule=ours delta=dO*O16";;
     *) echo "unknown group $g"; exit 2;;
   esac
 done

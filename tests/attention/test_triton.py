@@ -447,6 +447,39 @@ def test_the_16_bit_product_for_delta_is_refused_under_the_paper_emulation():
         triton_op.O16_AS_COMPUTED
 
 
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
+def test_p_bar_v_on_the_fp8_tensor_cores_agrees_with_the_emulation(gen, fmt):
+    """p_bar = v_bar = an fp8 format: P̄ and V rounded to it and multiplied as fp8 (FP8 attention). The
+    interpreter multiplies the same rounded values in bf16: O bit for bit the emulated backend's, the
+    gradients (which read V as input, not rounded) as every policy's do; a GPU's fp8 products
+    accumulate with fewer bits, so there O agrees to well under one fp8 step. Rounding V shows: the
+    result differs from P̄ alone in fp8."""
+    q, k, v, do = make(gen, 2, 2, 70, 32)
+    policy = PrecisionPolicy.preset("fa2").replace(p_bar=fmt, v_bar=fmt)
+    kw = dict(causal=True, stabilize=True, policy=policy)
+    fused = run(q, k, v, do, backend="triton", **kw)
+    emulated = run(q, k, v, do, backend="emulated", block_q=32, block_k=triton_op.key_block(32), **kw)
+    if DEVICE == "cpu":
+        assert torch.equal(fused[0], emulated[0])
+    else:
+        assert rel_err(fused[0], emulated[0]) < 1e-2, rel_err(fused[0], emulated[0])
+    for name, a, b in zip(("dQ", "dK", "dV"), fused[1:], emulated[1:]):
+        ok, msg = agree(a, b, 2.0)
+        assert ok, (name, msg)
+    p_only = run(q, k, v, do, backend="triton", causal=True, stabilize=True, policy=policy.replace(v_bar="fp32"))
+    assert not torch.equal(fused[0], p_only[0])
+
+
+def test_v_bar_narrows_only_and_only_as_an_fp8_product_on_the_kernels():
+    from stableflash.attention.triton.launch import kernel_mode
+    fa2 = PrecisionPolicy.preset("fa2")
+    assert not fa2.narrows_v and not fa2.replace(v_bar="bf16").narrows_v and fa2.replace(v_bar="e8m3").narrows_v
+    assert kernel_mode(fa2.replace(v_bar="bf16"), torch.bfloat16) == kernel_mode(fa2, torch.bfloat16)
+    for changes in ({"v_bar": "fp8_e4m3"}, {"p_bar": "fp8_e5m2", "v_bar": "fp8_e4m3"}, {"v_bar": "e8m3"}):
+        with pytest.raises(ValueError, match=r"is not implemented by backend='triton'; accepted: .*v_bar equal to an fp8"):
+            kernel_mode(fa2.replace(**changes), torch.bfloat16)
+
+
 @pytest.mark.parametrize("source", ["dP·P", "recompute_fp32"])
 @pytest.mark.parametrize("policy", ["fa2", "paper"])
 def test_delta_sources_agree_with_the_emulation(gen, source, policy):

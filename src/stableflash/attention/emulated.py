@@ -25,7 +25,7 @@ from stableflash.attention.shift import ShiftRule, bound_rounded_shift, next_shi
 from stableflash.numerics import round_to, ulp
 
 Rounder = Callable[[torch.Tensor], torch.Tensor]
-HP_POINTS = ("p_bar", "acc", "row_sum", "out")
+HP_POINTS = ("p_bar", "v_bar", "acc", "row_sum", "out")
 
 
 @dataclass
@@ -88,8 +88,10 @@ def _key_steps(lo: int, hi: int, n_k: int, block_k: int, causal: bool) -> Iterat
 
 class _Rounders:
     def __init__(self, policy: PrecisionPolicy, n_heads: int, device: torch.device):
-        for field in ("inputs", "scores", "p_bar", "acc", "row_sum", "out", "bwd"):
+        for field in ("inputs", "scores", "p_bar", "v_bar", "acc", "row_sum", "out", "bwd"):
             setattr(self, field, _rounder(policy, field, n_heads, device))
+        if not policy.narrows_v:
+            self.v_bar = lambda x: x                     # v_bar only narrows V below the inputs' format
         fmt, _ = policy.point("scores")
         self.rounds_shift = fmt.name != policy.compute
         self.shift_limit = -math.log(policy.point("p_bar")[0].min_normal)   # P̄ of the row max stays normal
@@ -132,6 +134,7 @@ def emulated_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causa
     if rule.kind in ("ours", "bounded"):
         rule = rule.capped_for(policy.point("p_bar")[0].min_normal)
     q, k, v = (r.inputs(t.to(dtype)) for t in (q, k, v))
+    v_bar = r.v_bar(v)                                   # V as P̄V reads it (fp8 in FP8 attention)
     full_mask = causal_mask(n_q, n_k, dev) if causal else None
 
     out = torch.empty(B, H, n_q, d, dtype=dtype, device=dev)
@@ -161,7 +164,7 @@ def emulated_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causa
             p_low = r.p_bar(p)
             kept = torch.where(m_new > m_a, 0, ones[:, :, first:c1])   # earlier ones were rescaled by alpha < 1
             ones[:, :, first:c1] = kept + (p_low == 1).sum(dim=-1)
-            acc[:, :, a:] = r.acc(alpha.unsqueeze(-1) * acc[:, :, a:] + torch.matmul(p_low, v[:, :, cols]))
+            acc[:, :, a:] = r.acc(alpha.unsqueeze(-1) * acc[:, :, a:] + torch.matmul(p_low, v_bar[:, :, cols]))
             if o16 is not None:
                 ell16[:, :, a:] = alpha * ell16[:, :, a:] + p.sum(dim=-1)
                 acc16[:, :, a:] = alpha.unsqueeze(-1) * acc16[:, :, a:] + torch.matmul(r.inputs(p), v[:, :, cols])

@@ -14,8 +14,9 @@ the GPU, or fp64 for exactness checks).
 | row_sum  | ℓ, after every key block                          | fp32 | low   | fp32 |
 | out      | O as stored (and used for δ = rowsum(dO∘O))       | low  | low   | fp32 |
 | bwd      | P and dS before the backward matmuls              | low  | low   | fp32 |
+| v_bar    | V for P̄V, where narrower than ``inputs`` (fp8: FP8 attention) | fp32 | fp32 | fp32 |
 | delta    | δ source: "dO·O", "dO·O32", "dO·O16", "dP·P", "recompute_fp32" | dO·O | dO·O | dO·O |
-| hp_heads | heads whose p_bar, acc, row_sum, out use compute  | ()   | ()    | ()   |
+| hp_heads | heads whose p_bar, v_bar, acc, row_sum, out use compute | () | () | () |
 
 δ sources: "dO·O" reads O as stored (``out``); "dO·O32" reads O as computed, Ō/ℓ before the
 ``out`` rounding (the forward keeps it in fp32: exact O for δ while the model gets the stored
@@ -42,7 +43,7 @@ _DELTA_ALIASES = {"dO·O": "dO·O", "dO*O": "dO·O", "do_o": "dO·O", "dO·O32":
                   "do_o32": "dO·O32", "dO·O16": "dO·O16", "dO*O16": "dO·O16", "do_o16": "dO·O16",
                   "dP·P": "dP·P", "dP*P": "dP·P",
                   "dp_p": "dP·P", "recompute_fp32": "recompute_fp32", "recompute": "recompute_fp32"}
-ROUNDING_POINTS = ("inputs", "scores", "p_bar", "acc", "row_sum", "out", "bwd")
+ROUNDING_POINTS = ("inputs", "scores", "p_bar", "acc", "row_sum", "out", "bwd", "v_bar")
 COMPUTE_FORMATS = ("fp32", "fp64")
 
 
@@ -73,6 +74,7 @@ class PrecisionPolicy:
     row_sum: str = "fp32"
     out: str = "bf16"
     bwd: str = "bf16"
+    v_bar: str = "fp32"
     delta: str = "dO·O"
     hp_heads: tuple[int, ...] = ()
     compute: str = "fp32"
@@ -123,6 +125,12 @@ class PrecisionPolicy:
     def point(self, field: str) -> tuple[FloatFormat, str]:
         """(format, rounding mode) of one rounding point."""
         return parse_point(getattr(self, field), field)
+
+    @property
+    def narrows_v(self) -> bool:
+        """Whether ``v_bar`` rounds V below the inputs' format for the P̄V product (else V as input)."""
+        v, inputs = self.point("v_bar")[0], self.point("inputs")[0]
+        return v.man_bits < inputs.man_bits or v.exp_bits < inputs.exp_bits
 
     @property
     def compute_dtype(self) -> torch.dtype:

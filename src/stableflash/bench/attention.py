@@ -54,6 +54,8 @@ OURS = {
     "ours-fp8-o32c": Variant(True, "fa2", {"p_bar": "fp8_e4m3", "out": "fp8_e4m3", "delta": "dO·O32"}),
     # fp8 P̄ with the O of a bf16 P̄V computed beside it for δ (one more product in the forward)
     "ours-fp8-o16": Variant(True, "fa2", {"p_bar": "fp8_e4m3", "out": "fp8_e4m3", "delta": "dO·O16"}),
+    # FP8 attention's product: P̄ and V in e4m3 on the fp8 tensor cores (O in bf16)
+    "ours-fp8-pv": Variant(True, "fa2", {"p_bar": "fp8_e4m3", "v_bar": "fp8_e4m3"}),
     "ours-softcap": Variant(True, extra={"softcap": 30.0}),
 }
 PROVIDERS = (*OURS, "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex")

@@ -12,11 +12,13 @@ from stableflash.attention.triton.op import (ACC_NARROW, DELTA_SOURCES, DTYPES, 
                                              KEY_BLOCKS, NARROW_ALL, O_NARROW, PBAR32, PFMT_SHIFT, ROW_NARROW,
                                              RULE_CODES, attention, interpreting, key_block_config)
 
+FP8_PV = 64                 # common.FP8_PV: added to the fp8 code in PFMT, P̄ and V multiplied in fp8
+
 SUPPORT = {
     "head_dims": HEAD_DIMS,
     "dtypes": DTYPES,
     "policies": "'fa2' (bf16 or fp16) or 'paper' (bf16), with delta 'dO·O', 'dO·O32', 'dP·P' or 'recompute_fp32' "
-                "('dO·O16' too under 'fa2'); "
+                "('dO·O16' too under 'fa2'); v_bar equal to an fp8 p_bar (P̄V on the fp8 tensor cores); "
                 "for bf16 also hp_heads 0-30, p_bar in fp32, e8m1-e8m6, fp16, fp8_e5m2 or fp8_e4m3, and 'fa2' "
                 "with out or 'paper' with acc, row_sum and out each in fp32 or in one shared format bf16, "
                 "e8m1-e8m6 (nearest-even, or ':stochastic'), fp16, fp8_e5m2 or fp8_e4m3 (nearest-even)",
@@ -40,6 +42,7 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor) -> None:
 
 # the narrow formats beyond bf16 and e8mY that the kernels round to (nearest-even only), by code
 SMALL_FORMATS = {"fp16": 30, "fp8_e5m2": 31, "fp8_e4m3": 32}
+FP8_CODES = (SMALL_FORMATS["fp8_e5m2"], SMALL_FORMATS["fp8_e4m3"])
 
 
 def _narrow_bits(point: str) -> tuple[int, bool] | None:
@@ -86,7 +89,7 @@ def kernel_mode(policy: PrecisionPolicy, dtype: torch.dtype) -> KernelMode:
     low = "fp16" if dtype == torch.float16 else "bf16"
     for name, emu, narrowable in (("fa2", False, ("out",)), ("paper", True, ("acc", "row_sum", "out"))):
         preset = replace(PrecisionPolicy.preset(name, low), name="custom")
-        free = {f: getattr(preset, f) for f in (*narrowable, "p_bar")}
+        free = {f: getattr(preset, f) for f in (*narrowable, "p_bar", "v_bar")}
         base = replace(policy, delta="dO·O", name="custom", hp_heads=(), **free)
         p_bar = _narrow_bits(policy.p_bar) if policy.p_bar not in (preset.p_bar, "fp32") else None
         if base != preset or (emu and low != "bf16") or (policy.p_bar not in (preset.p_bar, "fp32") and (
@@ -107,6 +110,10 @@ def kernel_mode(policy: PrecisionPolicy, dtype: torch.dtype) -> KernelMode:
         flags = sum(_FLAG[f] for f, m in points.items() if m != (23, False)) | (PBAR32 if policy.p_bar == "fp32" else 0)
         if p_bar is not None:                   # P̄ rounded to its own format before P̄V
             flags |= (p_bar[0] + 1) << PFMT_SHIFT
+        if policy.narrows_v:                    # V too: only as an fp8 product, V in P̄'s fp8 format
+            if p_bar is None or p_bar[0] not in FP8_CODES or policy.v_bar != policy.p_bar:
+                continue
+            flags += FP8_PV << PFMT_SHIFT
         hp_mask = sum(1 << h for h in policy.hp_heads)
         if emu and policy.delta == "dO·O16":
             raise ValueError(f"delta='dO·O16' with policy={policy.describe()}: backend='triton' computes the 16-bit "
