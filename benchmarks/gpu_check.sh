@@ -4,8 +4,9 @@
 # Usage (repository root, on the GPU machine): bash benchmarks/gpu_check.sh [bench args...]
 # Env: SKIP_DIAG, SKIP_TESTS, SKIP_BENCH = 1 skip a part; PYTEST_K selects kernel tests; BENCH_LIMIT
 # caps the benchmark's seconds. The next session's quiet part, for example:
-#   SKIP_DIAG=1 PYTEST_K="16_bit or soft" bash benchmarks/gpu_check.sh --modes fwd+bwd --providers \
-#     ours-standard ours-stable ours-o32c ours-fp8 ours-fp8-o32c ours-fp8-o16 ours-softcap ours-dpp sdpa-flash sdpa-cudnn
+#   SKIP_DIAG=1 PYTEST_K="16_bit or soft or fp8_tensor_cores" bash benchmarks/gpu_check.sh --modes fwd+bwd --providers \
+#     ours-standard ours-stable ours-o32c ours-fp8 ours-fp8-o32c ours-fp8-o16 ours-fp8-pv ours-softcap ours-dpp \
+#     sdpa-flash sdpa-cudnn
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src:${PYTHONPATH:-} PYTHONUNBUFFERED=1
