@@ -105,7 +105,7 @@ def test_ddp_splits_the_global_batch_like_one_process(data_dir, tmp_path):
     import subprocess
     import sys
     single = train(cfg_for(data_dir, "max_iters=5", "grad_accum=2"), tmp_path / "one", progress=False)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), PYTHONFAULTHANDLER="1")   # a crash shows its stack
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
            "stableflash.cli", "train", "--preset", "tiny", "--out", str(tmp_path / "two"), "-q",
            "--set", f"data={data_dir}", "--set", "max_iters=5", "--set", "grad_accum=2"]
