@@ -314,5 +314,9 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
     if dist.is_main:
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     if dist.world_size > 1:
+        # every rank reaches here before any tears the group down (a rank leaving while the main one
+        # still saves its checkpoint is the likely cause of a rank-1 abort seen on CPU with gloo in
+        # two full test runs; not proven)
+        torch_dist.barrier()
         torch_dist.destroy_process_group()
     return summary
