@@ -61,11 +61,12 @@ def test_timed_rows_reach_the_caller_one_by_one_and_a_failure_is_its_rows_error(
 
 
 def test_the_json_is_replaced_whole(tmp_path):
-    from stableflash.cli import _write_json
+    import json
+
+    from stableflash.files import write_text_atomic
 
     out = tmp_path / "deeper" / "bench.json"
-    _write_json({"rows": [1]}, out)
-    _write_json({"rows": [1, 2]}, out)
-    import json
+    write_text_atomic(out, json.dumps({"rows": [1]}))
+    write_text_atomic(out, json.dumps({"rows": [1, 2]}))
     assert json.loads(out.read_text()) == {"rows": [1, 2]}
     assert [p.name for p in out.parent.iterdir()] == ["bench.json"]      # no temporary file left

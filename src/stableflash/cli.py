@@ -9,6 +9,8 @@ import shlex
 import sys
 from pathlib import Path
 
+from stableflash.files import write_text_atomic
+
 
 def _cmd_explain_add(args: argparse.Namespace) -> int:
     from stableflash.numerics import explain_add
@@ -64,25 +66,16 @@ def _cmd_bench_attention(args: argparse.Namespace) -> int:
         return args.out / f"attention-{gpu}-{result['env']['date'][:19].replace(':', '')}.json"
 
     def save_partial(result: dict) -> None:           # what a run cut short has measured so far
-        _write_json({**result, "command": command}, out_path(result))
+        write_text_atomic(out_path(result), json.dumps({**result, "command": command}, indent=2))
 
     result = run_bench(cfg, progress=not args.json, on_row=save_partial)
     result["command"] = command
     return _report(result, out_path(result), format_table, args.json)
 
 
-def _write_json(data: dict, out: Path) -> None:
-    """Write ``data`` to ``out`` through a temporary file and a rename: a reader, or a run killed
-    mid-write, never sees half a file."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2))
-    os.replace(tmp, out)
-
-
 def _report(result: dict, out: Path, format_table, as_json: bool) -> int:
     """Write a benchmark's JSON to ``out`` and print it, or its table."""
-    _write_json(result, out)
+    write_text_atomic(out, json.dumps(result, indent=2))
     print(json.dumps(result, indent=2) if as_json else format_table(result))
     if not as_json:
         print(f"JSON written to {out}")

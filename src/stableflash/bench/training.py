@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from stableflash.files import write_text_atomic
 from stableflash.bench.attention import environment
 from stableflash.model import build_model, model_config, parse_attention_spec
 
@@ -119,7 +120,7 @@ def run_train_bench(cfg: TrainBenchConfig, progress: bool = True, partial: Path 
             if base and "tokens_per_s" in r:
                 r["ratio_to_first"] = r["tokens_per_s"] / base["tokens_per_s"]
         if partial is not None:
-            Path(partial).write_text(json.dumps(result, indent=2))
+            write_text_atomic(partial, json.dumps(result, indent=2))
         log.info("%s", format_table(result))
     return result
 

@@ -27,6 +27,7 @@ from typing import Iterable, Sequence, Union
 import numpy as np
 from tqdm.auto import tqdm
 
+from stableflash.files import write_text_atomic
 from stableflash.train.data import dtype_for_vocab, write_split
 from stableflash.train.tokenizer import ByteTokenizer, GPT2Tokenizer, get_tokenizer
 
@@ -124,9 +125,7 @@ def _replace_outputs(out_dir: Path, tmp: dict[str, Path], meta: dict) -> None:
     (out_dir / "meta.json").unlink(missing_ok=True)
     for split, path in tmp.items():
         os.replace(path, out_dir / f"{split}.bin")
-    meta_tmp = out_dir / f"meta.json.tmp{os.getpid()}"
-    meta_tmp.write_text(json.dumps(meta, indent=1) + "\n")
-    os.replace(meta_tmp, out_dir / "meta.json")
+    write_text_atomic(out_dir / "meta.json", json.dumps(meta, indent=1) + "\n")
 
 
 def prepare_embedded(out_dir: PathLike, val_fraction: float = 0.01,

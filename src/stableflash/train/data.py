@@ -24,6 +24,8 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from stableflash.files import write_text_atomic
+
 log = logging.getLogger(__name__)
 
 PathLike = Union[str, os.PathLike]
@@ -343,9 +345,7 @@ class BatchRecorder:
             log.info("%s: starting a fresh recording (start_step=0), previous rows dropped", self.path)
         if kept == 0:
             self.path.write_bytes(b"")
-        tmp = self.header_path.with_suffix(f".json.tmp{os.getpid()}")
-        tmp.write_text(json.dumps(self.header, indent=1) + "\n")
-        os.replace(tmp, self.header_path)
+        write_text_atomic(self.header_path, json.dumps(self.header, indent=1) + "\n")
         self._file = open(self.path, "ab")
 
     def _truncate(self) -> int:
