@@ -147,7 +147,8 @@ def emulated_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causa
         n = c1 - c0
         acc = torch.zeros(B, H, n, d, dtype=dtype, device=dev)
         ell = torch.zeros(B, H, n, dtype=dtype, device=dev)
-        acc16, ell16 = acc.clone(), ell.clone()          # δ source dO·O16 only
+        if o16 is not None:                              # δ source dO·O16 only
+            acc16, ell16 = acc.clone(), ell.clone()
         m = torch.full((B, H, n), -math.inf, dtype=dtype, device=dev)
         rmax = m.clone()
         for first, cols, needs_mask in _key_steps(c0, c1, n_k, block_k, causal):
@@ -238,8 +239,12 @@ class EmulatedAttention(torch.autograd.Function):
                                    block_q=block_q, block_k=block_k, softcap=softcap)
         # δ from dO·O32 reads O as computed (Ō/ℓ before the ``out`` rounding), in the compute dtype;
         # from dO·O16 the O of a 16-bit P̄V beside the policy's
-        o_for_delta = {"dO·O32": lambda: res.acc / res.row_sum.unsqueeze(-1),
-                       "dO·O16": lambda: res.o16}.get(policy.delta, lambda: res.out)()
+        if policy.delta == "dO·O32":
+            o_for_delta = res.acc / res.row_sum.unsqueeze(-1)
+        elif policy.delta == "dO·O16":
+            o_for_delta = res.o16
+        else:
+            o_for_delta = res.out
         ctx.save_for_backward(q, k, v, o_for_delta, res.lse)
         ctx.args = (causal, scale, policy, block_q, block_k, softcap)
         return res.out.to(q.dtype)

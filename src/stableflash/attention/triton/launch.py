@@ -8,11 +8,12 @@ import torch
 
 from stableflash.attention.policy import PrecisionPolicy, memoize, parse_point
 from stableflash.attention.shift import ShiftRule
+from stableflash.attention.triton import common
 from stableflash.attention.triton.op import (ACC_NARROW, DELTA_SOURCES, DTYPES, HEAD_DIMS, HP_HEAD_LIMIT, KEEP_O32,
                                              KEY_BLOCKS, NARROW_ALL, O_NARROW, PBAR32, PFMT_SHIFT, ROW_NARROW,
                                              RULE_CODES, attention, interpreting, key_block_config)
 
-FP8_PV = 64                 # common.FP8_PV: added to the fp8 code in PFMT, P̄ and V multiplied in fp8
+FP8_PV = common.FP8_PV.value   # added to the fp8 code in PFMT: P̄ and V multiplied in fp8
 
 SUPPORT = {
     "head_dims": HEAD_DIMS,
@@ -41,8 +42,8 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor) -> None:
 
 
 # the narrow formats beyond bf16 and e8mY that the kernels round to (nearest-even only), by code
-SMALL_FORMATS = {"fp16": 30, "fp8_e5m2": 31, "fp8_e4m3": 32}
-FP8_CODES = (SMALL_FORMATS["fp8_e5m2"], SMALL_FORMATS["fp8_e4m3"])
+SMALL_FORMATS = {"fp16": common.FP16.value, "fp8_e5m2": common.E5M2.value, "fp8_e4m3": common.E4M3.value}
+FP8_CODES = (common.E5M2.value, common.E4M3.value)
 
 
 def _narrow_bits(point: str) -> tuple[int, bool] | None:
