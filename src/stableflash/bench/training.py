@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from stableflash.files import write_text_atomic
 from stableflash.bench.attention import environment
+from stableflash.files import write_text_atomic
 from stableflash.model import build_model, model_config, parse_attention_spec
 
 log = logging.getLogger(__name__)

@@ -363,13 +363,12 @@ class AttentionProbe:
         missing = [i for i in range(len(self.layers)) if i not in self.q]
         if missing:
             raise RuntimeError(f"no forward pass recorded for layers {missing}; run the model inside the probe first")
-        out: dict[str, list[list[float]]] = {key: [] for key in ("repeated_max_frac", "pbar_one_count", "max_logit",
-                                                                  "sink_frac", "sink_repeated_frac")}
+        out: dict[str, list[list[float]]] = {}
         for i in range(len(self.layers)):
             stats = row_max_stats(self.q[i], self.k[i], causal=True, scale=scale, eps=eps,
                                   p_bar_format=p_bar_format)
-            for key in out:
-                out[key].append(stats[key].tolist())
+            for key, per_head in stats.items():          # every statistic row_max_stats returns
+                out.setdefault(key, []).append(per_head.tolist())
         return out
 
 
