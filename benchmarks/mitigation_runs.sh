@@ -103,6 +103,10 @@ for g in $groups; do
            --set "attention=triton policy=fa2 p_bar=fp8_e4m3 v_bar=fp8_e4m3"
          bash $d start fp8-real-o16 kernel-fa2-fp8 --seeds 0 1 2 --roles baseline --steps 6000 --parallel 3 \
            --set "attention=triton policy=fa2 p_bar=fp8_e4m3 v_bar=fp8_e4m3 rule=ours delta=dO*O16";;
+    # fp8 P̄ with a bf16 O (fp8-pv exploded on 2 of 3 seeds): does δ from dP·P, which held on P̄ and O
+    # in e4m3, hold here too?
+    fp8-pv-dpp) bash $d start fp8-pv-dpp kernel-fa2-fp8 --seeds 0 1 2 --roles baseline --steps 6000 --parallel 3 \
+           --set "attention=triton policy=fa2 p_bar=fp8_e4m3 rule=ours delta=dP*P";;
     *) echo "unknown group $g"; exit 2;;
   esac
 done
