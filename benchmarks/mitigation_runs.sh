@@ -103,6 +103,12 @@ for g in $groups; do
            --set "attention=triton policy=fa2 p_bar=fp8_e4m3 v_bar=fp8_e4m3"
          bash $d start fp8-real-o16 kernel-fa2-fp8 --seeds 0 1 2 --roles baseline --steps 6000 --parallel 3 \
            --set "attention=triton policy=fa2 p_bar=fp8_e4m3 v_bar=fp8_e4m3 rule=ours delta=dO*O16";;
+    # δ from the 16-bit product on e5m2 (P̄ and O with 2 mantissa bits), and without our rule on e4m3
+    # (seed 0, the earliest baseline explosion): is the rule needed beside it?
+    e5m2-o16) bash $d start fmt-e5m2-o16 kernel-fa2-fp8 --seeds 0 1 2 --roles baseline --steps 6000 --parallel 3 \
+           --set "attention=triton policy=fa2 p_bar=fp8_e5m2 out=fp8_e5m2 rule=ours delta=dO*O16";;
+    o16-norule) bash $d start m-o16-norule kernel-fa2-fp8 --seeds 0 --roles baseline --steps 6000 \
+           --set "attention=triton policy=fa2 p_bar=fp8_e4m3 out=fp8_e4m3 delta=dO*O16";;
     # fp8 P̄ with a bf16 O (fp8-pv exploded on 2 of 3 seeds): does δ from dP·P, which held on P̄ and O
     # in e4m3, hold here too?
     fp8-pv-dpp) bash $d start fp8-pv-dpp kernel-fa2-fp8 --seeds 0 1 2 --roles baseline --steps 6000 --parallel 3 \
