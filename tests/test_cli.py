@@ -121,3 +121,17 @@ def test_a_compile_mode_the_benchmark_cannot_take_is_refused_by_name():
     assert TrainBenchConfig(compile_mode="reduce-overhead").compile_mode == "reduce-overhead"
     with pytest.raises(SystemExit):
         main(["bench", "train", "--compile-mode", "graphs"])
+
+
+def test_the_training_bench_table_shows_peak_memory():
+    from dataclasses import asdict
+
+    from stableflash.bench.training import TrainBenchConfig, format_table
+    result = {"config": asdict(TrainBenchConfig()), "env": {"gpu": "GPU", "torch": "t", "triton": "tr"},
+              "rows": [{"attention": "sdpa", "ms_per_step": 34.1, "tokens_per_s": 480340.0, "mfu": 0.415,
+                        "peak_mib": 20480.4},
+                       {"attention": "triton rule=ours delta=auto", "ms_per_step": 35.0, "tokens_per_s": 468729.0,
+                        "mfu": 0.405, "ratio_to_first": 0.976, "peak_mib": 21000.0}]}
+    lines = format_table(result).splitlines()
+    assert lines[1].split()[-2:] == ["peak", "MiB"]
+    assert lines[2].split()[-1] == "20480" and lines[3].split()[-2:] == ["0.98×", "21000"]

@@ -193,3 +193,62 @@ def test_soft_capping_is_exact_in_float64(gen, causal):
         warnings.simplefilter("ignore")
         auto = sf.flash_attention(q.float(), k.float(), v.float(), causal=causal, softcap=4.0, stabilize=False)
     assert rel_err(auto, want) < 1e-5
+
+
+GUARDED = [                     # the policy's rounding → the δ source stabilize=True reads
+    (PrecisionPolicy.preset("fa2"), "dO·O32"),                                         # bf16 kernel
+    (PrecisionPolicy.preset("fa2", "fp16"), "dO·O32"),
+    (PrecisionPolicy.preset("fa2").replace(out="e8m4"), "dO·O32"),                     # narrow O store
+    (PrecisionPolicy.preset("fa2").replace(p_bar="fp16", out="fp16"), "dO·O32"),      # P̄ not narrower
+    (PrecisionPolicy.preset("fa2").replace(p_bar="fp8_e4m3", out="fp8_e4m3"), "dO·O16"),
+    (PrecisionPolicy.preset("fa2").replace(p_bar="fp8_e5m2"), "dO·O16"),
+    (PrecisionPolicy.preset("fa2").replace(p_bar="fp8_e4m3", v_bar="fp8_e4m3"), "dO·O16"),
+    (PrecisionPolicy.preset("paper"), "dP·P"),                                         # rounded Ō, ℓ
+    (PrecisionPolicy.preset("paper").replace(acc="e8m5", row_sum="e8m5", out="e8m5"), "dP·P"),
+    (PrecisionPolicy.preset("fa2").replace(p_bar="fp8_e4m3", acc="bf16"), "dP·P"),
+    (PrecisionPolicy.preset("fa2").replace(out="fp32"), "dO·O"),                      # O kept exact
+    (PrecisionPolicy.preset("fp32"), "dO·O"),
+]
+
+
+@pytest.mark.parametrize("policy, want", GUARDED, ids=lambda x: getattr(x, "describe", lambda: x)())
+def test_guarded_delta_follows_the_policys_rounding(policy, want):
+    from stableflash.attention.policy import guard_delta, guarded_delta
+    assert guarded_delta(policy) == want
+    assert guard_delta(policy).delta == want
+    assert resolve_policy(policy.replace(delta="auto"), torch.bfloat16).delta == want
+    chosen = policy.replace(delta="dP·P")                        # a named source is kept
+    assert guard_delta(chosen) is chosen
+
+
+def _grads(q, k, v, do, **kw):
+    q, k, v = (t.clone().requires_grad_(True) for t in (q, k, v))
+    o = sf.flash_attention(q, k, v, causal=True, **kw)
+    return (o, *torch.autograd.grad(o, (q, k, v), do))
+
+
+def test_stabilize_true_is_the_rule_with_delta_from_o_as_computed(gen):
+    """stabilize=True on a bf16 kernel: the model's O is the rule's, bit for bit, and the gradients
+    are those of the rule with δ from O as computed (delta="dO·O32"), not from the stored O.
+    (The fused kernels: tests/attention/test_triton.py.)"""
+    q, k, v, do = (torch.randn(1, 2, 48, 32, generator=gen).to(torch.bfloat16) for _ in range(4))
+    fa2 = PrecisionPolicy.preset("fa2")
+    got = _grads(q, k, v, do, stabilize=True, backend="emulated")
+    want = _grads(q, k, v, do, stabilize="ours", backend="emulated", policy=fa2.replace(delta="dO·O32"))
+    rule_only = _grads(q, k, v, do, stabilize="ours", backend="emulated", policy=fa2)
+    assert torch.equal(got[0], rule_only[0])
+    for name, a, b, c in zip(("dQ", "dK", "dV"), got[1:], want[1:], rule_only[1:]):
+        assert torch.equal(a, b), name
+        if name != "dV":                                         # dV does not read δ
+            assert not torch.equal(a, c), name
+    for a, r in zip(got, reference.forward_backward(q, k, v, do, causal=True)):
+        assert rel_err(a, r) <= 2e-2                             # bf16: 8 significant bits
+
+
+def test_stabilize_true_keeps_a_delta_source_the_policy_names(gen):
+    q, k, v, do = (torch.randn(1, 2, 40, 16, generator=gen).to(torch.bfloat16) for _ in range(4))
+    dpp = PrecisionPolicy.preset("fa2").replace(delta="dP·P")
+    got = _grads(q, k, v, do, stabilize=True, backend="emulated", policy=dpp)
+    want = _grads(q, k, v, do, stabilize="ours", backend="emulated", policy=dpp)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)

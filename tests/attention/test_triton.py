@@ -284,7 +284,7 @@ def test_fp32_o_kept_for_delta_agrees_with_the_emulated_policy(gen, policy):
     is not. The gradients must be nearer the emulation of this policy than of the same policy with
     O stored in bf16 (δ from the bf16 O): that is what tells an fp32 δ from a bf16 one."""
     q, k, v, do = make(gen, 2, 2, 70, 32)
-    kw = dict(causal=True, stabilize=True)
+    kw = dict(causal=True, stabilize="ours")
     emu = dict(backend="emulated", block_q=32, block_k=triton_op.key_block(32), **kw)
     fused = run(q, k, v, do, backend="triton", policy=policy, **kw)
     emulated = run(q, k, v, do, policy=policy, **emu)
@@ -311,7 +311,7 @@ def test_per_head_fp32_and_fp32_p_bar_agree_with_the_emulated_policy(gen, policy
     O, and δ from that fp32 O), and P̄V with P̄ in fp32. Each agrees with the emulated policy, and
     the fp32 head really is wider: its O is not representable in the others' format."""
     q, k, v, do = make(gen, 2, 2, 70, 32)
-    kw = dict(causal=True, stabilize=True)
+    kw = dict(causal=True, stabilize="ours")
     fused = run(q, k, v, do, backend="triton", policy=policy, **kw)
     emulated = run(q, k, v, do, backend="emulated", policy=policy, block_q=32,
                    block_k=triton_op.key_block(32), **kw)
@@ -346,7 +346,7 @@ def test_fp16_and_fp8_points_agree_with_the_emulated_policy(gen, policy):
     """P̄ and O (and ℓ, Ō under "paper") in fp16, fp8 e5m2 or e4m3 on the kernels: they round
     where the emulated backend rounds, to the same values; an fp8 O is representable in fp8."""
     q, k, v, do = make(gen, 2, 2, 70, 32)
-    kw = dict(causal=True, stabilize=True, policy=policy)
+    kw = dict(causal=True, stabilize="ours", policy=policy)
     fused = run(q, k, v, do, backend="triton", **kw)
     emulated = run(q, k, v, do, backend="emulated", block_q=32, block_k=triton_op.key_block(32), **kw)
     narrowest = min(policy.point(f)[0].man_bits for f in ("p_bar", "acc", "row_sum", "out"))
@@ -358,7 +358,7 @@ def test_fp16_and_fp8_points_agree_with_the_emulated_policy(gen, policy):
     if out.man_bits < 7:
         assert torch.equal(fused[0].float(), round_to(fused[0].float(), out))
     if policy.p_bar != "bf16":       # the rounding of P̄ shows: not what the bf16 policy computes
-        plain = run(q, k, v, do, backend="triton", causal=True, stabilize=True,
+        plain = run(q, k, v, do, backend="triton", causal=True, stabilize="ours",
                     policy=policy.replace(p_bar="bf16"))
         assert not torch.equal(fused[1], plain[1])
 
@@ -404,7 +404,7 @@ def test_delta_from_o_as_computed(gen, policy, backend):
     format, and the gradients are those of the same policy with O stored in fp32 (δ from that fp32
     O) — exactly, as nothing else in the backward depends on the stored O."""
     q, k, v, do = make(gen, 1, 2, 50, 32)
-    kw = dict(causal=True, stabilize=True, backend=backend)
+    kw = dict(causal=True, stabilize="ours", backend=backend)
     if backend == "emulated":
         kw.update(block_q=32, block_k=triton_op.key_block(32))
     got = run(q, k, v, do, policy=policy.replace(delta="dO·O32"), **kw)
@@ -425,7 +425,7 @@ def test_delta_from_the_16_bit_product(gen, p_bar, backend):
     δ from O as computed (the backward recomputes P itself; only δ reads the forward's O)."""
     q, k, v, do = make(gen, 1, 2, 50, 32)
     policy = PrecisionPolicy.preset("fa2").replace(p_bar=p_bar)
-    kw = dict(causal=True, stabilize=True, backend=backend)
+    kw = dict(causal=True, stabilize="ours", backend=backend)
     if backend == "emulated":
         kw.update(block_q=32, block_k=triton_op.key_block(32))
     got = run(q, k, v, do, policy=policy.replace(delta="dO·O16"), **kw)
@@ -758,3 +758,21 @@ def test_bounded_rules_stay_finite_at_huge_bf16_logits(stabilize):
         assert torch.isfinite(a).all(), name
         ok, msg = agree(a, b, 2.0, O_FRAC if name == "O" else 1.0)
         assert ok, (name, msg)
+
+
+def test_stabilize_true_reads_delta_from_o_as_computed(gen):
+    """The drop-in's default on the kernels: our rule, the model's O as the rule gives it, and δ from
+    O as computed (policy.guarded_delta for a bf16 kernel) — equal to the emulated backend's."""
+    q, k, v, do = make(gen, 1, 2, 50, 32)
+    fa2 = PrecisionPolicy.preset("fa2")
+    got = run(q, k, v, do, causal=True, stabilize=True, backend="triton")
+    want = run(q, k, v, do, causal=True, stabilize="ours", backend="triton", policy=fa2.replace(delta="dO·O32"))
+    rule_only = run(q, k, v, do, causal=True, stabilize="ours", backend="triton")
+    assert torch.equal(got[0], rule_only[0])
+    for name, a, b, c in zip(("dQ", "dK", "dV"), got[1:], want[1:], rule_only[1:]):
+        assert torch.equal(a, b), name
+        if name != "dV":
+            assert not torch.equal(a, c), name
+    ref = reference.forward_backward(q, k, v, do, causal=True)
+    for name, a, r in zip(("O", "dQ", "dK", "dV"), got, ref):
+        assert rel_err(a, r) <= BOUNDS[torch.bfloat16][name], name

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from stableflash.attention import emulated, reference
-from stableflash.attention.policy import PrecisionPolicy, resolve_policy
+from stableflash.attention.policy import PrecisionPolicy, guard_delta, resolve_policy
 from stableflash.attention.shift import ShiftRule
 
 log = logging.getLogger(__name__)
@@ -144,9 +144,15 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     q: (batch, heads, seq_q, head_dim); k, v: (batch, heads, seq_k, head_dim); one floating dtype
     and device. ``causal`` hides key j from query i when j > i (as SDPA's ``is_causal``).
 
-    stabilize: True → our rule (covers rm = 0 and cannot underflow ℓ); "paper" → the paper's
-    Algorithm 3; False → the standard row max. ``beta`` (> 1) and ``eps`` (≥ 0) parametrise the
-    stabilized rules. Exact in real arithmetic whatever the choice.
+    stabilize: True → our row-maximum rule (covers rm = 0 and cannot underflow ℓ) *and* δ =
+    rowsum(dO ∘ O) from a source consistent with the backward's P: where the policy's δ reads the
+    stored O (the default), it reads instead what ``policy.guarded_delta`` names for the policy's
+    rounding — for bf16/fp16 kernels O as computed (one fp32 copy of O kept for the backward, 4
+    bytes per element), for fp8 P̄ the O of a 16-bit P̄V beside it, under rounded accumulators
+    dP·P (docs/mitigations.md has the runs and costs). "ours" → the rule alone, δ as the policy
+    says; "paper" → the paper's Algorithm 3; "bounded" → our shift on every row; False → the
+    standard row max. ``beta`` (> 1) and ``eps`` (≥ 0) parametrise the rules. Exact in real
+    arithmetic whatever the choice.
 
     backend: "auto" (fastest available that honours the arguments, and says which), "emulated"
     (tiled FlashAttention-2 in PyTorch under ``policy``), "reference" (float64, returned in the
@@ -169,6 +175,8 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is unknown; accepted: {', '.join(BACKENDS)}")
     resolved = resolve_policy(policy, q.dtype)          # validates the policy argument (memoized)
+    if stabilize is True:
+        resolved = guard_delta(resolved)                # the rule and a consistent δ (memoized)
     if backend == "auto":
         backend = _pick_auto(q, k, rule, policy, resolved, softcap)
         if backend == "triton" and block_k != DEFAULT_BLOCK_K:

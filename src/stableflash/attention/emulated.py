@@ -19,7 +19,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from stableflash.attention.policy import PrecisionPolicy
+from stableflash.attention.policy import PrecisionPolicy, resolve_delta
 from stableflash.attention.reference import causal_mask
 from stableflash.attention.shift import ShiftRule, bound_rounded_shift, next_shift
 from stableflash.numerics import round_to, ulp
@@ -129,6 +129,7 @@ def emulated_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causa
     ``softcap``: scores soft-capped to softcap·tanh(S/softcap) before the softmax."""
     B, H, n_q, d = q.shape
     n_k = k.shape[2]
+    policy = resolve_delta(policy)                       # δ source "auto": the one guarded_delta names
     dtype, dev = policy.compute_dtype, q.device
     r = _Rounders(policy, H, dev)
     if rule.kind in ("ours", "bounded"):
@@ -234,6 +235,7 @@ class EmulatedAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, causal, scale, policy, rule, block_q, block_k, softcap=None):
+        policy = resolve_delta(policy)
         with torch.autocast(q.device.type, enabled=False):
             res = emulated_forward(q, k, v, causal=causal, scale=scale, policy=policy, rule=rule,
                                    block_q=block_q, block_k=block_k, softcap=softcap)

@@ -30,33 +30,36 @@ class Variant(NamedTuple):
 
 _E8M5 = {"acc": "e8m5", "row_sum": "e8m5", "out": "e8m5"}
 OURS = {
+    # stabilize=True: our rule and δ from O as computed (bf16/fp16: policy.guarded_delta)
     "ours-stable": Variant(True),
+    # our row-maximum rule alone, δ from the stored O (stabilize=True before 2026-11-23c)
+    "ours-rule": Variant("ours"),
     "ours-bounded": Variant("bounded"),
     "ours-standard": Variant(False),
     "ours-paper-rule": Variant("paper"),
     # the mitigations of docs/mitigations.md: δ from dP·P or from an fp32 recompute of O (one more
     # pass over the keys); O stored with stochastic rounding
-    "ours-dpp": Variant(True, "fa2", {"delta": "dP·P"}),
-    "ours-recompute": Variant(True, "fa2", {"delta": "recompute_fp32"}),
-    "ours-sr-out": Variant(True, "fa2", {"out": "{low}:stochastic"}),
+    "ours-dpp": Variant("ours", "fa2", {"delta": "dP·P"}),
+    "ours-recompute": Variant("ours", "fa2", {"delta": "recompute_fp32"}),
+    "ours-sr-out": Variant("ours", "fa2", {"out": "{low}:stochastic"}),
     # O kept in fp32 by the forward for δ = rowsum(dO ∘ O) (one fp32 store; the model still gets bf16)
-    "ours-o32": Variant(True, "fa2", {"out": "fp32"}),
+    "ours-o32": Variant("ours", "fa2", {"out": "fp32"}),
     # δ from O as computed: the forward keeps an fp32 copy of O beside the bf16 one it returns
-    "ours-o32c": Variant(True, "fa2", {"delta": "dO·O32"}),
+    "ours-o32c": Variant("ours", "fa2", {"delta": "dO·O32"}),
     # the accelerated reproduction's arithmetic (ℓ, Ō, O in e8m5 under the "paper" emulation), with
     # those three rounded to nearest-even and stochastically: what its mitigation costs there
     "ours-e8m5": Variant(False, "paper", _E8M5),
     "ours-e8m5-sr": Variant(False, "paper", {k: f"{v}:stochastic" for k, v in _E8M5.items()}),
     "ours-e8m5-o32": Variant(False, "paper", {**_E8M5, "out": "fp32"}),
     # the FP8 regime's arithmetic (P̄ and O rounded to e4m3, fa2), and logit soft-capping at 30
-    "ours-fp8": Variant(True, "fa2", {"p_bar": "fp8_e4m3", "out": "fp8_e4m3"}),
+    "ours-fp8": Variant("ours", "fa2", {"p_bar": "fp8_e4m3", "out": "fp8_e4m3"}),
     # the same with δ from O as computed (an fp32 copy before the e4m3 store: one more fp32 store)
-    "ours-fp8-o32c": Variant(True, "fa2", {"p_bar": "fp8_e4m3", "out": "fp8_e4m3", "delta": "dO·O32"}),
+    "ours-fp8-o32c": Variant("ours", "fa2", {"p_bar": "fp8_e4m3", "out": "fp8_e4m3", "delta": "dO·O32"}),
     # fp8 P̄ with the O of a bf16 P̄V computed beside it for δ (one more product in the forward)
-    "ours-fp8-o16": Variant(True, "fa2", {"p_bar": "fp8_e4m3", "out": "fp8_e4m3", "delta": "dO·O16"}),
+    "ours-fp8-o16": Variant("ours", "fa2", {"p_bar": "fp8_e4m3", "out": "fp8_e4m3", "delta": "dO·O16"}),
     # FP8 attention's product: P̄ and V in e4m3 on the fp8 tensor cores (O in bf16)
-    "ours-fp8-pv": Variant(True, "fa2", {"p_bar": "fp8_e4m3", "v_bar": "fp8_e4m3"}),
-    "ours-softcap": Variant(True, extra={"softcap": 30.0}),
+    "ours-fp8-pv": Variant("ours", "fa2", {"p_bar": "fp8_e4m3", "v_bar": "fp8_e4m3"}),
+    "ours-softcap": Variant("ours", extra={"softcap": 30.0}),
 }
 PROVIDERS = (*OURS, "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex")
 PEERS = ("sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex")

@@ -84,6 +84,7 @@ def time_attention(spec: str, cfg: TrainBenchConfig, device: torch.device) -> di
         loss = step()
     torch.cuda.synchronize()
     warm_s = time.perf_counter() - t0
+    torch.cuda.reset_peak_memory_stats(device)
     times = []
     for _ in range(cfg.steps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -96,7 +97,8 @@ def time_attention(spec: str, cfg: TrainBenchConfig, device: torch.device) -> di
     tokens = cfg.batch_size * mcfg.block_size
     return {"attention": spec, "ms_per_step": ms, "tokens_per_s": tokens / ms * 1e3,
             "mfu": model.flops_per_token() * tokens / (ms / 1e3) / (cfg.peak_tflops * 1e12),
-            "loss": loss.item(), "warmup_s": warm_s}
+            "loss": loss.item(), "warmup_s": warm_s,
+            "peak_mib": torch.cuda.max_memory_allocated(device) / 2**20}   # over the timed steps
 
 
 def run_train_bench(cfg: TrainBenchConfig, progress: bool = True, partial: Path | None = None) -> dict:
@@ -130,11 +132,11 @@ def format_table(result: dict) -> str:
     mode = f" ({cfg.get('compile_mode', 'default')})" if cfg["compile"] else ""
     lines = [f"GPT training step, {cfg['model']}, batch {cfg['batch_size']}, compile={cfg['compile']}{mode} — "
              f"{env['gpu']}, torch {env['torch']}, triton {env['triton']}",
-             f"{'attention':32s} {'ms/step':>9s} {'tokens/s':>10s} {'MFU':>6s} {'vs first':>9s}"]
+             f"{'attention':32s} {'ms/step':>9s} {'tokens/s':>10s} {'MFU':>6s} {'vs first':>9s} {'peak MiB':>9s}"]
     for r in result["rows"]:
         if "error" in r:
             lines.append(f"{r['attention']:32s} error: {r['error'][:80]}")
         else:
             lines.append(f"{r['attention']:32s} {r['ms_per_step']:9.1f} {r['tokens_per_s']:10.0f} "
-                         f"{r['mfu']:6.1%} {r.get('ratio_to_first', 1.0):8.2f}×")
+                         f"{r['mfu']:6.1%} {r.get('ratio_to_first', 1.0):8.2f}× {r.get('peak_mib', float('nan')):9.0f}")
     return "\n".join(lines)

@@ -1,0 +1,62 @@
+"""CPU checks of the scripts under benchmarks/ (loaded from their paths; they are not a package)."""
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def load(name: str):
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def fake_bench(tf: dict, providers=("ours-standard", "ours-stable", "ours-fp8")) -> dict:
+    """A tiny `stableflash bench attention` JSON: tf maps (shape, provider) to TFLOP/s."""
+    rows = [{"shape": list(s), "mode": "fwd+bwd", "provider": p, "ms": 1.0, "tflops": t} for (s, p), t in tf.items()]
+    return {"config": {"providers": list(providers)}, "rows": rows}
+
+
+SMALL, BIG = (2, 4, 512, 64), (1, 4, 2048, 64)
+
+
+def test_mitigation_costs_median_over_files(tmp_path, monkeypatch, capsys):
+    mc = load("mitigation_costs")
+    a = fake_bench({(SMALL, "ours-standard"): 200.0, (SMALL, "ours-stable"): 100.0, (SMALL, "ours-fp8"): 160.0,
+                    (BIG, "ours-standard"): 300.0, (BIG, "ours-stable"): 250.0})
+    b = fake_bench({(SMALL, "ours-standard"): 200.0, (SMALL, "ours-stable"): 200.0, (SMALL, "ours-fp8"): 100.0})
+    c = fake_bench({(SMALL, "ours-standard"): 150.0, (SMALL, "ours-stable"): 100.0, (SMALL, "ours-fp8"): 150.0})
+    table = mc.costs([a, b, c], "ours-standard")
+    # per-file costs: stable 200/100-1 = 1.0, 0.0, 0.5 -> median 0.5; fp8 0.25, 1.0, 0.0 -> median 0.25
+    assert sorted(table) == [("ours-fp8", SMALL), ("ours-stable", BIG), ("ours-stable", SMALL)]
+    assert sorted(table["ours-stable", SMALL]) == pytest.approx([0.0, 0.5, 1.0], abs=1e-12)
+    assert sorted(table["ours-fp8", SMALL]) == pytest.approx([0.0, 0.25, 1.0], abs=1e-12)
+    assert table["ours-stable", BIG] == pytest.approx([0.2], abs=1e-12)     # only file a has the big shape
+
+    paths = []
+    for i, d in enumerate((a, b, c)):
+        paths.append(tmp_path / f"bench-{i}.json")
+        paths[-1].write_text(json.dumps(d))
+    monkeypatch.setattr(sys, "argv", ["mitigation_costs.py", *map(str, paths), "--against", "ours-standard"])
+    mc.main()
+    lines = capsys.readouterr().out.splitlines()
+    stable = next(line for line in lines if line.startswith("ours-stable"))
+    fp8 = next(line for line in lines if line.startswith("ours-fp8"))
+    assert "+50.0% [+0.0%, +100.0%] n=3" in stable and "+20.0% [+20.0%, +20.0%] n=1" in stable
+    assert "+25.0% [+0.0%, +100.0%] n=3" in fp8 and fp8.rstrip().endswith("-")
+
+
+def test_mitigation_costs_one_file_keeps_its_table(tmp_path, monkeypatch, capsys):
+    mc = load("mitigation_costs")
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(fake_bench({(SMALL, "ours-standard"): 200.0, (SMALL, "ours-stable"): 100.0,
+                                           (SMALL, "sdpa-flash"): 50.0})))
+    monkeypatch.setattr(sys, "argv", ["mitigation_costs.py", str(path)])
+    mc.main()
+    out = capsys.readouterr().out
+    assert "ratio to sdpa-flash" in out and "+100.0% (100 TF/s, 2.00x flash)" in out
