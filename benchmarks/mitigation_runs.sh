@@ -109,6 +109,19 @@ for g in $groups; do
            --set "attention=triton policy=fa2 p_bar=fp8_e5m2 out=fp8_e5m2 rule=ours delta=dO*O16";;
     o16-norule) bash $d start m-o16-norule kernel-fa2-fp8 --seeds 0 --roles baseline --steps 6000 \
            --set "attention=triton policy=fa2 p_bar=fp8_e4m3 out=fp8_e4m3 delta=dO*O16";;
+    # the guard without our rule: does δ from O as computed (fa2-e8m4) or from the 16-bit product
+    # (fp8 e4m3 seeds 1, 2; e5m2) hold with the standard row maximum? If so, stabilize=True could
+    # drop the rule and cost only the δ source (provider ours-o32c-norule)
+    norule) bash $d start m-o32c-norule kernel-fa2-e8m4 --seeds 0 1 2 --roles baseline --steps 6000 --parallel 3 \
+           --set "attention=triton policy=fa2 out=e8m4 delta=dO*O32"
+         bash $d start m-o16-norule12 kernel-fa2-fp8 --seeds 1 2 --roles baseline --steps 6000 --parallel 2 \
+           --set "attention=triton policy=fa2 p_bar=fp8_e4m3 out=fp8_e4m3 delta=dO*O16"
+         bash $d start m-o16-norule-e5m2 kernel-fa2-fp8 --seeds 0 1 2 --roles baseline --steps 6000 --parallel 3 \
+           --set "attention=triton policy=fa2 p_bar=fp8_e5m2 out=fp8_e5m2 delta=dO*O16";;
+    # the Llama model on fp8 with the guard (stabilize=True's δ for fp8: dO·O16) and our rule
+    llama-fp8-guard) bash $d start a-llama-fp8-guard kernel-fa2-fp8 --seeds 0 1 2 --roles baseline --steps 6000 \
+           --parallel 3 --set model=llama-small \
+           --set "attention=triton policy=fa2 p_bar=fp8_e4m3 out=fp8_e4m3 rule=ours delta=auto";;
     # fp8 P̄ with a bf16 O (fp8-pv exploded on 2 of 3 seeds): does δ from dP·P, which held on P̄ and O
     # in e4m3, hold here too?
     fp8-pv-dpp) bash $d start fp8-pv-dpp kernel-fa2-fp8 --seeds 0 1 2 --roles baseline --steps 6000 --parallel 3 \

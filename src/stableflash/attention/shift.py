@@ -86,7 +86,8 @@ class ShiftRule:
     def from_arg(cls, stabilize: bool | str | "ShiftRule", beta: float = 2.0, eps: float = 1e-3) -> "ShiftRule":
         """The rule named by ``flash_attention``'s ``stabilize`` argument.
 
-        True → "ours" (the default), False → "standard", or a rule name, or a ShiftRule.
+        True → "ours" (the default; ``flash_attention`` also guards δ for True: ``policy.guard_delta``),
+        False → "standard", or a rule name, or a ShiftRule.
         """
         if isinstance(stabilize, ShiftRule):
             return stabilize
@@ -96,7 +97,7 @@ class ShiftRule:
             return cls("standard", beta, eps)
         if isinstance(stabilize, str) and stabilize in RULES:
             return cls(stabilize, beta, eps)
-        raise ValueError(f"stabilize={stabilize!r} is invalid; accepted: True (our rule), False "
+        raise ValueError(f"stabilize={stabilize!r} is invalid; accepted: True (our rule and a consistent δ), False "
                          f"(standard), a ShiftRule, or one of {', '.join(repr(r) for r in RULES)}")
 
     def capped_for(self, min_normal: float) -> "ShiftRule":

@@ -46,6 +46,8 @@ OURS = {
     "ours-o32": Variant("ours", "fa2", {"out": "fp32"}),
     # δ from O as computed: the forward keeps an fp32 copy of O beside the bf16 one it returns
     "ours-o32c": Variant("ours", "fa2", {"delta": "dO·O32"}),
+    # the same δ without our rule (the standard row max): the guard's cost alone
+    "ours-o32c-norule": Variant(False, "fa2", {"delta": "dO·O32"}),
     # the accelerated reproduction's arithmetic (ℓ, Ō, O in e8m5 under the "paper" emulation), with
     # those three rounded to nearest-even and stochastically: what its mitigation costs there
     "ours-e8m5": Variant(False, "paper", _E8M5),
