@@ -178,3 +178,18 @@ def test_with_layers():
     assert new.with_layers([1, 3], AttentionChoice()) == spec         # back to the default: no override left
     with pytest.raises(ValueError, match="-2"):
         spec.with_layers([-2], stab)
+
+
+def test_delta_auto_names_the_guard_in_a_spec():
+    """``delta=auto`` round-trips through the spec text and resolves, where a backend reads it, to
+    the δ source flash_attention(stabilize=True) adds for the policy's rounding."""
+    import torch
+
+    from stableflash.attention.policy import resolve_policy
+    from stableflash.model.spec import parse_attention_spec
+    for text, want in (("triton rule=ours delta=auto", "dO·O32"),
+                       ("triton rule=ours policy=fa2 p_bar=fp8_e4m3 out=fp8_e4m3 delta=auto", "dO·O16"),
+                       ("emulated rule=ours policy=paper acc=e8m5 row_sum=e8m5 out=e8m5 delta=auto", "dP·P")):
+        spec = parse_attention_spec(text)
+        assert "delta=auto" in str(spec) and parse_attention_spec(str(spec)) == spec
+        assert resolve_policy(spec.default.kwargs()["policy"], torch.bfloat16).delta == want

@@ -208,12 +208,9 @@ def guarded_delta(policy: PrecisionPolicy) -> str:
     return "dO·O"
 
 
-@memoize
 def resolve_delta(policy: PrecisionPolicy) -> PrecisionPolicy:
     """``policy`` with δ source "auto" replaced by ``guarded_delta(policy)`` (the same name kept)."""
-    if policy.delta != "auto":
-        return policy
-    return replace(policy, delta=guarded_delta(policy))
+    return guard_delta(policy) if policy.delta == "auto" else policy
 
 
 @memoize
