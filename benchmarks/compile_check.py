@@ -36,6 +36,7 @@ FWD_VARIANTS = {
     "fa2, P̄ and O in fp8 e4m3": dict(MBITS=32, PFMT=32),
     "fa2, O e8m4, O as computed kept for δ": dict(MBITS=4, KEEP_O32=2),
     "fa2, P̄ in e4m3, 16-bit P̄V beside it for δ": dict(PFMT=32, KEEP_O32=3),
+    "fa2, the O store's residual kept in bf16 for δ": dict(KEEP_O32=4),
     "fa2, P̄V on the fp8 tensor cores (e4m3)": dict(PFMT=96),
     "fa2, P̄V on the fp8 tensor cores (e5m2)": dict(PFMT=95),
     "fa2, P̄ and O in fp16": dict(MBITS=30, PFMT=30),
@@ -55,8 +56,9 @@ DELTA_VARIANTS = {"dP·P": dict(DELTA_SRC=1), "recompute in fp32": dict(DELTA_SR
 def compile_kernel(kernel, const: dict, warps: int = 4, stages: int = 3) -> int:
     """Compile for sm_90; the cubin's size in bytes."""
     names = kernel.arg_names
+    fp32 = FP32_POINTERS - {"O32"} if const.get("KEEP_O32") == 4 else FP32_POINTERS   # 4: O32 in O's dtype
     sig = {n: "constexpr" if n in const else
-           ("*fp32" if n in FP32_POINTERS else "*bf16") if n.isupper() else
+           ("*fp32" if n in fp32 else "*bf16") if n.isupper() else
            "fp32" if n in FLOATS else "i32" for n in names}
     src = ASTSource(kernel, sig, constexprs={(names.index(k),): v for k, v in const.items()})
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 128), options=dict(num_warps=warps, num_stages=stages))

@@ -118,6 +118,10 @@ for g in $groups; do
            --set "attention=triton policy=fa2 p_bar=fp8_e4m3 out=fp8_e4m3 delta=dO*O16"
          bash $d start m-o16-norule-e5m2 kernel-fa2-fp8 --seeds 0 1 2 --roles baseline --steps 6000 --parallel 3 \
            --set "attention=triton policy=fa2 p_bar=fp8_e5m2 out=fp8_e5m2 delta=dO*O16";;
+    # δ from O plus its bf16 rounding residual (half the memory of an fp32 O): does it hold where δ
+    # from O as computed held (fa2-e8m4)? cost: provider ours-o32r
+    o-plus-r) bash $d start m-oplusr-e8m4 kernel-fa2-e8m4 --seeds 0 1 2 --roles baseline --steps 6000 --parallel 3 \
+           --set "attention=triton policy=fa2 out=e8m4 rule=ours delta=dO*(O+R)";;
     # the Llama model on fp8 with the guard (stabilize=True's δ for fp8: dO·O16) and our rule
     llama-fp8-guard) bash $d start a-llama-fp8-guard kernel-fa2-fp8 --seeds 0 1 2 --roles baseline --steps 6000 \
            --parallel 3 --set model=llama-small \

@@ -44,7 +44,7 @@ def saved_bytes(name: str, shape, device) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--providers", nargs="+", default=["ours-standard", "ours-stable", "ours-o32c", "ours-o32",
+    ap.add_argument("--providers", nargs="+", default=["ours-standard", "ours-stable", "ours-o32c", "ours-o32r", "ours-o32",
                                                         "ours-fp8", "ours-fp8-o16", "sdpa-flash"], choices=PROVIDERS)
     ap.add_argument("--shape", action="append", help="B,H,N,d (repeatable; default 8,16,4096,64)")
     ap.add_argument("--json")

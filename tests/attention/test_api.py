@@ -147,7 +147,8 @@ BAD_POLICIES = [
     ({"p_bar": "bf17"}, ValueError, r"p_bar='bf17'"),
     ({"out": "bf16:up"}, ValueError, r"out='bf16:up' has rounding mode 'up'; accepted: rne, rtz, stochastic"),
     ({"acc": "fp64"}, ValueError, r"acc='fp64' is wider than compute='fp32'"),
-    ({"delta": "dO.O"}, ValueError, r"delta='dO.O' is invalid; accepted: dO·O, dO·O32, dO·O16, dP·P, recompute_fp32"),
+    ({"delta": "dO.O"}, ValueError,
+     r"delta='dO.O' is invalid; accepted: dO·O, dO·O32, dO·\(O\+R\), dO·O16, dP·P, recompute_fp32, auto$"),
     ({"hp_heads": (-1,)}, ValueError, r"hp_heads=\(-1,\) is invalid"),
     ({"compute": "fp16"}, ValueError, r"compute='fp16' is invalid; accepted: fp32, fp64"),
     ({"scores": 16}, TypeError, r"scores=16 is not a string"),
@@ -218,7 +219,7 @@ def test_guarded_delta_follows_the_policys_rounding(policy, want):
     assert guard_delta(policy).delta == want
     assert resolve_policy(policy.replace(delta="auto"), torch.bfloat16).delta == want
     chosen = policy.replace(delta="dP·P")                        # a named source is kept
-    assert guard_delta(chosen) is chosen
+    assert guard_delta(chosen) == chosen
 
 
 def _grads(q, k, v, do, **kw):

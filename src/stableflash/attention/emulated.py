@@ -183,7 +183,7 @@ def emulated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
                    do: torch.Tensor, *, causal: bool, scale: float, policy: PrecisionPolicy,
                    block_q: int | None = None, block_k: int = 64, softcap: float | None = None) -> torch.Tensor:
     """δ per the policy's source; q, k, v, do already rounded and in the compute dtype."""
-    if policy.delta in ("dO·O", "dO·O32", "dO·O16"):    # ``out``: the O that δ reads (EmulatedAttention)
+    if policy.delta in ("dO·O", "dO·O32", "dO·(O+R)", "dO·O16"):   # ``out``: the O δ reads (EmulatedAttention)
         return (do * out).sum(dim=-1)
     r = _Rounders(policy, q.shape[1], q.device)
     full_mask = causal_mask(q.shape[2], k.shape[2], q.device) if causal else None
@@ -240,9 +240,12 @@ class EmulatedAttention(torch.autograd.Function):
             res = emulated_forward(q, k, v, causal=causal, scale=scale, policy=policy, rule=rule,
                                    block_q=block_q, block_k=block_k, softcap=softcap)
         # δ from dO·O32 reads O as computed (Ō/ℓ before the ``out`` rounding), in the compute dtype;
-        # from dO·O16 the O of a 16-bit P̄V beside the policy's
+        # from dO·(O+R) the stored O plus its residual; from dO·O16 the O of a 16-bit P̄V beside it
         if policy.delta == "dO·O32":
             o_for_delta = res.acc / res.row_sum.unsqueeze(-1)
+        elif policy.delta == "dO·(O+R)":                 # O as the model gets it + its residual, in q's dtype
+            stored = res.out.to(q.dtype).to(res.out.dtype)
+            o_for_delta = stored + round_to(res.acc / res.row_sum.unsqueeze(-1) - stored, q.dtype)
         elif policy.delta == "dO·O16":
             o_for_delta = res.o16
         else:

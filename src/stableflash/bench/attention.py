@@ -46,7 +46,9 @@ OURS = {
     "ours-o32": Variant("ours", "fa2", {"out": "fp32"}),
     # δ from O as computed: the forward keeps an fp32 copy of O beside the bf16 one it returns
     "ours-o32c": Variant("ours", "fa2", {"delta": "dO·O32"}),
-    # the same δ without our rule (the standard row max): the guard's cost alone
+    # δ from O as stored plus its rounding residual, kept in bf16 (2 bytes per element, not 4)
+    "ours-o32r": Variant("ours", "fa2", {"delta": "dO·(O+R)"}),
+    # δ from O as computed without our rule (the standard row max): the guard's cost alone
     "ours-o32c-norule": Variant(False, "fa2", {"delta": "dO·O32"}),
     # the accelerated reproduction's arithmetic (ℓ, Ō, O in e8m5 under the "paper" emulation), with
     # those three rounded to nearest-even and stochastically: what its mitigation costs there

@@ -27,7 +27,9 @@ dO·O, at the cost of one fp32 store. KEEP_O32 = 2 stores O as computed, Ō/ℓ 
 the store (δ from "dO·O32": an exact O for δ while the model gets the policy's format). KEEP_O32 = 3
 ("fa2" only; δ from "dO·O16") also accumulates P̄V with P̄ in the input dtype beside the policy's
 product (one more product per key block) and stores that O in fp32: the O of a 16-bit kernel for δ
-while the model gets the O of a narrower P̄ (fp8).
+while the model gets the O of a narrower P̄ (fp8). KEEP_O32 = 4 (δ from "dO·(O+R)") stores, instead of
+an fp32 O, the residual R = O as computed − O as stored, rounded to the input dtype (O32 then points
+to a tensor of that dtype): O + R holds O to about twice the input format's bits, in half the bytes.
 """
 import triton
 import triton.language as tl
@@ -203,7 +205,9 @@ def _fwd_tile(start_m, bh, Q, K, V, O, LSE, O32,
         o32 = o                                # KEEP_O32 = 1: O as the policy stores it
     if KEEP_O32 == 3:
         o32 = acc16 / l_i[:, None]             # KEEP_O32 = 3: O of the 16-bit product (ℓ is the same sum)
-    if KEEP_O32:                               # contiguous (B, H, Nq, d) fp32
+    if KEEP_O32 == 4:                          # KEEP_O32 = 4: the residual of the O store, in O's dtype
+        o32 = cast(o32 - cast(o, O.dtype.element_ty, INTERP).to(tl.float32), O32.dtype.element_ty, INTERP)
+    if KEEP_O32:                               # contiguous (B, H, Nq, d), fp32 (or O's dtype: KEEP_O32 = 4)
         tl.store(O32 + (bh * n_q + offs_m[:, None]) * HEAD_DIM + offs_d[None, :], o32, mask=offs_m[:, None] < n_q)
     O += b * stride_ob + h * stride_oh
     tl.store(O + offs_m[:, None] * stride_om + offs_d[None, :], cast(o, O.dtype.element_ty, INTERP),

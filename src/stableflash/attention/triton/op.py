@@ -27,10 +27,12 @@ DTYPES = (torch.float16, torch.bfloat16)
 KEEP_O32 = 3        # δ from dO·O with the O the forward kept in fp32 (a policy's out=fp32, delta dO·O)
 O32_AS_COMPUTED = 4  # δ from dO·O32: the forward keeps O in fp32 before the store's rounding
 O16_AS_COMPUTED = 5  # δ from dO·O16: the forward also computes O with a 16-bit P̄ and keeps it in fp32
-DELTA_SOURCES = {"dO·O": 0, "dP·P": 1, "recompute_fp32": 2, "dO·O32": O32_AS_COMPUTED, "dO·O16": O16_AS_COMPUTED}
+O_PLUS_RESIDUAL = 6  # δ from dO·(O+R): O as stored plus its rounding residual R, kept in the input dtype
+DELTA_SOURCES = {"dO·O": 0, "dP·P": 1, "recompute_fp32": 2, "dO·O32": O32_AS_COMPUTED, "dO·O16": O16_AS_COMPUTED,
+                 "dO·(O+R)": O_PLUS_RESIDUAL}
 # what the forward keeps for δ, per δ code: nothing, O as stored (in fp32), O as computed, or O as
 # computed with a 16-bit P̄
-KEEP_MODE = {KEEP_O32: 1, O32_AS_COMPUTED: 2, O16_AS_COMPUTED: 3}
+KEEP_MODE = {KEEP_O32: 1, O32_AS_COMPUTED: 2, O16_AS_COMPUTED: 3, O_PLUS_RESIDUAL: 4}
 # the forward's precision switches beyond the format (mbits) and rounding mode, as one int for the op:
 # which of Ō, ℓ, O the format narrows, and P̄ multiplied in fp32
 ACC_NARROW, ROW_NARROW, O_NARROW, PBAR32 = 1, 2, 4, 8
@@ -239,7 +241,8 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sc
     n_k = k.shape[2]
     o = _empty_like_layout(q)
     lse = torch.empty(B, H, n_q, dtype=torch.float32, device=q.device)
-    o32 = torch.empty(q.shape if keep_o32 else (0,), dtype=torch.float32, device=q.device)
+    o32 = torch.empty(q.shape if keep_o32 else (0,), dtype=q.dtype if keep_o32 == 4 else torch.float32,
+                      device=q.device)
     scale_u, eps_u, lo, hi, period = _units(emu, scale, eps, min_shift, max_shift)
     cap_in = cap_out = 0.0
     if softcap > 0:     # "paper": S = bf16(QKᵀ·scale) capped in natural units; "fa2": QKᵀ capped into log2 units
@@ -269,7 +272,8 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sc
              stochastic: bool, flags: int, hp_mask: int, softcap: float, delta_src: int,
              block_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(O, LSE, O32): O like q, LSE (B, H, Nq) fp32 in natural log, O32 the fp32 O that δ reads
-    (``delta_src`` KEEP_O32, O32_AS_COMPUTED or O16_AS_COMPUTED) or an empty tensor."""
+    (``delta_src`` KEEP_O32, O32_AS_COMPUTED or O16_AS_COMPUTED; for O_PLUS_RESIDUAL the residual of
+    the O store in O's dtype) or an empty tensor."""
     return _forward(q, k, v, causal, scale, rule, beta, eps, min_shift, max_shift, emu, mbits, stochastic,
                     flags, hp_mask, KEEP_MODE.get(delta_src, 0), softcap, block_k)
 
@@ -277,7 +281,8 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sc
 @attn_fwd.register_fake
 def _(q, k, v, causal, scale, rule, beta, eps, min_shift, max_shift, emu, mbits, stochastic, flags, hp_mask,
       softcap, delta_src, block_k):
-    o32 = q.new_empty(q.shape if delta_src in KEEP_MODE else (0,), dtype=torch.float32)
+    o32 = q.new_empty(q.shape if delta_src in KEEP_MODE else (0,),
+                      dtype=q.dtype if delta_src == O_PLUS_RESIDUAL else torch.float32)
     return _empty_like_layout(q), q.new_empty(q.shape[:3], dtype=torch.float32), o32
 
 
@@ -325,17 +330,29 @@ def _(do, q, k, v, o, lse, causal, scale, emu, delta_src, softcap):
     return _empty_like_layout(q), _empty_like_layout(k), _empty_like_layout(k)
 
 
+def _for_delta(o: torch.Tensor, o32: torch.Tensor, delta_src: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the backward keeps for δ: (the O it reads, the residual added to it or an empty tensor)."""
+    if delta_src == O_PLUS_RESIDUAL:
+        return o, o32
+    return (o32 if delta_src in KEEP_MODE else o), o32.new_empty(0)
+
+
+def _o_for_delta(o: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """O + R in fp32 for δ = rowsum(dO ∘ O) (δ from dO·(O+R)), else O."""
+    return o.float() + residual.float() if residual.numel() else o
+
+
 def _setup_context(ctx, inputs, output):
     (q, k, v, causal, scale, _rule, _beta, _eps, _lo, _hi, emu, _mbits, _stochastic, _flags, _hp, softcap,
      delta_src, _block_k) = inputs
     o, lse, o32 = output
-    ctx.save_for_backward(q, k, v, o32 if delta_src in KEEP_MODE else o, lse)
+    ctx.save_for_backward(q, k, v, lse, *_for_delta(o, o32, delta_src))
     ctx.args = (causal, scale, emu, delta_src, softcap)
 
 
 def _backward(ctx, do, _dlse, _do32):
-    q, k, v, o, lse = ctx.saved_tensors
-    dq, dk, dv = attn_bwd(do, q, k, v, o, lse, *ctx.args)
+    q, k, v, lse, o, residual = ctx.saved_tensors
+    dq, dk, dv = attn_bwd(do, q, k, v, _o_for_delta(o, residual), lse, *ctx.args)
     return dq, dk, dv, *[None] * 15
 
 
@@ -350,14 +367,14 @@ class _EagerAttention(torch.autograd.Function):
                 flags, hp_mask, softcap, delta_src, block_k):
         o, lse, o32 = _forward(q, k, v, causal, scale, rule, beta, eps, min_shift, max_shift, emu, mbits,
                                stochastic, flags, hp_mask, KEEP_MODE.get(delta_src, 0), softcap, block_k)
-        ctx.save_for_backward(q, k, v, o32 if delta_src in KEEP_MODE else o, lse)
+        ctx.save_for_backward(q, k, v, lse, *_for_delta(o, o32, delta_src))
         ctx.args = (causal, scale, emu, delta_src, softcap)
         return o
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = _backward_impl(do, q, k, v, o, lse, *ctx.args)
+        q, k, v, lse, o, residual = ctx.saved_tensors
+        dq, dk, dv = _backward_impl(do, q, k, v, _o_for_delta(o, residual), lse, *ctx.args)
         return dq, dk, dv, *[None] * 15
 
 
