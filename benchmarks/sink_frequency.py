@@ -13,6 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
+from stableflash.report.runs import load_run
+
 
 def chance(block_size: int) -> float:
     """Mean over causal rows i = 1..T−1 (row i sees i + 1 keys) of 1/(i + 1)."""
@@ -26,10 +28,10 @@ def main() -> None:
     args = ap.parse_args()
     out = []
     for run in args.runs:
-        config = json.loads((run / "config.json").read_text())
+        loaded = load_run(run)
+        config = loaded.config or {}
         block = config.get("block_size")
-        rows = [json.loads(line) for line in (run / "probes.jsonl").read_text().splitlines() if line.strip()]
-        rows = [r for r in rows if "sink_frac" in r.get("row", {})]
+        rows = [r for r in loaded.probes if "sink_frac" in r.get("row", {})]
         if not rows:
             print(f"{run}: no sink statistics in probes.jsonl (recorded before they existed)")
             continue
