@@ -12,28 +12,18 @@ import json
 
 import torch
 
-from stableflash.bench.attention import PROVIDERS, provider_fn
+from stableflash.bench.attention import PROVIDERS, provider_fn, saved_for_backward
 
 
 def saved_bytes(name: str, shape, device) -> dict:
     q, k, v = (torch.randn(*shape, device=device, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-    inputs = {t.untyped_storage().data_ptr() for t in (q, k, v)}
-    storages = {}
-
-    def pack(t):
-        s = t.untyped_storage()
-        if s.data_ptr() not in inputs:
-            storages[s.data_ptr()] = s.nbytes()
-        return t
     fn = provider_fn(name, shape, True, device)
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        o = fn(q, k, v, True)
-    storages[o.untyped_storage().data_ptr()] = o.untyped_storage().nbytes()
-    row = {"provider": name, "shape": list(shape), "saved_bytes": sum(storages.values())}
+    o, kept = saved_for_backward(lambda q, k, v: fn(q, k, v, True), q, k, v)
+    row = {"provider": name, "shape": list(shape), "saved_bytes": kept + o.untyped_storage().nbytes()}
     row["bytes_per_element_of_O"] = row["saved_bytes"] / o.numel()
     if cuda:
         torch.cuda.synchronize()

@@ -808,18 +808,11 @@ def test_the_o_residual_halves_what_the_backward_keeps(gen):
     fa2 = PrecisionPolicy.preset("fa2")
 
     def extra_bytes(policy):
+        from stableflash.bench.attention import saved_for_backward
         leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
-        inputs = {t.untyped_storage().data_ptr() for t in leaves}
-        seen = {}
-
-        def pack(t):
-            if t.untyped_storage().data_ptr() not in inputs:
-                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            o = sf.flash_attention(*leaves, causal=True, stabilize="ours", backend="triton", policy=policy)
-        seen.pop(o.untyped_storage().data_ptr(), None)
-        return sum(seen.values()) - 4 * o.shape[2] * o.shape[1] * o.shape[0]   # less the fp32 LSE
+        o, kept = saved_for_backward(lambda q, k, v: sf.flash_attention(
+            q, k, v, causal=True, stabilize="ours", backend="triton", policy=policy), *leaves)
+        return kept - 4 * o.shape[2] * o.shape[1] * o.shape[0]            # less the fp32 LSE
     n = q.numel()
     assert extra_bytes(fa2.replace(delta="dO·O32")) == 4 * n
     assert extra_bytes(fa2.replace(delta="dO·(O+R)")) == 2 * n

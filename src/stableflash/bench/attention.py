@@ -143,6 +143,23 @@ def flops(shape, causal: bool, mode: str) -> float:
     return f * (3.5 if mode == "fwd+bwd" else 1.0)
 
 
+def saved_for_backward(fn: Callable, *inputs: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``fn(*inputs)`` and the bytes of the tensors autograd keeps for its backward: unique storages,
+    those of the inputs and of the output left out (the caller holds them anyway)."""
+    skip = {t.untyped_storage().data_ptr() for t in inputs}
+    kept: dict[int, int] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in skip:
+            kept[storage.data_ptr()] = storage.nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn(*inputs)
+    kept.pop(out.untyped_storage().data_ptr(), None)
+    return out, sum(kept.values())
+
+
 def _inputs(shape, dtype, device, gen):
     q, k, v, do = (torch.randn(*shape, generator=gen, device=device).to(dtype) for _ in range(4))
     return q, k, v, do
