@@ -130,6 +130,17 @@ for g in $groups; do
     # in e4m3, hold here too?
     fp8-pv-dpp) bash $d start fp8-pv-dpp kernel-fa2-fp8 --seeds 0 1 2 --roles baseline --steps 6000 --parallel 3 \
            --set "attention=triton policy=fa2 p_bar=fp8_e4m3 rule=ours delta=dP*P";;
+    # the Llama model's own mitigation rows on fp8 (its baseline exploded at 1010 / 1110 / 860): our
+    # rule + δ from dP·P, and QK-norm as the architectural control
+    llama-fp8-dpp) bash $d start a-llama-fp8-dpp kernel-fa2-fp8 --seeds 0 1 2 --roles baseline --steps 6000 \
+           --parallel 3 --set model=llama-small \
+           --set "attention=triton policy=fa2 p_bar=fp8_e4m3 out=fp8_e4m3 rule=ours delta=dP*P";;
+    llama-fp8-qk) bash $d start a-llama-fp8-qk kernel-fa2-fp8 --seeds 0 1 2 --roles baseline --steps 6000 \
+           --parallel 3 --set model=llama-small-qknorm;;
+    # the monitor on the fastest failure (e5m2, exploded at 650-730) with probes every 50 steps
+    # instead of 100: does it warn before the explosion? (benchmarks/monitor_sweep.py on the runs)
+    e5m2-probe50) bash $d start fmt-e5m2-p50 kernel-fa2-fp8 --seeds 0 1 2 --roles baseline --steps 1500 --parallel 3 \
+           --set "attention=triton policy=fa2 p_bar=fp8_e5m2 out=fp8_e5m2" --set probe_every=50;;
     *) echo "unknown group $g"; exit 2;;
   esac
 done
