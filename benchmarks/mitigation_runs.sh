@@ -141,6 +141,15 @@ for g in $groups; do
     # instead of 100: does it warn before the explosion? (benchmarks/monitor_sweep.py on the runs)
     e5m2-probe50) bash $d start fmt-e5m2-p50 kernel-fa2-fp8 --seeds 0 1 2 --roles baseline --steps 1500 --parallel 3 \
            --set "attention=triton policy=fa2 p_bar=fp8_e5m2 out=fp8_e5m2" --set probe_every=50;;
+    # stabilize=True since 2026-11-23d (the guarded δ, standard row max: `delta=auto` without a rule)
+    # on the fp8 configurations it was not yet run on without our rule: fp8 P̄ with a bf16 O, FP8
+    # attention's product on the fp8 tensor cores, and the Llama model on fp8 P̄ and O
+    guard-default) bash $d start g-fp8-pv kernel-fa2-fp8 --seeds 0 1 2 --roles baseline --steps 6000 --parallel 3 \
+           --set "attention=triton policy=fa2 p_bar=fp8_e4m3 delta=auto"
+         bash $d start g-fp8-real kernel-fa2-fp8 --seeds 0 1 2 --roles baseline --steps 6000 --parallel 3 \
+           --set "attention=triton policy=fa2 p_bar=fp8_e4m3 v_bar=fp8_e4m3 delta=auto"
+         bash $d start g-llama-fp8 kernel-fa2-fp8 --seeds 0 1 2 --roles baseline --steps 6000 --parallel 3 \
+           --set model=llama-small --set "attention=triton policy=fa2 p_bar=fp8_e4m3 out=fp8_e4m3 delta=auto";;
     *) echo "unknown group $g"; exit 2;;
   esac
 done

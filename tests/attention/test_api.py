@@ -1,6 +1,8 @@
 """flash_attention: dispatch, and a clear error for every bad input."""
 import warnings
 
+import re
+
 import pytest
 import torch
 
@@ -45,9 +47,11 @@ def test_auto_says_when_it_falls_back_to_the_emulation(gen, monkeypatch):
     from stableflash.attention import api
     monkeypatch.setattr(api, "_warned", set())
     q, k, v = qkv(gen, 1, 2, 20, 16)
-    with pytest.warns(UserWarning, match="chose 'emulated'"):
-        out = sf.flash_attention(q, k, v)
+    with pytest.warns(UserWarning, match="chose 'emulated'.*because the stabilized softmax"):
+        out = sf.flash_attention(q, k, v, stabilize="ours")
     assert rel_err(out, reference.attention(q, k, v)) <= 1e-5
+    with pytest.warns(UserWarning, match=r"chose 'emulated'.*because δ from dO·O32 was asked for \(stabilize=True\)"):
+        sf.flash_attention(q.bfloat16(), k.bfloat16(), v.bfloat16())      # the default guards bf16's δ
 
 
 def test_auto_honours_a_key_block_through_the_emulation(gen, monkeypatch):
@@ -117,7 +121,7 @@ BAD_OPTIONS = [
     ({"policy": "bf16-ish"}, ValueError, r"policy='bf16-ish' is not a preset; accepted: fa2, paper, fp32, fp64"),
     ({"policy": 3}, TypeError, r"policy=3 is invalid"),
     ({"backend": "cuda"}, ValueError, r"backend='cuda' is unknown; accepted: auto, triton, emulated"),
-    ({"backend": "sdpa"}, ValueError, r"backend='sdpa' cannot apply the stabilized softmax"),
+    ({"backend": "sdpa", "stabilize": "ours"}, ValueError, r"backend='sdpa' cannot apply the stabilized softmax"),
     ({"backend": "sdpa", "stabilize": False, "policy": "fa2"}, ValueError, r"honoured only by backend='emulated'"),
     ({"backend": "reference", "policy": "paper"}, ValueError, r"honoured only by backend='emulated'"),
     ({"backend": "triton", "stabilize": "fancy"}, ValueError, r"stabilize='fancy' is invalid"),
@@ -228,28 +232,65 @@ def _grads(q, k, v, do, **kw):
     return (o, *torch.autograd.grad(o, (q, k, v), do))
 
 
-def test_stabilize_true_is_the_rule_with_delta_from_o_as_computed(gen):
-    """stabilize=True on a bf16 kernel: the model's O is the rule's, bit for bit, and the gradients
-    are those of the rule with δ from O as computed (delta="dO·O32"), not from the stored O.
+def test_stabilize_true_is_the_standard_max_with_delta_from_o_as_computed(gen):
+    """stabilize=True on a bf16 kernel: the model's O is the standard kernel's, bit for bit, and the
+    gradients are those of δ from O as computed (delta="dO·O32"), not from the stored O.
     (The fused kernels: tests/attention/test_triton.py.)"""
     q, k, v, do = (torch.randn(1, 2, 48, 32, generator=gen).to(torch.bfloat16) for _ in range(4))
     fa2 = PrecisionPolicy.preset("fa2")
     got = _grads(q, k, v, do, stabilize=True, backend="emulated")
-    want = _grads(q, k, v, do, stabilize="ours", backend="emulated", policy=fa2.replace(delta="dO·O32"))
-    rule_only = _grads(q, k, v, do, stabilize="ours", backend="emulated", policy=fa2)
-    assert torch.equal(got[0], rule_only[0])
-    for name, a, b, c in zip(("dQ", "dK", "dV"), got[1:], want[1:], rule_only[1:]):
+    want = _grads(q, k, v, do, stabilize=False, backend="emulated", policy=fa2.replace(delta="dO·O32"))
+    standard = _grads(q, k, v, do, stabilize=False, backend="emulated", policy=fa2)
+    assert torch.equal(got[0], standard[0])
+    for name, a, b, c in zip(("dQ", "dK", "dV"), got[1:], want[1:], standard[1:]):
         assert torch.equal(a, b), name
         if name != "dV":                                         # dV does not read δ
             assert not torch.equal(a, c), name
     for a, r in zip(got, reference.forward_backward(q, k, v, do, causal=True)):
         assert rel_err(a, r) <= 2e-2                             # bf16: 8 significant bits
+    assert torch.equal(sf.flash_attention(q, k, v, causal=True, stabilize="guard", backend="emulated"), got[0])
+
+
+def test_a_rule_with_the_guard(gen):
+    """stabilize="ours+guard": our row-maximum rule's O, bit for bit, and δ from O as computed."""
+    q, k, v, do = (torch.randn(1, 2, 48, 32, generator=gen).to(torch.bfloat16) for _ in range(4))
+    fa2 = PrecisionPolicy.preset("fa2")
+    got = _grads(q, k, v, do, stabilize="ours+guard", backend="emulated")
+    want = _grads(q, k, v, do, stabilize="ours", backend="emulated", policy=fa2.replace(delta="dO·O32"))
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    standard = sf.flash_attention(q, k, v, causal=True, stabilize=True, backend="emulated")
+    assert not torch.equal(got[0], standard)                     # the rule changes O's rounding
+
+
+def test_stabilize_parses_to_a_rule_and_a_guard():
+    from stableflash.attention.shift import parse_stabilize
+    cases = {True: ("standard", True), "guard": ("standard", True), False: ("standard", False),
+             None: ("standard", False), "ours": ("ours", False), "paper+guard": ("paper", True),
+             "ours+guard": ("ours", True), "bounded+guard": ("bounded", True)}
+    for arg, (kind, guard) in cases.items():
+        rule, guarded = parse_stabilize(arg, beta=3.0)
+        assert (rule.kind, guarded, rule.beta) == (kind, guard, 3.0), arg
+    for bad in ("standard+guard", "guard+ours", "ours+", "yes"):
+        with pytest.raises(ValueError, match=rf"stabilize={re.escape(repr(bad))} is invalid; accepted: True or 'guard'"):
+            parse_stabilize(bad)
+
+
+def test_the_guard_keeps_sdpa_only_where_it_changes_nothing(gen):
+    """The guard changes δ for bf16 inputs, which SDPA cannot do (a clear error); for fp32 inputs δ
+    from the stored O is exact already, so SDPA still serves stabilize=True."""
+    q, k, v = (torch.randn(1, 2, 16, 8, generator=gen) for _ in range(3))
+    with pytest.raises(ValueError, match=r"backend='sdpa' cannot take δ from dO·O32 \(stabilize=True guards δ"):
+        sf.flash_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), stabilize=True, backend="sdpa")
+    got = sf.flash_attention(q, k, v, causal=True, stabilize=True, backend="sdpa")
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert torch.equal(got, want)
 
 
 def test_stabilize_true_keeps_a_delta_source_the_policy_names(gen):
     q, k, v, do = (torch.randn(1, 2, 40, 16, generator=gen).to(torch.bfloat16) for _ in range(4))
     dpp = PrecisionPolicy.preset("fa2").replace(delta="dP·P")
     got = _grads(q, k, v, do, stabilize=True, backend="emulated", policy=dpp)
-    want = _grads(q, k, v, do, stabilize="ours", backend="emulated", policy=dpp)
+    want = _grads(q, k, v, do, stabilize=False, backend="emulated", policy=dpp)
     for a, b in zip(got, want):
         assert torch.equal(a, b)

@@ -236,7 +236,7 @@ def test_stochastic_rounding_in_the_kernel(gen, policy):
     away), and the gradients' error is no more than a stochastic rounding's larger variance explains
     (2× its variance: √2 in RMS, measured 1.2-1.4× at 1×2×96×32 over 4 inputs; bound 2×)."""
     q, k, v, do = make(gen, 1, 2, 64, 32)
-    kw = dict(causal=True, stabilize=True, policy=policy, backend="triton")
+    kw = dict(causal=True, stabilize="ours+guard", policy=policy, backend="triton")
     nearest = policy.replace(**{f: getattr(policy, f).split(":")[0] for f in ("acc", "row_sum", "out")})
     torch.manual_seed(0)
     a = run(q, k, v, do, **kw)
@@ -249,11 +249,11 @@ def test_stochastic_rounding_in_the_kernel(gen, policy):
         assert torch.equal(x, y)
     assert not torch.equal(a[0], c[0])
     want = reference.forward_backward(q, k, v, do, causal=True)
-    rne = run(q, k, v, do, causal=True, stabilize=True, policy=nearest, backend="triton")
+    rne = run(q, k, v, do, causal=True, stabilize="ours+guard", policy=nearest, backend="triton")
     for name, got, ref, base in zip(("dQ", "dK", "dV"), a[1:], want[1:], rne[1:]):
         assert rel_err(got, ref) <= 2.0 * rel_err(base, ref) + 1e-3, name
     if policy.name == "fa2":          # one rounding of O: the mean of many calls tends to the fp32 O
-        exact = run(q, k, v, do, causal=True, stabilize=True, backend="triton",
+        exact = run(q, k, v, do, causal=True, stabilize="ours+guard", backend="triton",
                     policy=policy.replace(out="fp32", delta="dP·P"))[0].float()
         mean = torch.stack([run(q, k, v, do, **kw)[0].float() for _ in range(24)]).mean(0)
         assert (mean - exact).abs().mean() < 0.5 * (rne[0].float() - exact).abs().mean()
@@ -371,7 +371,7 @@ def test_soft_capped_scores_agree_with_the_emulation_and_float64(gen, policy, ca
     changes the result (scores scaled up so that it bites)."""
     q, k, v, do = make(gen, 2, 2, 70, 32)
     q = q * 3.0
-    kw = dict(causal=causal, stabilize=True, policy=policy, softcap=5.0)
+    kw = dict(causal=causal, stabilize="ours+guard", policy=policy, softcap=5.0)
     fused = run(q, k, v, do, backend="triton", **kw)
     emulated = run(q, k, v, do, backend="emulated", block_q=32, block_k=triton_op.key_block(32), **kw)
     for name, a, b in zip(("O", "dQ", "dK", "dV"), fused, emulated):
@@ -380,7 +380,7 @@ def test_soft_capped_scores_agree_with_the_emulation_and_float64(gen, policy, ca
     q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
     want = sf.attention.reference.attention(q64, k64, v64, causal=causal, softcap=5.0)
     grads = torch.autograd.grad(want, (q64, k64, v64), do.double())
-    uncapped = run(q, k, v, do, backend="triton", causal=causal, stabilize=True, policy=policy)
+    uncapped = run(q, k, v, do, backend="triton", causal=causal, stabilize="ours+guard", policy=policy)
     for a, w, u in zip(fused, (want, *grads), uncapped):
         err = rel_err(a, w)
         assert err < 0.05, err                          # bf16 inputs; "paper" rounds S and ℓ, Ō too
@@ -456,7 +456,7 @@ def test_p_bar_v_on_the_fp8_tensor_cores_agrees_with_the_emulation(gen, fmt):
     result differs from P̄ alone in fp8."""
     q, k, v, do = make(gen, 2, 2, 70, 32)
     policy = PrecisionPolicy.preset("fa2").replace(p_bar=fmt, v_bar=fmt)
-    kw = dict(causal=True, stabilize=True, policy=policy)
+    kw = dict(causal=True, stabilize="ours+guard", policy=policy)
     fused = run(q, k, v, do, backend="triton", **kw)
     emulated = run(q, k, v, do, backend="emulated", block_q=32, block_k=triton_op.key_block(32), **kw)
     if DEVICE == "cpu":
@@ -466,7 +466,7 @@ def test_p_bar_v_on_the_fp8_tensor_cores_agrees_with_the_emulation(gen, fmt):
     for name, a, b in zip(("dQ", "dK", "dV"), fused[1:], emulated[1:]):
         ok, msg = agree(a, b, 2.0)
         assert ok, (name, msg)
-    p_only = run(q, k, v, do, backend="triton", causal=True, stabilize=True, policy=policy.replace(v_bar="fp32"))
+    p_only = run(q, k, v, do, backend="triton", causal=True, stabilize="ours+guard", policy=policy.replace(v_bar="fp32"))
     assert not torch.equal(fused[0], p_only[0])
 
 
@@ -581,7 +581,7 @@ def test_persistent_grid_gives_the_same_results(gen, programs_per_sm, policy, mo
     """A persistent forward (a few programs walking every (query block, head) tile, longest first)
     computes each tile as the one-program-per-tile grid does: bit for bit, ragged and grouped too."""
     q, k, v, do = make(gen, 2, 4, 70, 32, h_kv=2)
-    kw = dict(causal=True, stabilize=True, policy=policy, backend="triton")
+    kw = dict(causal=True, stabilize="ours+guard", policy=policy, backend="triton")
     want = run(q, k, v, do, **kw)
     monkeypatch.setattr(triton_op, "PERSISTENT", programs_per_sm)
     got = run(q, k, v, do, **kw)
@@ -736,7 +736,7 @@ def test_chosen_key_blocks_at_full_shapes(gen, block, d):
     context 512): against the emulation with the same block."""
     q, k, v, do = make(gen, 2, 6, 512, d)
     pol = PrecisionPolicy.preset("paper").replace(acc="e8m5", row_sum="e8m5", out="e8m5")
-    kw = dict(causal=True, stabilize=True, policy=pol, block_k=block)
+    kw = dict(causal=True, stabilize="ours+guard", policy=pol, block_k=block)
     fused = run(q, k, v, do, backend="triton", **kw)
     emulated = run(q, k, v, do, backend="emulated", block_q=64, **kw)
     for name, a, b in zip(("O", "dQ", "dK", "dV"), fused, emulated):
@@ -744,7 +744,7 @@ def test_chosen_key_blocks_at_full_shapes(gen, block, d):
         assert ok, (name, block, d, msg)
 
 
-@pytest.mark.parametrize("stabilize", [True, "bounded"])
+@pytest.mark.parametrize("stabilize", ["ours+guard", "bounded"])
 def test_bounded_rules_stay_finite_at_huge_bf16_logits(stabilize):
     """The "paper" emulation rounds the shift up into bf16; at logits of 16 512 that would underflow
     every P̄ of the row (a NaN seen in training). The kernel falls back as the emulation does."""
@@ -761,21 +761,25 @@ def test_bounded_rules_stay_finite_at_huge_bf16_logits(stabilize):
 
 
 def test_stabilize_true_reads_delta_from_o_as_computed(gen):
-    """The drop-in's default on the kernels: our rule, the model's O as the rule gives it, and δ from
-    O as computed (policy.guarded_delta for a bf16 kernel) — equal to the emulated backend's."""
+    """The drop-in's default on the kernels: the standard kernel's O, bit for bit, and δ from O as
+    computed (policy.guarded_delta for a bf16 kernel); "ours+guard" adds our rule to the same δ."""
     q, k, v, do = make(gen, 1, 2, 50, 32)
     fa2 = PrecisionPolicy.preset("fa2")
     got = run(q, k, v, do, causal=True, stabilize=True, backend="triton")
-    want = run(q, k, v, do, causal=True, stabilize="ours", backend="triton", policy=fa2.replace(delta="dO·O32"))
-    rule_only = run(q, k, v, do, causal=True, stabilize="ours", backend="triton")
-    assert torch.equal(got[0], rule_only[0])
-    for name, a, b, c in zip(("dQ", "dK", "dV"), got[1:], want[1:], rule_only[1:]):
+    want = run(q, k, v, do, causal=True, stabilize=False, backend="triton", policy=fa2.replace(delta="dO·O32"))
+    standard = run(q, k, v, do, causal=True, stabilize=False, backend="triton")
+    assert torch.equal(got[0], standard[0])
+    for name, a, b, c in zip(("dQ", "dK", "dV"), got[1:], want[1:], standard[1:]):
         assert torch.equal(a, b), name
         if name != "dV":
             assert not torch.equal(a, c), name
     ref = reference.forward_backward(q, k, v, do, causal=True)
     for name, a, r in zip(("O", "dQ", "dK", "dV"), got, ref):
         assert rel_err(a, r) <= BOUNDS[torch.bfloat16][name], name
+    both = run(q, k, v, do, causal=True, stabilize="ours+guard", backend="triton")
+    rule = run(q, k, v, do, causal=True, stabilize="ours", backend="triton", policy=fa2.replace(delta="dO·O32"))
+    for name, a, b in zip(("O", "dQ", "dK", "dV"), both, rule):
+        assert torch.equal(a, b), name
 
 
 @pytest.mark.parametrize("policy", [PrecisionPolicy.preset("fa2"), PrecisionPolicy.preset("fa2").replace(out="e8m4")],

@@ -79,10 +79,10 @@ def test_healthy_noisy_run_raises_no_false_alarm():
 
 
 @pytest.mark.parametrize("current,cuda,want", [
-    ("sdpa", True, "triton rule=ours"), ("sdpa", False, "emulated policy=fa2 rule=ours"),
-    ("emulated policy=paper", False, "emulated policy=paper rule=ours"),
-    ("emulated rule=paper policy=paper", True, "emulated policy=paper rule=ours"),
-    ("triton", True, "triton rule=ours")])
+    ("sdpa", True, "triton delta=auto"), ("sdpa", False, "emulated policy=fa2 delta=auto"),
+    ("emulated policy=paper", False, "emulated policy=paper delta=auto"),
+    ("emulated rule=paper policy=paper", True, "emulated rule=paper policy=paper delta=auto"),
+    ("triton", True, "triton delta=auto")])
 def test_stabilized_choice(current, cuda, want):
     assert stabilized_choice_spec(current, cuda) == want
 

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from stableflash.attention import emulated, reference
 from stableflash.attention.policy import PrecisionPolicy, guard_delta, resolve_policy
-from stableflash.attention.shift import ShiftRule
+from stableflash.attention.shift import ShiftRule, parse_stabilize
 
 log = logging.getLogger(__name__)
 
@@ -107,14 +107,15 @@ def _triton_reason(q: torch.Tensor, k: torch.Tensor, policy: PrecisionPolicy) ->
 
 
 def _pick_auto(q: torch.Tensor, k: torch.Tensor, rule: ShiftRule, policy, resolved: PrecisionPolicy,
-               softcap: float | None = None) -> str:
-    if not rule.stabilized and policy is None and softcap is None:
+               softcap: float | None = None, guarded: bool = False) -> str:
+    if not rule.stabilized and not guarded and policy is None and softcap is None:
         return "sdpa"
     why_not = _triton_reason(q, k, resolved)
     if why_not is None:
         return "triton"
     reason = ("a precision policy was given" if policy is not None else
               f"the stabilized softmax (rule {rule.kind!r}) was asked for" if rule.stabilized else
+              f"δ from {resolved.delta} was asked for (stabilize=True)" if guarded else
               "soft-capped scores were asked for")
     key = f"auto-emulated:{reason}:{why_not}"
     if key not in _warned:
@@ -144,15 +145,17 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     q: (batch, heads, seq_q, head_dim); k, v: (batch, heads, seq_k, head_dim); one floating dtype
     and device. ``causal`` hides key j from query i when j > i (as SDPA's ``is_causal``).
 
-    stabilize: True → our row-maximum rule (covers rm = 0 and cannot underflow ℓ) *and* δ =
-    rowsum(dO ∘ O) from a source consistent with the backward's P: where the policy's δ reads the
-    stored O (the default), it reads instead what ``policy.guarded_delta`` names for the policy's
-    rounding — for bf16/fp16 kernels O as computed (one fp32 copy of O kept for the backward, 4
-    bytes per element), for fp8 P̄ the O of a 16-bit P̄V beside it, under rounded accumulators
-    dP·P (docs/mitigations.md has the runs and costs). "ours" → the rule alone, δ as the policy
-    says; "paper" → the paper's Algorithm 3; "bounded" → our shift on every row; False → the
-    standard row max. ``beta`` (> 1) and ``eps`` (≥ 0) parametrise the rules. Exact in real
-    arithmetic whatever the choice.
+    stabilize: True (or "guard") → δ = rowsum(dO ∘ O) from a source consistent with the backward's
+    P, with the standard row maximum: where the policy's δ reads the stored O (the default), it reads
+    instead what ``policy.guarded_delta`` names for the policy's rounding — for bf16/fp16 kernels O
+    as computed (one fp32 copy of O kept for the backward, 4 bytes per element), for fp8 P̄ the O of
+    a 16-bit P̄V beside it, under rounded accumulators dP·P. The forward is the standard one, bit for
+    bit (docs/mitigations.md has the runs and costs behind this choice). "ours" → our row-maximum
+    rule alone (covers rm = 0 and cannot underflow ℓ), δ as the policy says; "paper" → the paper's
+    Algorithm 3; "bounded" → our shift on every row; "ours+guard" (any rule + "+guard") → that rule
+    and the guarded δ (stabilize=True until 2026-11-23d); False → the standard row max, δ as the
+    policy says. ``beta`` (> 1) and ``eps`` (≥ 0) parametrise the rules. Exact in real arithmetic
+    whatever the choice.
 
     backend: "auto" (fastest available that honours the arguments, and says which), "emulated"
     (tiled FlashAttention-2 in PyTorch under ``policy``), "reference" (float64, returned in the
@@ -171,14 +174,16 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     _check_tensors(q, k, v)
     scale = _check_options(causal, scale, block_q, block_k)
     softcap = check_softcap(softcap)
-    rule = ShiftRule.from_arg(stabilize, beta, eps)
+    rule, guard = parse_stabilize(stabilize, beta, eps)
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is unknown; accepted: {', '.join(BACKENDS)}")
     resolved = resolve_policy(policy, q.dtype)          # validates the policy argument (memoized)
-    if stabilize is True:
-        resolved = guard_delta(resolved)                # the rule and a consistent δ (memoized)
+    guarded = False
+    if guard:
+        unguarded, resolved = resolved, guard_delta(resolved)      # a consistent δ (memoized)
+        guarded = resolved.delta != unguarded.delta
     if backend == "auto":
-        backend = _pick_auto(q, k, rule, policy, resolved, softcap)
+        backend = _pick_auto(q, k, rule, policy, resolved, softcap, guarded)
         if backend == "triton" and block_k != DEFAULT_BLOCK_K:
             backend = "emulated"                   # the emulation takes any key block
         log.info("flash_attention: backend='auto' picked %r", backend)
@@ -194,6 +199,10 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
         if rule.stabilized:
             raise ValueError(f"backend='sdpa' cannot apply the stabilized softmax (stabilize={stabilize!r}); "
                              "pass stabilize=False, or use backend='triton' or 'emulated'")
+        if guarded:
+            raise ValueError(f"backend='sdpa' cannot take δ from {resolved.delta} (stabilize={stabilize!r} guards δ: "
+                             "torch's SDPA reads its stored O); pass stabilize=False, or use backend='triton' or "
+                             "'emulated'")
         return F.scaled_dot_product_attention(q, _expand_kv(q, k), _expand_kv(q, v), is_causal=causal,
                                               scale=scale_val)
     if backend == "reference":

@@ -84,21 +84,10 @@ class ShiftRule:
 
     @classmethod
     def from_arg(cls, stabilize: bool | str | "ShiftRule", beta: float = 2.0, eps: float = 1e-3) -> "ShiftRule":
-        """The rule named by ``flash_attention``'s ``stabilize`` argument.
-
-        True → "ours" (the default; ``flash_attention`` also guards δ for True: ``policy.guard_delta``),
-        False → "standard", or a rule name, or a ShiftRule.
-        """
-        if isinstance(stabilize, ShiftRule):
-            return stabilize
-        if stabilize is True:
-            return cls("ours", beta, eps)
-        if stabilize is False or stabilize is None:
-            return cls("standard", beta, eps)
-        if isinstance(stabilize, str) and stabilize in RULES:
-            return cls(stabilize, beta, eps)
-        raise ValueError(f"stabilize={stabilize!r} is invalid; accepted: True (our rule and a consistent δ), False "
-                         f"(standard), a ShiftRule, or one of {', '.join(repr(r) for r in RULES)}")
+        """The row-maximum rule named by ``flash_attention``'s ``stabilize`` argument (validated as a
+        whole: ``parse_stabilize``). True and "guard" use the standard row maximum: what they
+        change is δ's source, which ``flash_attention`` applies."""
+        return parse_stabilize(stabilize, beta, eps)[0]
 
     def capped_for(self, min_normal: float) -> "ShiftRule":
         """This rule with max_shift lowered so that exp(−max_shift) stays ≥ ``min_normal``.
@@ -111,6 +100,36 @@ class ShiftRule:
         if cap >= self.max_shift:
             return self
         return replace(self, max_shift=max(cap, self.min_shift))
+
+
+GUARD = "guard"
+GUARDED = tuple(f"{r}+{GUARD}" for r in RULES if r != "standard")   # "ours+guard", ...
+
+
+def parse_stabilize(stabilize: bool | str | ShiftRule | None, beta: float = 2.0,
+                    eps: float = 1e-3) -> tuple[ShiftRule, bool]:
+    """``flash_attention``'s ``stabilize`` argument as (row-maximum rule, whether δ is guarded).
+
+    - True or "guard" → the standard row maximum, δ guarded: ``policy.guard_delta`` takes δ from
+      the source that held for the policy's kind of rounding (the default; docs/mitigations.md);
+    - "ours+guard" (any rule + "+guard") → that rule and the guarded δ;
+    - a rule name ("ours", "paper", "bounded") or a ShiftRule → that rule alone, δ as the policy says;
+    - False or None → the standard row maximum, δ as the policy says.
+    """
+    if isinstance(stabilize, ShiftRule):
+        return stabilize, False
+    if stabilize is True or stabilize == GUARD:
+        return ShiftRule("standard", beta, eps), True
+    if stabilize is False or stabilize is None:
+        return ShiftRule("standard", beta, eps), False
+    if isinstance(stabilize, str) and stabilize in RULES:
+        return ShiftRule(stabilize, beta, eps), False
+    if isinstance(stabilize, str) and stabilize in GUARDED:
+        return ShiftRule(stabilize.split("+")[0], beta, eps), True
+    raise ValueError(f"stabilize={stabilize!r} is invalid; accepted: True or {GUARD!r} (δ from a source "
+                     "consistent with the backward's P, standard row maximum), False (standard), a ShiftRule, "
+                     f"a rule name ({', '.join(repr(r) for r in RULES)}), or a rule with the guard "
+                     f"({', '.join(repr(r) for r in GUARDED)})")
 
 
 def next_shift(s: torch.Tensor, m_prev: torch.Tensor, r_prev: torch.Tensor,

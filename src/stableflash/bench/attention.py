@@ -30,10 +30,12 @@ class Variant(NamedTuple):
 
 _E8M5 = {"acc": "e8m5", "row_sum": "e8m5", "out": "e8m5"}
 OURS = {
-    # stabilize=True: our rule and δ from O as computed (bf16/fp16: policy.guarded_delta)
+    # stabilize=True: the standard row max and δ from O as computed (bf16/fp16: policy.guarded_delta)
     "ours-stable": Variant(True),
     # our row-maximum rule alone, δ from the stored O (stabilize=True before 2026-11-23c)
     "ours-rule": Variant("ours"),
+    # our rule and the guarded δ (stabilize=True from 2026-11-23c to -23d)
+    "ours-rule-guard": Variant("ours+guard"),
     "ours-bounded": Variant("bounded"),
     "ours-standard": Variant(False),
     "ours-paper-rule": Variant("paper"),
@@ -61,6 +63,8 @@ OURS = {
     "ours-fp8-o32c": Variant("ours", "fa2", {"p_bar": "fp8_e4m3", "out": "fp8_e4m3", "delta": "dO·O32"}),
     # fp8 P̄ with the O of a bf16 P̄V computed beside it for δ (one more product in the forward)
     "ours-fp8-o16": Variant("ours", "fa2", {"p_bar": "fp8_e4m3", "out": "fp8_e4m3", "delta": "dO·O16"}),
+    # the same without our rule: what stabilize=True runs for fp8 P̄ and O
+    "ours-fp8-o16-norule": Variant(False, "fa2", {"p_bar": "fp8_e4m3", "out": "fp8_e4m3", "delta": "dO·O16"}),
     # FP8 attention's product: P̄ and V in e4m3 on the fp8 tensor cores (O in bf16)
     "ours-fp8-pv": Variant("ours", "fa2", {"p_bar": "fp8_e4m3", "v_bar": "fp8_e4m3"}),
     "ours-softcap": Variant("ours", extra={"softcap": 30.0}),

@@ -156,15 +156,16 @@ class Monitor:
                 "value": value, "threshold": limit, "message": message}
 
 
-DEFAULT_SWITCH = "rule=ours"
+DEFAULT_SWITCH = "delta=auto"         # the δ source stabilize=True adds (policy.guarded_delta)
 
 
 def stabilized_choice_spec(current_choice_text: str, on_cuda: bool, switch_to: str = DEFAULT_SWITCH) -> str:
     """The attention a flagged layer switches to: the same backend and policy with ``switch_to``'s
-    key=value settings in place of its own (default: our rule), or, for SDPA (which can be neither
-    stabilized nor re-precisioned), the fused kernel on CUDA and the fa2 emulation elsewhere with
-    those settings. ``switch_to`` "delta=dP*P" takes δ from dP·P instead, the fix that held where the
-    row-maximum rules did not (docs/mitigations.md)."""
+    key=value settings in place of its own (default: "delta=auto", the δ source stabilize=True adds
+    for the policy's rounding), or, for SDPA (which can be neither stabilized nor re-precisioned),
+    the fused kernel on CUDA and the fa2 emulation elsewhere with those settings. ``switch_to``
+    "delta=dP*P" takes δ from dP·P whatever the policy, "rule=ours" our row-maximum rule (which did
+    not hold alone on any failing configuration; docs/mitigations.md)."""
     settings = switch_to.split()
     bad = [s for s in settings if "=" not in s or not s.split("=", 1)[0] or not s.split("=", 1)[1]]
     if bad or not settings:

@@ -74,7 +74,7 @@ class TrainConfig:
     monitor_loss_spike: float = 1.5
     monitor_patience: int = 2
     monitor_delta_drift: float | None = None
-    monitor_switch_to: str = "rule=ours"      # what "switch"/"rollback" change on a flagged layer
+    monitor_switch_to: str = "delta=auto"     # what "switch"/"rollback" change on a flagged layer
     monitor_scope: str = "flagged"            # which layers they change: the flagged ones, or all
     notes: str = ""
 
