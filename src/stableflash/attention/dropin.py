@@ -1,7 +1,7 @@
 """Drop-in replacements for ``torch.nn.functional.scaled_dot_product_attention``.
 
 ``scaled_dot_product_attention(q, k, v, is_causal=True)`` takes SDPA's arguments and returns what
-SDPA returns, computed by ``flash_attention`` with the stabilized softmax. What the fused kernels
+SDPA returns, computed by ``flash_attention`` with its default stabilization (δ guarded). What the fused kernels
 cannot do (an explicit ``attn_mask``, dropout) raises a ValueError instead of silently doing
 something else.
 """

@@ -6,6 +6,7 @@ tokens/s, MFU (against the GPU's dense bf16 peak), and the ratio to the first at
 """
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import time
@@ -77,14 +78,18 @@ def training_step(spec: str, cfg: TrainBenchConfig, device: torch.device):
 
 def time_attention(spec: str, cfg: TrainBenchConfig, device: torch.device) -> dict:
     """Median step time of one attention choice; the model is rebuilt from the same seed."""
+    gc.collect()                          # the previous attention's model and graphs go first
+    torch.cuda.empty_cache()
     step, model = training_step(spec, cfg, device)
     mcfg = model.config
+    # peak over warm-up and timed steps: with CUDA graphs (reduce-overhead) the step's activations
+    # are allocated once, while the warm-up captures the graphs, and replays allocate nothing
+    torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()
     for _ in range(cfg.warmup):
         loss = step()
     torch.cuda.synchronize()
     warm_s = time.perf_counter() - t0
-    torch.cuda.reset_peak_memory_stats(device)
     times = []
     for _ in range(cfg.steps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -98,7 +103,7 @@ def time_attention(spec: str, cfg: TrainBenchConfig, device: torch.device) -> di
     return {"attention": spec, "ms_per_step": ms, "tokens_per_s": tokens / ms * 1e3,
             "mfu": model.flops_per_token() * tokens / (ms / 1e3) / (cfg.peak_tflops * 1e12),
             "loss": loss.item(), "warmup_s": warm_s,
-            "peak_mib": torch.cuda.max_memory_allocated(device) / 2**20}   # over the timed steps
+            "peak_mib": torch.cuda.max_memory_allocated(device) / 2**20}
 
 
 def run_train_bench(cfg: TrainBenchConfig, progress: bool = True, partial: Path | None = None) -> dict:
