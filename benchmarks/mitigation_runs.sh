@@ -150,6 +150,19 @@ for g in $groups; do
            --set "attention=triton policy=fa2 p_bar=fp8_e4m3 v_bar=fp8_e4m3 delta=auto"
          bash $d start g-llama-fp8 kernel-fa2-fp8 --seeds 0 1 2 --roles baseline --steps 6000 --parallel 3 \
            --set model=llama-small --set "attention=triton policy=fa2 p_bar=fp8_e4m3 out=fp8_e4m3 delta=auto";;
+    # the rest of the mitigation table on the two real-FA2 failing configurations (it is complete on
+    # e8m5 only): the paper's rule (β = 2), stochastic rounding of the O store, and the three
+    # architectural controls, 3 seeds each — 15 runs per group, one machine each
+    e8m4-matrix) A="attention=triton policy=fa2 out=e8m4"
+         bash $d start x-e8m4-paper2 kernel-fa2-e8m4 --seeds 0 1 2 --roles baseline --steps 6000 --parallel 3 --set "$A rule=paper beta=2"
+         bash $d start x-e8m4-sr kernel-fa2-e8m4 --seeds 0 1 2 --roles baseline --steps 6000 --parallel 3 \
+           --set "attention=triton policy=fa2 out=e8m4:stochastic"
+         for a in "qknorm qk_norm=true" "gate attn_gate=true" "softcap attn_softcap=30"; do set -- $a
+           bash $d start x-e8m4-$1 kernel-fa2-e8m4 --seeds 0 1 2 --roles baseline --steps 6000 --parallel 3 --set $2; done;;
+    fp8-matrix) A="attention=triton policy=fa2 p_bar=fp8_e4m3 out=fp8_e4m3"
+         bash $d start x-fp8-paper2 kernel-fa2-fp8 --seeds 0 1 2 --roles baseline --steps 6000 --parallel 3 --set "$A rule=paper beta=2"
+         for a in "qknorm qk_norm=true" "gate attn_gate=true" "softcap attn_softcap=30"; do set -- $a
+           bash $d start x-fp8-$1 kernel-fa2-fp8 --seeds 0 1 2 --roles baseline --steps 6000 --parallel 3 --set $2; done;;
     *) echo "unknown group $g"; exit 2;;
   esac
 done

@@ -18,7 +18,7 @@ FP8_PV = common.FP8_PV.value   # added to the fp8 code in PFMT: P̄ and V multip
 SUPPORT = {
     "head_dims": HEAD_DIMS,
     "dtypes": DTYPES,
-    "policies": "'fa2' (bf16 or fp16) or 'paper' (bf16), with delta 'dO·O', 'dO·O32', 'dP·P' or 'recompute_fp32' "
+    "policies": "'fa2' (bf16 or fp16) or 'paper' (bf16), with delta 'dO·O', 'dO·O32', 'dO·(O+R)', 'dP·P', 'recompute_fp32' or 'auto' "
                 "('dO·O16' too under 'fa2'); v_bar equal to an fp8 p_bar (P̄V on the fp8 tensor cores); "
                 "for bf16 also hp_heads 0-30, p_bar in fp32, e8m1-e8m6, fp16, fp8_e5m2 or fp8_e4m3, and 'fa2' "
                 "with out or 'paper' with acc, row_sum and out each in fp32 or in one shared format bf16, "
