@@ -1,7 +1,6 @@
 """flash_attention: dispatch, and a clear error for every bad input."""
-import warnings
-
 import re
+import warnings
 
 import pytest
 import torch

@@ -3,7 +3,8 @@ import math
 
 import pytest
 
-from stableflash.diagnostics.monitor import Monitor, MonitorConfig, stabilized_choice_spec
+from stableflash.diagnostics.monitor import DEFAULT_SWITCH, Monitor, MonitorConfig, stabilized_choice_spec
+from stableflash.train.config import TrainConfig
 
 
 def record(rep, q_full):
@@ -85,6 +86,12 @@ def test_healthy_noisy_run_raises_no_false_alarm():
     ("triton", True, "triton delta=auto")])
 def test_stabilized_choice(current, cuda, want):
     assert stabilized_choice_spec(current, cuda) == want
+
+
+def test_training_switches_to_the_monitors_default_target():
+    """The training config spells the default switch target out (it imports no torch): it must stay
+    the monitor's."""
+    assert TrainConfig().monitor_switch_to == DEFAULT_SWITCH == "delta=auto"
 
 
 @pytest.mark.parametrize("current,cuda,switch_to,want", [

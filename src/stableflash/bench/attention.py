@@ -50,7 +50,8 @@ OURS = {
     "ours-o32c": Variant("ours", "fa2", {"delta": "dO·O32"}),
     # δ from O as stored plus its rounding residual, kept in bf16 (2 bytes per element, not 4)
     "ours-o32r": Variant("ours", "fa2", {"delta": "dO·(O+R)"}),
-    # δ from O as computed without our rule (the standard row max): the guard's cost alone
+    # δ from O as computed without our rule (the standard row max): for bf16 inputs the same variant
+    # as ours-stable since 2026-11-23d, kept under this name because earlier result files use it
     "ours-o32c-norule": Variant(False, "fa2", {"delta": "dO·O32"}),
     # the accelerated reproduction's arithmetic (ℓ, Ō, O in e8m5 under the "paper" emulation), with
     # those three rounded to nearest-even and stochastically: what its mitigation costs there

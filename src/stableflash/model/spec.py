@@ -16,8 +16,9 @@ Keys: ``rule`` (standard, paper, ours, bounded), ``beta``, ``eps``, ``block`` (k
 emulated backend, and of the triton kernels under the "paper" policy), ``policy`` (a preset: fa2,
 paper, fp32, fp64), ``low`` (the preset's low format), and the PrecisionPolicy fields ``inputs``,
 ``scores``, ``p_bar``, ``acc``, ``row_sum``, ``out``, ``bwd``, ``delta``, ``hp_heads`` (e.g.
-``1,7,8``), ``compute``. ``delta=auto`` is the δ source ``flash_attention(stabilize=True)`` adds to its
-rule (``policy.guarded_delta``): ``triton rule=ours delta=auto`` is what the drop-in runs. ``policy=paper`` alone
+``1,7,8``), ``compute``. ``delta=auto`` is the δ source ``flash_attention(stabilize=True)`` takes
+(``policy.guarded_delta``): ``triton delta=auto`` is what the drop-in runs, ``triton rule=ours
+delta=auto`` its ``stabilize="ours+guard"``. ``policy=paper`` alone
 stays the preset *name*, which ``flash_attention`` builds for the input dtype (fp16 inputs get
 ``low=fp16``); with ``low`` or any field the policy is built here, as
 ``PrecisionPolicy.preset(policy or "fa2", low or "bf16").replace(**fields)``, so an fp16 model
