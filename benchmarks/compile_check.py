@@ -16,7 +16,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from stableflash.attention.triton.backward import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, delta_pass_kernel
+from stableflash.attention.triton.backward import (attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, delta_dot_kernel,
+                                                   delta_pass_kernel)
 from stableflash.attention.triton.forward import attn_fwd_kernel
 
 FP32_POINTERS = {"LSE", "DELTA", "O32"}
@@ -37,6 +38,7 @@ FWD_VARIANTS = {
     "fa2, O e8m4, O as computed kept for δ": dict(MBITS=4, KEEP_O32=2),
     "fa2, P̄ in e4m3, 16-bit P̄V beside it for δ": dict(PFMT=32, KEEP_O32=3),
     "fa2, the O store's residual kept in bf16 for δ": dict(KEEP_O32=4),
+    "fa2, P̄ in e4m3, the 16-bit O's residual in bf16 for δ": dict(PFMT=32, MBITS=32, KEEP_O32=5),
     "fa2, P̄V on the fp8 tensor cores (e4m3)": dict(PFMT=96),
     "fa2, P̄V on the fp8 tensor cores (e5m2)": dict(PFMT=95),
     "fa2, P̄ and O in fp16": dict(MBITS=30, PFMT=30),
@@ -56,7 +58,7 @@ DELTA_VARIANTS = {"dP·P": dict(DELTA_SRC=1), "recompute in fp32": dict(DELTA_SR
 def compile_kernel(kernel, const: dict, warps: int = 4, stages: int = 3) -> int:
     """Compile for sm_90; the cubin's size in bytes."""
     names = kernel.arg_names
-    fp32 = FP32_POINTERS - {"O32"} if const.get("KEEP_O32") == 4 else FP32_POINTERS   # 4: O32 in O's dtype
+    fp32 = FP32_POINTERS - {"O32"} if const.get("KEEP_O32") in (4, 5) else FP32_POINTERS   # 4, 5: O32 in O's dtype
     sig = {n: "constexpr" if n in const else
            ("*fp32" if n in fp32 else "*bf16") if n.isupper() else
            "fp32" if n in FLOATS else "i32" for n in names}
@@ -85,6 +87,8 @@ def main() -> None:
     jobs += [(f"dK/dV: {n}", attn_bwd_dkdv_kernel, {**BWD, "BLOCK_M": 32, **v}, 4, 3) for n, v in BWD_VARIANTS.items()]
     jobs += [(f"dQ: {n}", attn_bwd_dq_kernel, {**BWD, **v}, 4, 3) for n, v in BWD_VARIANTS.items()]
     jobs += [(f"δ pass: {n}", delta_pass_kernel, {**BWD, **v}, 4, 3) for n, v in DELTA_VARIANTS.items()]
+    jobs += [(f"δ = rowsum(dO ∘ {n})", delta_dot_kernel, dict(HEAD_DIM=64, BLOCK_M=64, HAS_R=r), 4, 3)
+             for n, r in (("O", False), ("(O + R)", True))]
     failed = 0
     for name, kernel, const, warps, stages in jobs:
         try:

@@ -151,7 +151,8 @@ BAD_POLICIES = [
     ({"out": "bf16:up"}, ValueError, r"out='bf16:up' has rounding mode 'up'; accepted: rne, rtz, stochastic"),
     ({"acc": "fp64"}, ValueError, r"acc='fp64' is wider than compute='fp32'"),
     ({"delta": "dO.O"}, ValueError,
-     r"delta='dO.O' is invalid; accepted: dO·O, dO·O32, dO·\(O\+R\), dO·O16, dP·P, recompute_fp32, auto$"),
+     r"delta='dO.O' is invalid; accepted: dO·O, dO·O32, dO·\(O\+R\), dO·O16, dO·\(O16\+R\), dP·P, recompute_fp32, "
+     r"auto$"),
     ({"hp_heads": (-1,)}, ValueError, r"hp_heads=\(-1,\) is invalid"),
     ({"compute": "fp16"}, ValueError, r"compute='fp16' is invalid; accepted: fp32, fp64"),
     ({"scores": 16}, TypeError, r"scores=16 is not a string"),

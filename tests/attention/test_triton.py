@@ -439,12 +439,51 @@ def test_delta_from_the_16_bit_product(gen, p_bar, backend):
             assert not torch.equal(a, c), name
 
 
+@pytest.mark.parametrize("out", ["fp8_e4m3", "bf16"])
+@pytest.mark.parametrize("backend", ["emulated", "triton"])
+def test_delta_from_the_16_bit_product_as_a_residual(gen, out, backend):
+    """δ from dO·(O16+R): the forward keeps the 16-bit product's O as the residual of the O store, in
+    bf16, and δ reads O + R. The model's O is the narrow P̄'s; dQ and dK come out far nearer those of
+    δ from dO·O16 (O16 in fp32) than those of δ from the stored O. Measured, as for dO·(O+R), by the
+    share of bf16 gradient entries that differ from dO·O16's."""
+    q, k, v, do = make(gen, 1, 2, 50, 32)
+    policy = PrecisionPolicy.preset("fa2").replace(p_bar="fp8_e4m3", out=out)
+    kw = dict(causal=True, stabilize=False, backend=backend)
+    if backend == "emulated":
+        kw.update(block_q=32, block_k=triton_op.key_block(32))
+    got = run(q, k, v, do, policy=policy.replace(delta="dO·(O16+R)"), **kw)
+    o16 = run(q, k, v, do, policy=policy.replace(delta="dO·O16"), **kw)
+    stored = run(q, k, v, do, policy=policy, **kw)
+    assert torch.equal(got[0], stored[0])                            # the model's O: the policy's
+    assert torch.equal(got[3], o16[3])                               # dV = Pᵀ dO does not read δ
+    for name, a, b, c in zip(("dQ", "dK"), got[1:3], o16[1:3], stored[1:3]):
+        near, far = (a != b).float().mean().item(), (c != b).float().mean().item()
+        assert far >= 0.1 and near <= far / 20, (name, near, far)
+
+
+def test_the_16_bit_residual_agrees_between_the_backends(gen):
+    """The kernel and the emulated backend keep the same O16 residual: their gradients under
+    dO·(O16+R) agree as closely as under dO·O16 (fp32 summation orders differ between them)."""
+    q, k, v, do = make(gen, 1, 2, 50, 32)
+    policy = PrecisionPolicy.preset("fa2").replace(p_bar="fp8_e4m3", out="fp8_e4m3")
+    emu = dict(backend="emulated", block_q=32, block_k=triton_op.key_block(32))
+    for delta in ("dO·(O16+R)", "dO·O16"):
+        kw = dict(causal=True, stabilize=False, policy=policy.replace(delta=delta))
+        got, want = run(q, k, v, do, backend="triton", **kw), run(q, k, v, do, **emu, **kw)
+        for name, a, b in zip(("O", "dQ", "dK", "dV"), got, want):
+            assert rel_err(a, b) <= BOUNDS[torch.bfloat16][name] / 4, (delta, name, rel_err(a, b))
+
+
 def test_the_16_bit_product_for_delta_is_refused_under_the_paper_emulation():
     from stableflash.attention.triton.launch import kernel_mode
     with pytest.raises(ValueError, match=r"delta='dO·O16' with policy=.*only under 'fa2' arithmetic"):
         kernel_mode(E8M5.replace(delta="dO·O16"), torch.bfloat16)
+    with pytest.raises(ValueError, match=r"delta='dO·\(O16\+R\)' with policy=.*only under 'fa2' arithmetic"):
+        kernel_mode(E8M5.replace(delta="dO*(O16+R)"), torch.bfloat16)
     assert kernel_mode(PrecisionPolicy.preset("fa2").replace(delta="dO*O16"), torch.bfloat16).delta == \
         triton_op.O16_AS_COMPUTED
+    assert kernel_mode(PrecisionPolicy.preset("fa2").replace(delta="do_o16_r"), torch.bfloat16).delta == \
+        triton_op.O16_PLUS_RESIDUAL
 
 
 @pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
@@ -644,14 +683,17 @@ def test_outputs_and_gradients_are_laid_out_like_the_inputs(gen):
         assert torch.equal(a, b), name
         assert a.stride() == (N * H * d, d, H * d, 1), (name, a.stride())
         assert b.is_contiguous(), name                   # contiguous inputs: contiguous outputs
-    args = (do, q, k, v, got[0], torch.zeros(B, H, N, device=DEVICE), True, 0.25, False, 0, 0.0)
-    torch.library.opcheck(triton_op.attn_bwd, args, test_utils=("test_schema", "test_faketensor"))
+    lse = torch.zeros(B, H, N, device=DEVICE)
+    for residual in (do.new_empty(0), torch.zeros(B, H, N, d, dtype=do.dtype, device=DEVICE)):
+        args = (do, q, k, v, got[0], residual, lse, True, 0.25, False, 0, 0.0)
+        torch.library.opcheck(triton_op.attn_bwd, args, test_utils=("test_schema", "test_faketensor"))
 
 
 def test_custom_ops_pass_the_opcheck(gen):
     q, k, v, _ = make(gen, 1, 2, 20, 16)
     for delta_src, hp_mask in ((0, 0), (triton_op.KEEP_O32, 0), (triton_op.KEEP_O32, 2),
-                               (triton_op.O16_AS_COMPUTED, 0)):
+                               (triton_op.O16_AS_COMPUTED, 0), (triton_op.O_PLUS_RESIDUAL, 0),
+                               (triton_op.O16_PLUS_RESIDUAL, 0)):
         args = (q, k, v, True, 0.25, 2, 2.0, 1e-3, 0.13, 8.4, False, 0, False, triton_op.NARROW_ALL, hp_mask,
                 0.0, delta_src, 0)
         torch.library.opcheck(triton_op.attn_fwd, args, test_utils=("test_schema", "test_faketensor"))
@@ -805,6 +847,24 @@ def test_delta_from_o_plus_its_residual(gen, policy, backend):
         assert far >= 0.1 and near <= far / 20, (name, near, far)
 
 
+def test_the_delta_kernel_adds_the_residual_itself(gen):
+    """The δ kernel reads O and R and sums dO ∘ (O + R) in fp32, with no fp32 O + R in memory: its
+    gradients equal, bit for bit, those of the same backward handed O + R already summed in fp32 —
+    also for an O with the model's (B, T, H, d) strides, while R is contiguous (B, H, T, d)."""
+    q, k, v, do = make(gen, 2, 3, 45, 32)
+    o = torch.randn(2, 45, 3, 32, generator=gen).to(torch.bfloat16).transpose(1, 2)   # the model's layout
+    r = (torch.randn(2, 3, 45, 32, generator=gen) * 2.0 ** -9).to(torch.bfloat16)
+    _, lse, _ = triton_op._forward(q, k, v, True, 32 ** -0.5, 0, 2.0, 1e-3, 0.0, 0.0, False, 0)
+    args = (lse, True, 32 ** -0.5, False, triton_op.O_PLUS_RESIDUAL)
+    got = triton_op._backward_impl(do, q, k, v, o, r, *args)
+    summed = triton_op._backward_impl(do, q, k, v, o.float() + r.float(), r.new_empty(0), *args)
+    stored = triton_op._backward_impl(do, q, k, v, o, r.new_empty(0), *args)
+    for name, a, b, c in zip(("dQ", "dK", "dV"), got, summed, stored):
+        assert torch.equal(a, b), name
+        if name != "dV":                          # R moves δ, so dQ and dK: the residual was read
+            assert not torch.equal(a, c), name
+
+
 def test_the_o_residual_halves_what_the_backward_keeps(gen):
     """Bytes saved for the backward (beside the output, which the caller holds anyway): an fp32 O
     for dO·O32, a bf16 residual for dO·(O+R)."""
@@ -821,3 +881,6 @@ def test_the_o_residual_halves_what_the_backward_keeps(gen):
     assert extra_bytes(fa2.replace(delta="dO·O32")) == 4 * n
     assert extra_bytes(fa2.replace(delta="dO·(O+R)")) == 2 * n
     assert extra_bytes(fa2) == 0
+    fp8 = fa2.replace(p_bar="fp8_e4m3", out="fp8_e4m3")
+    assert extra_bytes(fp8.replace(delta="dO·O16")) == 4 * n
+    assert extra_bytes(fp8.replace(delta="dO·(O16+R)")) == 2 * n

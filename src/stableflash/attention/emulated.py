@@ -36,7 +36,7 @@ class ForwardResult:
     acc: the final unnormalised Ō, (B, H, Nq, d); row_sum: the final ℓ; shift: the final m;
     pbar_ones: per row, how many P̄ = 1 terms (after rounding to policy.p_bar) enter the final Ō
     with weight exactly 1, i.e. were not rescaled by a later increase of m. Several such terms
-    are what the paper's rounding bias needs. o16 (δ source "dO·O16" only, else None): O as a
+    are what the paper's rounding bias needs. o16 (δ sources "dO·O16", "dO·(O16+R)", else None): O as a
     16-bit kernel computes it beside the policy's — P̄ rounded as the inputs are, Ō, ℓ, O unrounded.
     """
 
@@ -142,13 +142,13 @@ def emulated_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causa
     acc_all = torch.empty_like(out)
     lse, row_sum, shift = (torch.empty(B, H, n_q, dtype=dtype, device=dev) for _ in range(3))
     ones = torch.zeros(B, H, n_q, dtype=torch.int64, device=dev)
-    o16 = torch.empty_like(out) if policy.delta == "dO·O16" else None
+    o16 = torch.empty_like(out) if policy.delta in ("dO·O16", "dO·(O16+R)") else None
 
     for c0, c1 in _chunks(n_q, block_q):                 # line 5: initialise O, ℓ, m for these rows
         n = c1 - c0
         acc = torch.zeros(B, H, n, d, dtype=dtype, device=dev)
         ell = torch.zeros(B, H, n, dtype=dtype, device=dev)
-        if o16 is not None:                              # δ source dO·O16 only
+        if o16 is not None:                              # δ sources dO·O16 and dO·(O16+R) only
             acc16, ell16 = acc.clone(), ell.clone()
         m = torch.full((B, H, n), -math.inf, dtype=dtype, device=dev)
         rmax = m.clone()
@@ -183,7 +183,7 @@ def emulated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
                    do: torch.Tensor, *, causal: bool, scale: float, policy: PrecisionPolicy,
                    block_q: int | None = None, block_k: int = 64, softcap: float | None = None) -> torch.Tensor:
     """δ per the policy's source; q, k, v, do already rounded and in the compute dtype."""
-    if policy.delta in ("dO·O", "dO·O32", "dO·(O+R)", "dO·O16"):   # ``out``: the O δ reads (EmulatedAttention)
+    if policy.delta in ("dO·O", "dO·O32", "dO·(O+R)", "dO·O16", "dO·(O16+R)"):   # ``out``: the O δ reads
         return (do * out).sum(dim=-1)
     r = _Rounders(policy, q.shape[1], q.device)
     full_mask = causal_mask(q.shape[2], k.shape[2], q.device) if causal else None
@@ -240,12 +240,14 @@ class EmulatedAttention(torch.autograd.Function):
             res = emulated_forward(q, k, v, causal=causal, scale=scale, policy=policy, rule=rule,
                                    block_q=block_q, block_k=block_k, softcap=softcap)
         # δ from dO·O32 reads O as computed (Ō/ℓ before the ``out`` rounding), in the compute dtype;
-        # from dO·(O+R) the stored O plus its residual; from dO·O16 the O of a 16-bit P̄V beside it
+        # from dO·(O+R) the stored O plus its residual; from dO·O16 the O of a 16-bit P̄V beside it,
+        # from dO·(O16+R) the stored O plus the residual that takes it to that O
         if policy.delta == "dO·O32":
             o_for_delta = res.acc / res.row_sum.unsqueeze(-1)
-        elif policy.delta == "dO·(O+R)":                 # O as the model gets it + its residual, in q's dtype
+        elif policy.delta in ("dO·(O+R)", "dO·(O16+R)"):    # O as the model gets it + a residual in q's dtype
             stored = res.out.to(q.dtype).to(res.out.dtype)
-            o_for_delta = stored + round_to(res.acc / res.row_sum.unsqueeze(-1) - stored, q.dtype)
+            target = res.o16 if policy.delta == "dO·(O16+R)" else res.acc / res.row_sum.unsqueeze(-1)
+            o_for_delta = stored + round_to(target - stored, q.dtype)
         elif policy.delta == "dO·O16":
             o_for_delta = res.o16
         else:

@@ -15,7 +15,7 @@ the GPU, or fp64 for exactness checks).
 | out      | O as stored (and used for δ = rowsum(dO∘O))       | low  | low   | fp32 |
 | bwd      | P and dS before the backward matmuls              | low  | low   | fp32 |
 | v_bar    | V for P̄V, where narrower than ``inputs`` (fp8: FP8 attention) | fp32 | fp32 | fp32 |
-| delta    | δ source: "dO·O", "dO·O32", "dO·(O+R)", "dO·O16", "dP·P", "recompute_fp32", "auto" | dO·O | dO·O | dO·O |
+| delta    | δ source: "dO·O", "dO·O32", "dO·(O+R)", "dO·O16", "dO·(O16+R)", "dP·P", "recompute_fp32", "auto" | dO·O | dO·O | dO·O |
 | hp_heads | heads whose p_bar, v_bar, acc, row_sum, out use compute | () | () | () |
 
 δ sources: "dO·O" reads O as stored (``out``); "dO·O32" reads O as computed, Ō/ℓ before the
@@ -24,7 +24,9 @@ format); "dO·(O+R)" reads O as stored plus its rounding residual R = O as compu
 R rounded to the inputs' format (what the forward keeps instead of an fp32 O: 2 bytes per element
 instead of 4, O to about twice the inputs' bits); "dO·O16" reads the O that a 16-bit kernel computes beside the policy's: P̄ rounded as the
 inputs are (bf16 or fp16, not ``p_bar``), Ō, ℓ and O unrounded in ``compute`` (one more P̄V product
-in the forward; for a ``p_bar`` narrower than the inputs, such as fp8); "dP·P" sums dP ∘ P with
+in the forward; for a ``p_bar`` narrower than the inputs, such as fp8); "dO·(O16+R)" keeps that O
+as dO·(O+R) keeps O as computed: as the residual of the O store in the inputs' format, which δ adds
+to the stored O (2 bytes per element instead of 4); "dP·P" sums dP ∘ P with
 dP = dO·Vᵀ (a pass over the keys); "recompute_fp32" recomputes O = PV in fp32. "auto" is the
 source that held on every failing configuration measured with the policy's kind of rounding
 (``guarded_delta``; docs/mitigations.md): what ``flash_attention(stabilize=True)`` applies.
@@ -42,10 +44,11 @@ import torch
 from stableflash.numerics import ROUNDING_MODES, FloatFormat, get_format
 
 PRESETS = ("fa2", "paper", "fp32", "fp64")
-DELTA_SOURCES = ("dO·O", "dO·O32", "dO·(O+R)", "dO·O16", "dP·P", "recompute_fp32", "auto")
+DELTA_SOURCES = ("dO·O", "dO·O32", "dO·(O+R)", "dO·O16", "dO·(O16+R)", "dP·P", "recompute_fp32", "auto")
 _DELTA_ALIASES = {"dO·O": "dO·O", "dO*O": "dO·O", "do_o": "dO·O", "dO·O32": "dO·O32", "dO*O32": "dO·O32",
                   "do_o32": "dO·O32", "dO·(O+R)": "dO·(O+R)", "dO*(O+R)": "dO·(O+R)", "do_o_r": "dO·(O+R)",
                   "dO·O16": "dO·O16", "dO*O16": "dO·O16", "do_o16": "dO·O16",
+                  "dO·(O16+R)": "dO·(O16+R)", "dO*(O16+R)": "dO·(O16+R)", "do_o16_r": "dO·(O16+R)",
                   "dP·P": "dP·P", "dP*P": "dP·P",
                   "dp_p": "dP·P", "recompute_fp32": "recompute_fp32", "recompute": "recompute_fp32", "auto": "auto"}
 ROUNDING_POINTS = ("inputs", "scores", "p_bar", "acc", "row_sum", "out", "bwd", "v_bar")

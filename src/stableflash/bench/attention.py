@@ -68,6 +68,10 @@ OURS = {
     "ours-fp8-norule": Variant(False, "fa2", {"p_bar": "fp8_e4m3", "out": "fp8_e4m3"}),
     # the same with δ from the 16-bit product: what stabilize=True runs for fp8 P̄ and O
     "ours-fp8-o16-norule": Variant(False, "fa2", {"p_bar": "fp8_e4m3", "out": "fp8_e4m3", "delta": "dO·O16"}),
+    # the same O kept as the residual of the e4m3 store, in bf16 (2 bytes per element, not 4)
+    "ours-fp8-o16r-norule": Variant(False, "fa2", {"p_bar": "fp8_e4m3", "out": "fp8_e4m3", "delta": "dO·(O16+R)"}),
+    # O plus its residual without our rule: the bf16 guard's half-memory alternative
+    "ours-o32r-norule": Variant(False, "fa2", {"delta": "dO·(O+R)"}),
     # FP8 attention's product: P̄ and V in e4m3 on the fp8 tensor cores (O in bf16)
     "ours-fp8-pv": Variant("ours", "fa2", {"p_bar": "fp8_e4m3", "v_bar": "fp8_e4m3"}),
     "ours-softcap": Variant("ours", extra={"softcap": 30.0}),

@@ -3,7 +3,8 @@ query block (two kernels, no atomics, deterministic).
 
 P is recomputed from the saved log-sum-exp, so it is the normalised softmax whatever shift the
 forward used. δ comes from one of three sources (compile-time DELTA):
-- 0 "dO·O": rowsum(dO ∘ O) with the stored O (what kernels do; the term the paper blames);
+- 0 "dO·O": rowsum(dO ∘ O) with the stored O (what kernels do; the term the paper blames), or
+  with an fp32 O the forward kept, or with O + R (the store's residual, "dO·(O+R)");
 - 1 "dP·P": rowsum(P ∘ dP), dP = dO·Vᵀ, one extra pass over the keys;
 - 2 "recompute_fp32": rowsum(dO ∘ PV) with PV recomputed in fp32, one extra pass.
 EMU = 1 recomputes S in bf16 natural units, as the emulated backend's "paper" policy does.
@@ -33,17 +34,21 @@ def _scores(q, kT, lse, scale, softcap, EMU: tl.constexpr, SOFTCAP: tl.constexpr
 
 
 @triton.jit
-def delta_dot_kernel(O, DO, DELTA, stride_ob, stride_oh, stride_om, stride_db, stride_dh, stride_dm,
-                     n_heads, n_q, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
-    """δ = rowsum(dO ∘ O) in fp32."""
+def delta_dot_kernel(O, R, DO, DELTA, stride_ob, stride_oh, stride_om, stride_db, stride_dh, stride_dm,
+                     n_heads, n_q, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, HAS_R: tl.constexpr):
+    """δ = rowsum(dO ∘ O) in fp32; with HAS_R, rowsum(dO ∘ (O + R)), R the O store's rounding
+    residual (contiguous (B, H, Nq, d), as the forward wrote it), added here in fp32."""
     bh = tl.program_id(1)
     b, h = bh // n_heads, bh % n_heads
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     rows = offs_m[:, None] < n_q
     o = tl.load(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :], mask=rows, other=0.0)
+    o = o.to(tl.float32)
+    if HAS_R:
+        o += tl.load(R + (bh * n_q + offs_m[:, None]) * HEAD_DIM + offs_d[None, :], mask=rows, other=0.0).to(tl.float32)
     do = tl.load(DO + b * stride_db + h * stride_dh + offs_m[:, None] * stride_dm + offs_d[None, :], mask=rows, other=0.0)
-    tl.store(DELTA + bh * n_q + offs_m, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=offs_m < n_q)
+    tl.store(DELTA + bh * n_q + offs_m, tl.sum(o * do.to(tl.float32), 1), mask=offs_m < n_q)
 
 
 @triton.jit

@@ -30,6 +30,8 @@ product (one more product per key block) and stores that O in fp32: the O of a 1
 while the model gets the O of a narrower P̄ (fp8). KEEP_O32 = 4 (δ from "dO·(O+R)") stores, instead of
 an fp32 O, the residual R = O as computed − O as stored, rounded to the input dtype (O32 then points
 to a tensor of that dtype): O + R holds O to about twice the input format's bits, in half the bytes.
+KEEP_O32 = 5 (δ from "dO·(O16+R)") computes the 16-bit product's O as 3 does and keeps it as 4 keeps
+O as computed: as the residual of the O store, in the input dtype.
 """
 import triton
 import triton.language as tl
@@ -173,8 +175,9 @@ def _fwd_tile(start_m, bh, Q, K, V, O, LSE, O32,
     r_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    acc16 = 0.0                                # KEEP_O32 = 3 only: P̄V with P̄ in the input dtype
-    if KEEP_O32 == 3:
+    acc16 = 0.0                                # KEEP_O32 = 3, 5 only: P̄V with P̄ in the input dtype
+    O16: tl.constexpr = KEEP_O32 == 3 or KEEP_O32 == 5
+    if O16:
         acc16 = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
 
     # keys [0, full) need no mask; [full, stop) hold the causal diagonal and the ragged tail
@@ -185,11 +188,11 @@ def _fwd_tile(start_m, bh, Q, K, V, O, LSE, O32,
     acc, acc16, l_i, m_i, r_i = _fwd_blocks(acc, acc16, l_i, m_i, r_i, q, K, V, stride_kn, stride_vn, offs_m,
                                             offs_d, 0, full, n_k, scale, beta, eps, lo, hi, period, seed, rows, hp,
                                             cap_in, cap_out, BLOCK_N, CAUSAL, False, STAB, EMU, MBITS, SR, ACC_NARROW,
-                                            ROW_NARROW, PBAR32, HP, PFMT, SOFTCAP, KEEP_O32 == 3, TMA, INTERP)
+                                            ROW_NARROW, PBAR32, HP, PFMT, SOFTCAP, O16, TMA, INTERP)
     acc, acc16, l_i, m_i, r_i = _fwd_blocks(acc, acc16, l_i, m_i, r_i, q, K, V, stride_kn, stride_vn, offs_m,
                                             offs_d, full, stop, n_k, scale, beta, eps, lo, hi, period, seed, rows, hp,
                                             cap_in, cap_out, BLOCK_N, CAUSAL, True, STAB, EMU, MBITS, SR, ACC_NARROW,
-                                            ROW_NARROW, PBAR32, HP, PFMT, SOFTCAP, KEEP_O32 == 3, TMA, INTERP)
+                                            ROW_NARROW, PBAR32, HP, PFMT, SOFTCAP, O16, TMA, INTERP)
     if EMU:
         o = acc / l_i[:, None]
         lse = m_i + tl.log(l_i)
@@ -203,11 +206,11 @@ def _fwd_tile(start_m, bh, Q, K, V, O, LSE, O32,
         o = keep_hp(o, narrow(o, MBITS, SR, seed - 1, rows[:, None] * HEAD_DIM + offs_d[None, :], INTERP), hp, HP)
     if KEEP_O32 == 1:
         o32 = o                                # KEEP_O32 = 1: O as the policy stores it
-    if KEEP_O32 == 3:
-        o32 = acc16 / l_i[:, None]             # KEEP_O32 = 3: O of the 16-bit product (ℓ is the same sum)
-    if KEEP_O32 == 4:                          # KEEP_O32 = 4: the residual of the O store, in O's dtype
+    if O16:
+        o32 = acc16 / l_i[:, None]             # KEEP_O32 = 3, 5: O of the 16-bit product (ℓ is the same sum)
+    if KEEP_O32 == 4 or KEEP_O32 == 5:         # KEEP_O32 = 4, 5: the residual of the O store, in O's dtype
         o32 = cast(o32 - cast(o, O.dtype.element_ty, INTERP).to(tl.float32), O32.dtype.element_ty, INTERP)
-    if KEEP_O32:                               # contiguous (B, H, Nq, d), fp32 (or O's dtype: KEEP_O32 = 4)
+    if KEEP_O32:                               # contiguous (B, H, Nq, d), fp32 (or O's dtype: KEEP_O32 = 4, 5)
         tl.store(O32 + (bh * n_q + offs_m[:, None]) * HEAD_DIM + offs_d[None, :], o32, mask=offs_m[:, None] < n_q)
     O += b * stride_ob + h * stride_oh
     tl.store(O + offs_m[:, None] * stride_om + offs_d[None, :], cast(o, O.dtype.element_ty, INTERP),

@@ -19,7 +19,7 @@ SUPPORT = {
     "head_dims": HEAD_DIMS,
     "dtypes": DTYPES,
     "policies": "'fa2' (bf16 or fp16) or 'paper' (bf16), with delta 'dO·O', 'dO·O32', 'dO·(O+R)', 'dP·P', 'recompute_fp32' or 'auto' "
-                "('dO·O16' too under 'fa2'); v_bar equal to an fp8 p_bar (P̄V on the fp8 tensor cores); "
+                "('dO·O16' and 'dO·(O16+R)' too under 'fa2'); v_bar equal to an fp8 p_bar (P̄V on the fp8 tensor cores); "
                 "for bf16 also hp_heads 0-30, p_bar in fp32, e8m1-e8m6, fp16, fp8_e5m2 or fp8_e4m3, and 'fa2' "
                 "with out or 'paper' with acc, row_sum and out each in fp32 or in one shared format bf16, "
                 "e8m1-e8m6 (nearest-even, or ':stochastic'), fp16, fp8_e5m2 or fp8_e4m3 (nearest-even)",
@@ -117,8 +117,8 @@ def kernel_mode(policy: PrecisionPolicy, dtype: torch.dtype) -> KernelMode:
                 continue
             flags += FP8_PV << PFMT_SHIFT
         hp_mask = sum(1 << h for h in policy.hp_heads)
-        if emu and policy.delta == "dO·O16":
-            raise ValueError(f"delta='dO·O16' with policy={policy.describe()}: backend='triton' computes the 16-bit "
+        if emu and policy.delta in ("dO·O16", "dO·(O16+R)"):
+            raise ValueError(f"delta={policy.delta!r} with policy={policy.describe()}: backend='triton' computes the 16-bit "
                              "product for δ only under 'fa2' arithmetic; accepted under 'paper': delta 'dO·O', "
                              "'dO·O32', 'dP·P' or 'recompute_fp32' — or use backend='emulated'")
         keep = (points["out"] == (23, False) or hp_mask) and policy.delta == "dO·O"

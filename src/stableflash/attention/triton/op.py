@@ -28,11 +28,13 @@ KEEP_O32 = 3        # δ from dO·O with the O the forward kept in fp32 (a polic
 O32_AS_COMPUTED = 4  # δ from dO·O32: the forward keeps O in fp32 before the store's rounding
 O16_AS_COMPUTED = 5  # δ from dO·O16: the forward also computes O with a 16-bit P̄ and keeps it in fp32
 O_PLUS_RESIDUAL = 6  # δ from dO·(O+R): O as stored plus its rounding residual R, kept in the input dtype
+O16_PLUS_RESIDUAL = 7  # δ from dO·(O16+R): the 16-bit product's O, kept as the O store's residual
 DELTA_SOURCES = {"dO·O": 0, "dP·P": 1, "recompute_fp32": 2, "dO·O32": O32_AS_COMPUTED, "dO·O16": O16_AS_COMPUTED,
-                 "dO·(O+R)": O_PLUS_RESIDUAL}
+                 "dO·(O+R)": O_PLUS_RESIDUAL, "dO·(O16+R)": O16_PLUS_RESIDUAL}
+RESIDUAL_SOURCES = (O_PLUS_RESIDUAL, O16_PLUS_RESIDUAL)   # the forward keeps R in O's dtype, δ reads O + R
 # what the forward keeps for δ, per δ code: nothing, O as stored (in fp32), O as computed, or O as
 # computed with a 16-bit P̄
-KEEP_MODE = {KEEP_O32: 1, O32_AS_COMPUTED: 2, O16_AS_COMPUTED: 3, O_PLUS_RESIDUAL: 4}
+KEEP_MODE = {KEEP_O32: 1, O32_AS_COMPUTED: 2, O16_AS_COMPUTED: 3, O_PLUS_RESIDUAL: 4, O16_PLUS_RESIDUAL: 5}
 # the forward's precision switches beyond the format (mbits) and rounding mode, as one int for the op:
 # which of Ō, ℓ, O the format narrows, and P̄ multiplied in fp32
 ACC_NARROW, ROW_NARROW, O_NARROW, PBAR32 = 1, 2, 4, 8
@@ -241,7 +243,7 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sc
     n_k = k.shape[2]
     o = _empty_like_layout(q)
     lse = torch.empty(B, H, n_q, dtype=torch.float32, device=q.device)
-    o32 = torch.empty(q.shape if keep_o32 else (0,), dtype=q.dtype if keep_o32 == 4 else torch.float32,
+    o32 = torch.empty(q.shape if keep_o32 else (0,), dtype=q.dtype if keep_o32 in (4, 5) else torch.float32,
                       device=q.device)
     scale_u, eps_u, lo, hi, period = _units(emu, scale, eps, min_shift, max_shift)
     cap_in = cap_out = 0.0
@@ -272,7 +274,7 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sc
              stochastic: bool, flags: int, hp_mask: int, softcap: float, delta_src: int,
              block_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(O, LSE, O32): O like q, LSE (B, H, Nq) fp32 in natural log, O32 the fp32 O that δ reads
-    (``delta_src`` KEEP_O32, O32_AS_COMPUTED or O16_AS_COMPUTED; for O_PLUS_RESIDUAL the residual of
+    (``delta_src`` KEEP_O32, O32_AS_COMPUTED or O16_AS_COMPUTED; for RESIDUAL_SOURCES the residual of
     the O store in O's dtype) or an empty tensor."""
     return _forward(q, k, v, causal, scale, rule, beta, eps, min_shift, max_shift, emu, mbits, stochastic,
                     flags, hp_mask, KEEP_MODE.get(delta_src, 0), softcap, block_k)
@@ -282,15 +284,16 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sc
 def _(q, k, v, causal, scale, rule, beta, eps, min_shift, max_shift, emu, mbits, stochastic, flags, hp_mask,
       softcap, delta_src, block_k):
     o32 = q.new_empty(q.shape if delta_src in KEEP_MODE else (0,),
-                      dtype=q.dtype if delta_src == O_PLUS_RESIDUAL else torch.float32)
+                      dtype=q.dtype if delta_src in RESIDUAL_SOURCES else torch.float32)
     return _empty_like_layout(q), q.new_empty(q.shape[:3], dtype=torch.float32), o32
 
 
 def _backward_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-                   lse: torch.Tensor, causal: bool, scale: float, emu: bool,
+                   residual: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float, emu: bool,
                    delta_src: int, softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dQ, dK, dV) for the forward that produced ``o`` and ``lse`` (``o``: the fp32 O when the
-    forward kept one, which δ = rowsum(dO ∘ O) then reads); ``softcap`` as in the forward."""
+    forward kept one, which δ = rowsum(dO ∘ O) then reads; ``residual``: R of δ from dO·(O+R),
+    which the δ kernel adds to O, or an empty tensor); ``softcap`` as in the forward."""
     cap = dict(SOFTCAP=softcap > 0)
     delta_src = 0 if delta_src in KEEP_MODE else delta_src   # δ = rowsum(dO ∘ O) from the fp32 O
     do, q, k, v, o = (_last_dim_contiguous(t) for t in (do, q, k, v, o))
@@ -300,8 +303,10 @@ def _backward_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     delta = torch.empty(B, H, n_q, dtype=torch.float32, device=q.device)
     if delta_src == 0:
         block = 64
-        delta_dot_kernel[(triton.cdiv(n_q, block), B * H)](o, do, delta, *_strides(o), *_strides(do), H, n_q,
-                                                          HEAD_DIM=d, BLOCK_M=block)
+        has_r = residual.numel() > 0
+        delta_dot_kernel[(triton.cdiv(n_q, block), B * H)](o, residual.contiguous() if has_r else o, do, delta,
+                                                          *_strides(o), *_strides(do), H, n_q,
+                                                          HEAD_DIM=d, BLOCK_M=block, HAS_R=has_r)
     else:
         _launch(_delta_tuned, delta_pass_kernel, lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]), B * H),
                 q, k, v, do, lse, delta, *_strides(q), *_strides(k), *_strides(v), *_strides(do), H, group, n_q, n_k,
@@ -319,27 +324,22 @@ def _backward_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
 
 @torch.library.custom_op("stableflash::attn_bwd", mutates_args=())
 def attn_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-             lse: torch.Tensor, causal: bool, scale: float, emu: bool,
+             residual: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float, emu: bool,
              delta_src: int, softcap: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dQ, dK, dV) for the forward that produced ``o`` and ``lse``."""
-    return _backward_impl(do, q, k, v, o, lse, causal, scale, emu, delta_src, softcap)
+    return _backward_impl(do, q, k, v, o, residual, lse, causal, scale, emu, delta_src, softcap)
 
 
 @attn_bwd.register_fake
-def _(do, q, k, v, o, lse, causal, scale, emu, delta_src, softcap):
+def _(do, q, k, v, o, residual, lse, causal, scale, emu, delta_src, softcap):
     return _empty_like_layout(q), _empty_like_layout(k), _empty_like_layout(k)
 
 
 def _for_delta(o: torch.Tensor, o32: torch.Tensor, delta_src: int) -> tuple[torch.Tensor, torch.Tensor]:
     """What the backward keeps for δ: (the O it reads, the residual added to it or an empty tensor)."""
-    if delta_src == O_PLUS_RESIDUAL:
+    if delta_src in RESIDUAL_SOURCES:
         return o, o32
     return (o32 if delta_src in KEEP_MODE else o), o32.new_empty(0)
-
-
-def _o_for_delta(o: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-    """O + R in fp32 for δ = rowsum(dO ∘ O) (δ from dO·(O+R)), else O."""
-    return o.float() + residual.float() if residual.numel() else o
 
 
 def _setup_context(ctx, inputs, output):
@@ -352,7 +352,7 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, do, _dlse, _do32):
     q, k, v, lse, o, residual = ctx.saved_tensors
-    dq, dk, dv = attn_bwd(do, q, k, v, _o_for_delta(o, residual), lse, *ctx.args)
+    dq, dk, dv = attn_bwd(do, q, k, v, o, residual, lse, *ctx.args)
     return dq, dk, dv, *[None] * 15
 
 
@@ -374,7 +374,7 @@ class _EagerAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do):
         q, k, v, lse, o, residual = ctx.saved_tensors
-        dq, dk, dv = _backward_impl(do, q, k, v, _o_for_delta(o, residual), lse, *ctx.args)
+        dq, dk, dv = _backward_impl(do, q, k, v, o, residual, lse, *ctx.args)
         return dq, dk, dv, *[None] * 15
 
 
