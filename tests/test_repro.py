@@ -15,7 +15,7 @@ def test_cpu_demo_paired_runs_share_their_batches_and_report(tmp_path):
     assert roles == ["baseline", "stabilized", "control"]
     assert all(r["same_batches_as_baseline"] and r["steps"] == 12 for r in result["rows"])
     attn = {r["role"]: r["attention"] for r in result["rows"]}
-    assert attn["stabilized"].endswith("rule=ours") and "out=fp32" in attn["control"]
+    assert attn["stabilized"].endswith("delta=auto") and "out=fp32" in attn["control"]
     assert (tmp_path / "report.html").exists() and json.loads((tmp_path / "repro.json").read_text())["preset"] == "cpu-demo"
     assert "did not diverge" in result["verdict"]
 
@@ -68,8 +68,9 @@ def test_cli_repro_bad_preset_and_gpu_presets(capsys):
 def test_every_preset_builds_its_three_runs(name):
     """Each role's config is valid before any GPU time is spent; the control holds Ō, ℓ and O (and,
     on the emulated backend, P̄) in fp32 with the baseline's scores and its δ not from a bf16 O; the
-    stabilized run is the baseline with our rule, and on the accelerated kernel presets also δ from
-    dP·P (the rule alone did not hold there), nothing else changed."""
+    stabilized run is the baseline as ``stabilize=True`` runs it — the standard row maximum, δ from
+    the guard's source for its rounding (dP·P on "paper" policies, the 16-bit product's O on fp8 P̄,
+    O as computed otherwise) — nothing else changed."""
     from stableflash.model import parse_attention_spec
     from stableflash.train.config import make_config
     p = REPRO_PRESETS[name]
@@ -77,7 +78,7 @@ def test_every_preset_builds_its_three_runs(name):
     for role, attention in p.attentions().items():
         cfg = make_config(p.train_preset, overrides=[*p.overrides, f"attention={attention}"])
         choices[role] = parse_attention_spec(cfg.attention).default
-    from stableflash.attention.policy import resolve_policy
+    from stableflash.attention.policy import guarded_delta, resolve_policy
     from stableflash.numerics import get_format
     import torch
     pol = resolve_policy(choices["control"].policy, torch.bfloat16)
@@ -86,11 +87,13 @@ def test_every_preset_builds_its_three_runs(name):
         assert pol.p_bar == "bf16" and pol.delta == "recompute_fp32"
     else:
         assert pol.p_bar == "fp32"
-    assert choices["stabilized"].rule == "ours" and choices["baseline"].rule == "standard"
+    assert choices["stabilized"].rule == "standard" and choices["baseline"].rule == "standard"
     base = resolve_policy(choices["baseline"].policy, torch.bfloat16)
     stab = resolve_policy(choices["stabilized"].policy, torch.bfloat16)
-    robust = p.accelerated is not None and choices["baseline"].backend == "triton"
-    assert stab == base.replace(delta="dP·P", name=stab.name) if robust else stab == base
+    assert stab == base.replace(delta=guarded_delta(base), name=stab.name)
+    want = "dP·P" if base.scores != "fp32" or base.acc != "fp32" else "dO·O16" if base.p_bar.startswith("fp8") \
+        else "dO·O32"
+    assert guarded_delta(base) == want
     assert pol.scores == resolve_policy(choices["baseline"].policy, torch.bfloat16).scores
     narrowest = min(get_format(getattr(base, f)).man_bits for f in ("p_bar", "acc", "row_sum", "out"))
     assert (p.accelerated is not None) == (narrowest < 7)

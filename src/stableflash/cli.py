@@ -291,7 +291,8 @@ def build_parser() -> argparse.ArgumentParser:
         "repro",
         help="the reproduction: baseline vs stabilized vs fp32-control training on one batch order, and a report",
         description="Run the kernel-level probe, then for each seed train the preset's baseline attention, the "
-                    "same stabilized (our row maximum; on the accelerated kernel presets also δ from dP·P), and a control "
+                    "same stabilized as flash_attention(stabilize=True) stabilizes it (delta=auto: δ from a source "
+                    "consistent with the backward's P, chosen for the preset's rounding), and a control "
                     "with O in fp32, on the same batch order; "
                     "print whether each run exploded (and when the monitor warned), and write an HTML report. "
                     "Without a GPU the default preset is cpu-demo (minutes on 2 cores); with one, kernel-paper-e8m5 "
