@@ -163,6 +163,16 @@ for g in $groups; do
          bash $d start x-fp8-paper2 kernel-fa2-fp8 --seeds 0 1 2 --roles baseline --steps 6000 --parallel 3 --set "$A rule=paper beta=2"
          for a in "qknorm qk_norm=true" "gate attn_gate=true" "softcap attn_softcap=30"; do set -- $a
            bash $d start x-fp8-$1 kernel-fa2-fp8 --seeds 0 1 2 --roles baseline --steps 6000 --parallel 3 --set $2; done;;
+    # the monitor's automatic switch to its default target (delta=auto) on the fastest failure
+    # (e5m2, exploded at 620-810), probes every 50 steps
+    e5m2-switch) bash $d start fmt-e5m2-switch kernel-fa2-fp8 --seeds 0 1 2 --roles baseline --steps 6000 --parallel 3 \
+           --set "attention=triton policy=fa2 p_bar=fp8_e5m2 out=fp8_e5m2" --set probe_every=50 --set monitor=switch;;
+    # the half-memory forms of the guard's sources without our rule: O + its bf16 residual on
+    # fa2-e8m4, the 16-bit product's O as the fp8 store's residual on fp8 e4m3 (2026-11-23e)
+    residual) bash $d start r-oplusr-e8m4 kernel-fa2-e8m4 --seeds 0 1 2 --roles baseline --steps 6000 --parallel 3 \
+           --set "attention=triton policy=fa2 out=e8m4 delta=dO*(O+R)"
+         bash $d start r-o16r-fp8 kernel-fa2-fp8 --seeds 0 1 2 --roles baseline --steps 6000 --parallel 3 \
+           --set "attention=triton policy=fa2 p_bar=fp8_e4m3 out=fp8_e4m3 delta=dO*(O16+R)";;
     *) echo "unknown group $g"; exit 2;;
   esac
 done

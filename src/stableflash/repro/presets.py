@@ -100,6 +100,21 @@ REPRO_PRESETS: dict[str, ReproPreset] = {
         baseline="emulated policy=paper",
         gpu=False,
     ),
+    # a failure on 2 CPU cores: FP8 attention's rounding (P̄ and O in e5m2, real FA2 arithmetic, the
+    # emulated backend) in a 4-layer byte-level GPT at the leads' learning rate
+    "cpu-fp8": ReproPreset(
+        name="cpu-fp8",
+        description="a 4-layer byte-level GPT (4 × 128, context 256, batch 16, AdamW lr 3e-3 constant after 200 "
+                    "warm-up steps, fp32 weights) on 2 CPU cores, real flash-attention-2 arithmetic on the emulated "
+                    "backend with P̄ and O rounded to fp8 e5m2",
+        train_preset="tiny",
+        overrides=("model=mini", "batch_size=16", "lr=3e-3", "min_lr=3e-3", "schedule=constant", "warmup_iters=200",
+                   "max_iters=3600", "probe_every=100", "monitor=warn", "eval_every=500", "eval_iters=4",
+                   "ckpt_every=500", "log_every=10", "dtype=fp32"),
+        baseline="emulated policy=fa2 p_bar=fp8_e5m2 out=fp8_e5m2",
+        accelerated="P̄ and O rounded to fp8 e5m2 (2 mantissa bits instead of bf16's 7)",
+        gpu=False,
+    ),
     "leads-bf16": _leads("leads-bf16", None),
     "leads-e8m5": _leads("leads-e8m5", 5),
     "leads-e8m4": _leads("leads-e8m4", 4),
