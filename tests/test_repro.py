@@ -50,6 +50,8 @@ def test_verdict_is_honest_about_every_case():
     assert verdict([boom]).endswith("(the stabilized run and the fp32 control were not run).")
     both = {"role": "control", "seed": 0, "explosion_step": 500}
     assert "control (seed 0) also diverged at step 500" in verdict([boom, ok, both])
+    assert verdict([ok]) == "No baseline was run (roles without it): none of the 1 run(s) diverged."
+    assert verdict([ok, both]) == "No baseline was run (roles without it): control (seed 0) diverged at step 500."
 
 
 def test_cli_repro_bad_preset_and_gpu_presets(capsys):

@@ -116,6 +116,10 @@ def verdict(rows: list[dict]) -> str:
     base = [r for r in rows if r["role"] == "baseline"]
     exploded = [r for r in base if r["explosion_step"] is not None]
     others = [r for r in rows if r["role"] != "baseline" and r["explosion_step"] is not None]
+    if not base:
+        diverged = "; ".join(f"{r['role']} (seed {r['seed']}) diverged at step {r['explosion_step']}" for r in others)
+        return "No baseline was run (roles without it): " + (diverged + "." if diverged else
+                                                              f"none of the {len(rows)} run(s) diverged.")
     if not exploded:
         return (f"The baseline did not diverge in any of {len(base)} seed(s): no explosion reproduced with this "
                 "configuration.")
