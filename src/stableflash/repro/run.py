@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import multiprocessing
-import os
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
@@ -48,20 +47,13 @@ def train_jobs(jobs: list[tuple], parallel: int, progress: bool, desc: str) -> l
         return [train_job((*job, progress)) for job in jobs]
     from tqdm.auto import tqdm
     # spawn: CUDA cannot be used in a forked child
-    with ProcessPoolExecutor(parallel, mp_context=multiprocessing.get_context("spawn"), initializer=_share_cpus,
-                             initargs=(parallel,)) as pool:
+    # workers keep torch's default thread count: on a CPU their runs then sum in the same order as
+    # the sequential runs, so the losses agree bit for bit (OMP_NUM_THREADS splits the cores instead)
+    with ProcessPoolExecutor(parallel, mp_context=multiprocessing.get_context("spawn")) as pool:
         futures = [pool.submit(train_job, (*job, False)) for job in jobs]
         for f in tqdm(futures, desc=desc, disable=not progress):
             f.result()
         return [f.result() for f in futures]
-
-
-def _share_cpus(parallel: int) -> None:
-    """Without a GPU, each of ``parallel`` workers takes its share of the CPU cores (torch would
-    otherwise start as many threads as there are cores in every worker)."""
-    import torch
-    if not torch.cuda.is_available():
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // parallel))
 
 
 def run_repro(preset: str | ReproPreset, out_dir: Path, seeds: tuple[int, ...] = (0,), steps: int | None = None,
