@@ -19,6 +19,7 @@ from triton.compiler import ASTSource
 from stableflash.attention.triton.backward import (attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, delta_dot_kernel,
                                                    delta_pass_kernel)
 from stableflash.attention.triton.forward import attn_fwd_kernel
+from stableflash.attention.triton.op import RESIDUAL_KEEP
 
 FP32_POINTERS = {"LSE", "DELTA", "O32"}
 FLOATS = {"scale", "beta", "eps", "lo", "hi", "period", "cap_in", "cap_out", "softcap"}
@@ -58,7 +59,7 @@ DELTA_VARIANTS = {"dP·P": dict(DELTA_SRC=1), "recompute in fp32": dict(DELTA_SR
 def compile_kernel(kernel, const: dict, warps: int = 4, stages: int = 3) -> int:
     """Compile for sm_90; the cubin's size in bytes."""
     names = kernel.arg_names
-    fp32 = FP32_POINTERS - {"O32"} if const.get("KEEP_O32") in (4, 5) else FP32_POINTERS   # 4, 5: O32 in O's dtype
+    fp32 = FP32_POINTERS - {"O32"} if const.get("KEEP_O32") in RESIDUAL_KEEP else FP32_POINTERS   # O32 in O's dtype
     sig = {n: "constexpr" if n in const else
            ("*fp32" if n in fp32 else "*bf16") if n.isupper() else
            "fp32" if n in FLOATS else "i32" for n in names}

@@ -2,7 +2,7 @@
 import sys
 import matplotlib; matplotlib.use("Agg")
 import matplotlib.pyplot as plt
-from stableflash.train.metrics import read_metrics
+from stableflash.report import load_run, loss_series
 runs = [("fp8 P̄, bf16 O: baseline", "/tmp/prev23b/sess-d/fp8-pv/seed1/baseline", "C0", ":"),
         ("fp8 P̄, bf16 O: stabilize=True", "/tmp/res/sess-h/g-fp8-pv/seed1/baseline", "C0", "-"),
         ("FP8 product: baseline", "/tmp/prev23c/sess-e/fp8-real/seed1/baseline", "C1", ":"),
@@ -13,8 +13,7 @@ runs = [("fp8 P̄, bf16 O: baseline", "/tmp/prev23b/sess-d/fp8-pv/seed1/baseline
         ("e5m2: δ from 16-bit product, no rule", "/tmp/res/sess-g/m-o16-norule-e5m2/seed1/baseline", "C4", "-")]
 fig, ax = plt.subplots(figsize=(9, 5))
 for label, path, color, style in runs:
-    rows = [r for r in read_metrics(f"{path}/metrics.jsonl") if "loss" in r and "event" not in r]
-    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], style, color=color, label=label, lw=1)
+    ax.plot(*loss_series(load_run(path)), style, color=color, label=label, lw=1)
 ax.set_yscale("log"); ax.set_xlabel("step"); ax.set_ylabel("training loss"); ax.set_ylim(0.25, 12)
 ax.set_title("seed 1: baselines (dotted) and the guarded δ without our rule (solid), H200")
 ax.legend(fontsize=8); fig.tight_layout(); fig.savefig(sys.argv[1], dpi=110)

@@ -19,7 +19,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from stableflash.attention.policy import PrecisionPolicy, resolve_delta
+from stableflash.attention.policy import O16_SOURCES, PrecisionPolicy, resolve_delta
 from stableflash.attention.reference import causal_mask
 from stableflash.attention.shift import ShiftRule, bound_rounded_shift, next_shift
 from stableflash.numerics import round_to, ulp
@@ -142,7 +142,7 @@ def emulated_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causa
     acc_all = torch.empty_like(out)
     lse, row_sum, shift = (torch.empty(B, H, n_q, dtype=dtype, device=dev) for _ in range(3))
     ones = torch.zeros(B, H, n_q, dtype=torch.int64, device=dev)
-    o16 = torch.empty_like(out) if policy.delta in ("dO·O16", "dO·(O16+R)") else None
+    o16 = torch.empty_like(out) if policy.delta in O16_SOURCES else None
 
     for c0, c1 in _chunks(n_q, block_q):                 # line 5: initialise O, ℓ, m for these rows
         n = c1 - c0

@@ -45,6 +45,7 @@ from stableflash.numerics import ROUNDING_MODES, FloatFormat, get_format
 
 PRESETS = ("fa2", "paper", "fp32", "fp64")
 DELTA_SOURCES = ("dO·O", "dO·O32", "dO·(O+R)", "dO·O16", "dO·(O16+R)", "dP·P", "recompute_fp32", "auto")
+O16_SOURCES = ("dO·O16", "dO·(O16+R)")     # the δ sources that need the 16-bit product beside the policy's
 _DELTA_ALIASES = {"dO·O": "dO·O", "dO*O": "dO·O", "do_o": "dO·O", "dO·O32": "dO·O32", "dO*O32": "dO·O32",
                   "do_o32": "dO·O32", "dO·(O+R)": "dO·(O+R)", "dO*(O+R)": "dO·(O+R)", "do_o_r": "dO·(O+R)",
                   "dO·O16": "dO·O16", "dO*O16": "dO·O16", "do_o16": "dO·O16",

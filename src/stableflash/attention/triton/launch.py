@@ -6,7 +6,7 @@ from typing import NamedTuple
 
 import torch
 
-from stableflash.attention.policy import PrecisionPolicy, memoize, parse_point, resolve_delta
+from stableflash.attention.policy import O16_SOURCES, PrecisionPolicy, memoize, parse_point, resolve_delta
 from stableflash.attention.shift import ShiftRule
 from stableflash.attention.triton import common
 from stableflash.attention.triton.op import (ACC_NARROW, DELTA_SOURCES, DTYPES, HEAD_DIMS, HP_HEAD_LIMIT, KEEP_O32,
@@ -117,7 +117,7 @@ def kernel_mode(policy: PrecisionPolicy, dtype: torch.dtype) -> KernelMode:
                 continue
             flags += FP8_PV << PFMT_SHIFT
         hp_mask = sum(1 << h for h in policy.hp_heads)
-        if emu and policy.delta in ("dO·O16", "dO·(O16+R)"):
+        if emu and policy.delta in O16_SOURCES:
             raise ValueError(f"delta={policy.delta!r} with policy={policy.describe()}: backend='triton' computes the 16-bit "
                              "product for δ only under 'fa2' arithmetic; accepted under 'paper': delta 'dO·O', "
                              "'dO·O32', 'dP·P' or 'recompute_fp32' — or use backend='emulated'")

@@ -35,6 +35,7 @@ RESIDUAL_SOURCES = (O_PLUS_RESIDUAL, O16_PLUS_RESIDUAL)   # the forward keeps R 
 # what the forward keeps for δ, per δ code: nothing, O as stored (in fp32), O as computed, or O as
 # computed with a 16-bit P̄
 KEEP_MODE = {KEEP_O32: 1, O32_AS_COMPUTED: 2, O16_AS_COMPUTED: 3, O_PLUS_RESIDUAL: 4, O16_PLUS_RESIDUAL: 5}
+RESIDUAL_KEEP = tuple(KEEP_MODE[s] for s in RESIDUAL_SOURCES)   # forward modes whose O32 is in O's dtype
 # the forward's precision switches beyond the format (mbits) and rounding mode, as one int for the op:
 # which of Ō, ℓ, O the format narrows, and P̄ multiplied in fp32
 ACC_NARROW, ROW_NARROW, O_NARROW, PBAR32 = 1, 2, 4, 8
@@ -243,7 +244,7 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sc
     n_k = k.shape[2]
     o = _empty_like_layout(q)
     lse = torch.empty(B, H, n_q, dtype=torch.float32, device=q.device)
-    o32 = torch.empty(q.shape if keep_o32 else (0,), dtype=q.dtype if keep_o32 in (4, 5) else torch.float32,
+    o32 = torch.empty(q.shape if keep_o32 else (0,), dtype=q.dtype if keep_o32 in RESIDUAL_KEEP else torch.float32,
                       device=q.device)
     scale_u, eps_u, lo, hi, period = _units(emu, scale, eps, min_shift, max_shift)
     cap_in = cap_out = 0.0
