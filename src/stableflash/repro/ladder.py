@@ -36,7 +36,7 @@ def finished_run(run_dir: Path, cfg: TrainConfig) -> dict | None:
     if any(stored.get(key, default.get(key)) != value for key, value in wanted.items()):
         return None
     result = json.loads(summary.read_text())
-    return result if result.get("status") in ("finished", "nonfinite") else None
+    return result if result.get("status") in ("finished", "nonfinite", "exploded") else None
 
 
 def failing_layer_and_heads(run_dir: Path, n_heads: int = 3) -> tuple[int, list[int]]:

@@ -61,6 +61,9 @@ class TrainConfig:
     peak_tflops: float | None = None
     tensorboard: bool = False
     stop_on_nonfinite: bool = True
+    # stop once the loss has stayed above 2 × its running minimum for this many steps in a row (0: never);
+    # report.runs.explosion_step calls such a run exploded at the streak's first step or earlier
+    stop_after_explosion: int = 0
     # diagnostics (stableflash.diagnostics): probes every probe_every steps (0: off), the δ analysis
     # on the comma-separated delta_layers, and the monitor's action on its warnings
     probe_every: int = 100
@@ -234,7 +237,8 @@ def validate(cfg: TrainConfig) -> None:
     for name in ("batch_size", "grad_accum", "max_iters", "eval_every", "eval_iters", "log_every", "ckpt_every",
                  "n_layer", "n_head", "n_embd", "block_size", "vocab_size", "lr", "peak_tflops"):
         positive(name)
-    for name in ("min_lr", "warmup_iters", "weight_decay", "grad_clip", "lr_decay_iters", "probe_every"):
+    for name in ("min_lr", "warmup_iters", "weight_decay", "grad_clip", "lr_decay_iters", "probe_every",
+                 "stop_after_explosion"):
         positive(name, allow_zero=True)
     if cfg.dropout is not None and not 0 <= cfg.dropout < 1:
         raise ValueError(f"dropout={cfg.dropout!r} is invalid; accepted: 0 <= dropout < 1")

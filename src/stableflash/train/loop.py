@@ -26,7 +26,8 @@ from stableflash.model import build_model as _build, model_config
 from stableflash.train import checkpoint
 from stableflash.train.config import DistInfo, TrainConfig, monitor_config, validate
 from stableflash.train.data import BatchRecorder, BatchSampler, ReplaySampler, eval_batches, load_split, read_meta
-from stableflash.train.metrics import MetricsWriter, truncate_after
+from stableflash.train.metrics import MetricsWriter, read_metrics, truncate_after
+from stableflash.train.stopping import ExplosionStop
 from stableflash.train.optim import build_optimizer, lr_at
 
 log = logging.getLogger(__name__)
@@ -125,8 +126,9 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
     """Train per ``cfg`` into ``run_dir`` (metrics.jsonl, ckpt.pt, batches/, summary.json).
 
     ``resume`` continues from run_dir's checkpoint. Returns the summary (also in summary.json):
-    ``status`` is "finished", or "nonfinite" when a loss or gradient norm stopped being finite
-    (the run then stops before that step's update; the last good checkpoint stays).
+    ``status`` is "finished", "nonfinite" when a loss or gradient norm stopped being finite, or
+    "exploded" when ``stop_after_explosion`` stopped it (either stops before that step's update;
+    the last good checkpoint stays).
     """
     from tqdm.auto import tqdm
 
@@ -188,6 +190,15 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
     metrics = MetricsWriter(run_dir, cfg.tensorboard, enabled=dist.is_main)
 
     monitor = Monitor(monitor_config(cfg))
+    stopper = ExplosionStop(cfg.stop_after_explosion)
+    if step0 and cfg.stop_after_explosion:            # a resumed run keeps its running minimum and streak
+        state = [(stopper.running_min, stopper.above_since)]
+        if dist.is_main and (run_dir / "metrics.jsonl").exists():
+            stopper.replay(read_metrics(run_dir / "metrics.jsonl"))
+            state = [(stopper.running_min, stopper.above_since)]
+        if dist.world_size > 1:
+            torch_dist.broadcast_object_list(state, src=0)
+        stopper.running_min, stopper.above_since = state[0]
     tracker = DeltaTracker()
     probes = open(run_dir / "probes.jsonl", "a") if dist.is_main and cfg.probe_every else None
 
@@ -231,6 +242,17 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
                               message="loss or gradient norm is not finite; stopped before this step's update")
                 log.warning("step %d: loss %s, grad norm %s — stopping; the last checkpoint is kept", step,
                             loss_val, norm_val)
+                break
+            if stopper.observe(step, loss_val):
+                status = "exploded"
+                metrics.write({"step": step, "loss": loss_val, "lr": lr, "grad_norm": norm_val})
+                metrics.event(step, "exploded", loss=loss_val, since=stopper.above_since,
+                              message=f"loss above {stopper.factor:g} x its running minimum "
+                                      f"({stopper.running_min:.4g}) since step {stopper.above_since}; "
+                                      f"stopped (stop_after_explosion={cfg.stop_after_explosion})")
+                log.warning("step %d: loss %.4g has stayed above %g x its running minimum since step %d — "
+                            "stopping; the last checkpoint is kept", step, loss_val, stopper.factor,
+                            stopper.above_since)
                 break
             if scaler.is_enabled():
                 for opt in optimizer.optimizers.values():
