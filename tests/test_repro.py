@@ -40,6 +40,16 @@ def test_roles_select_the_runs(tmp_path):
     assert not (tmp_path / "seed0" / "control").exists()
 
 
+def test_a_set_attention_is_what_the_rows_name(tmp_path):
+    # the mitigation runs replace the baseline's attention with --set attention=...: the table must
+    # name the attention that ran, not the role's
+    spec = "emulated policy=paper acc=e8m5 row_sum=e8m5 out=e8m5 rule=paper beta=4"
+    result = run_repro("cpu-demo", tmp_path, seeds=(0,), steps=2, progress=False, roles=("baseline",),
+                       extra=(f"attention={spec}",))
+    ran = json.loads((tmp_path / "seed0" / "baseline" / "config.json").read_text())["attention"]
+    assert result["rows"][0]["attention"] == ran == spec
+
+
 def test_verdict_is_honest_about_every_case():
     base = {"role": "baseline", "seed": 0, "explosion_step": None}
     assert "did not diverge" in verdict([base])

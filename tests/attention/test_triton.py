@@ -852,8 +852,8 @@ def test_the_delta_kernel_adds_the_residual_itself(gen):
     gradients equal, bit for bit, those of the same backward handed O + R already summed in fp32 —
     also for an O with the model's (B, T, H, d) strides, while R is contiguous (B, H, T, d)."""
     q, k, v, do = make(gen, 2, 3, 45, 32)
-    o = torch.randn(2, 45, 3, 32, generator=gen).to(torch.bfloat16).transpose(1, 2)   # the model's layout
-    r = (torch.randn(2, 3, 45, 32, generator=gen) * 2.0 ** -9).to(torch.bfloat16)
+    o = torch.randn(2, 45, 3, 32, generator=gen).to(q.device, torch.bfloat16).transpose(1, 2)   # the model's layout
+    r = (torch.randn(2, 3, 45, 32, generator=gen) * 2.0 ** -9).to(q.device, torch.bfloat16)
     _, lse, _ = triton_op._forward(q, k, v, True, 32 ** -0.5, 0, 2.0, 1e-3, 0.0, 0.0, False, 0)
     args = (lse, True, 32 ** -0.5, False, triton_op.O_PLUS_RESIDUAL)
     got = triton_op._backward_impl(do, q, k, v, o, r, *args)

@@ -246,6 +246,23 @@ def test_explosion_rule_window_factor_and_nonfinite(tmp_path):
     assert explosion_step(_run_with_losses(tmp_path, spike), factor=4.0) is None
     assert explosion_step(_run_with_losses(tmp_path, flat[:60] + ["nan"] + flat[:10])) == 60
     assert explosion_step(_run_with_losses(tmp_path, flat[:30] + [5.0] * 10)) == 30   # never recovers
+    # the loop's stop on a non-finite loss logs a "nonfinite" event, not a loss row, for that step
+    stopped = _run_with_losses(tmp_path, flat[:20])
+    with open(stopped.path / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"step": 20, "event": "nonfinite", "loss": "nan", "grad_norm": "nan"}) + "\n")
+    assert explosion_step(load_run(stopped.path)) == 20
+    rising = _run_with_losses(tmp_path, flat[:10] + [9.0] * 10)     # an earlier blow-up still comes first
+    with open(rising.path / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"step": 20, "event": "nonfinite", "loss": "nan", "grad_norm": "nan"}) + "\n")
+    assert explosion_step(load_run(rising.path)) == 10
+    # logged every 10th step, the minimum (1.0 at step 5) unlogged: 1.9 is not 2x the logged minimum
+    # (1.2), but the loop, which saw step 5, stopped the run and named its streak's start
+    sparse = tmp_path / "sparse"
+    sparse.mkdir()
+    rows = [{"step": 0, "loss": 1.2}, {"step": 10, "loss": 1.9}, {"step": 20, "loss": 2.0},
+            {"step": 24, "event": "exploded", "loss": 2.0, "since": 8}]
+    (sparse / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert explosion_step(load_run(sparse)) == 8
     with pytest.raises(ValueError, match="factor=0"):
         explosion_step(_run_with_losses(tmp_path, flat), factor=0)
     with pytest.raises(ValueError, match="window=-1"):

@@ -251,21 +251,29 @@ def first_event_step(run: Run, kind: str) -> int | None:
 def explosion_step(run: Run, factor: float = 2.0, window: int = 50) -> int | None:
     """First step where the training loss blows up, or None.
 
-    A step counts when its loss is non-finite, or when it exceeds ``factor`` × the running minimum
+    A step counts when its loss is non-finite (also a ``nonfinite`` event: the loop stops there
+    without logging the step's loss), or when it exceeds ``factor`` × the running minimum
     of the finite losses so far and no logged loss in the following ``window`` steps comes back
     below that threshold. A rise near the end of the record counts when the remaining logged
-    steps all stay above it (nothing shows a recovery).
+    steps all stay above it (nothing shows a recovery). A run that ``stop_after_explosion`` stopped
+    and whose logged rows show no explosion (with ``log_every`` > 1 their running minimum can sit
+    above the true one) exploded at its ``exploded`` event's streak start.
     """
     if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
         raise ValueError(f"factor={factor!r} is invalid; accepted: a positive number (e.g. 2.0)")
     if isinstance(window, bool) or not isinstance(window, int) or window < 0:
         raise ValueError(f"window={window!r} is invalid; accepted: a non-negative whole number of steps")
+    # a run stopped on a non-finite loss or gradient norm logs that step as an event, not a loss row
+    stopped = [int(e["step"]) for e in events_of(run, "nonfinite")]
+    # stop_after_explosion's event names the first step of its streak, judged on every step's loss:
+    # the answer when the logged rows (every log_every-th step) do not show the explosion themselves
+    streaks = [int(e["since"]) for e in events_of(run, "exploded") if isinstance(e.get("since"), int)]
     steps, loss = loss_series(run)
     running_min = math.inf
     for i in range(len(steps)):
         value = loss[i]
         if not math.isfinite(value):
-            return int(steps[i])
+            return min([int(steps[i]), *stopped])
         running_min = min(running_min, value)
         threshold = factor * running_min
         if value <= threshold:
@@ -273,5 +281,5 @@ def explosion_step(run: Run, factor: float = 2.0, window: int = 50) -> int | Non
         end = np.searchsorted(steps, steps[i] + window, side="right")
         ahead = loss[i + 1:end]
         if not np.any(np.isfinite(ahead) & (ahead < threshold)):
-            return int(steps[i])
-    return None
+            return min([int(steps[i]), *stopped])
+    return min(stopped, default=None) if stopped else min(streaks, default=None)

@@ -78,8 +78,9 @@ def run_repro(preset: str | ReproPreset, out_dir: Path, seeds: tuple[int, ...] =
             overrides = [*p.overrides, f"seed={seed}", f"attention={attention}", *extra]
             if steps is not None:
                 overrides.append(f"max_iters={steps}")
-            make_config(p.train_preset, overrides=overrides)          # a bad override fails before any run
-            jobs.append((seed, role, attention, (p.train_preset, overrides, str(out_dir / f"seed{seed}" / role))))
+            cfg = make_config(p.train_preset, overrides=overrides)    # a bad override fails before any run
+            # the run's own attention: an --set attention=... in ``extra`` replaces the role's
+            jobs.append((seed, role, cfg.attention, (p.train_preset, overrides, str(out_dir / f"seed{seed}" / role))))
     summaries = train_jobs([job for *_, job in jobs], parallel, progress, "repro runs")
     rows, run_dirs = [], []
     for (seed, role, attention, job), summary in zip(jobs, summaries):

@@ -2,9 +2,10 @@
 
 A step is *above* when its loss exceeds ``factor`` × the running minimum of the finite losses so
 far; a run stops once the steps from the first of an unbroken streak of such steps to the current
-one number ``after``. ``report.runs.explosion_step`` (same factor, a window shorter than ``after``)
-then finds the explosion at the streak's first step or earlier, so stopping never changes a run's
-recorded outcome, only how long it went on after it.
+one number ``after``, and its ``exploded`` event names the streak's first step. A stopped run
+still counts as exploded: ``report.runs.explosion_step`` (same factor, a window shorter than
+``after``) finds the explosion in the logged rows — with ``log_every`` > 1 a few steps after the
+streak's start, as for a run that went on — or else takes the event's streak start.
 """
 from __future__ import annotations
 
