@@ -49,7 +49,7 @@ def test_auto_says_when_it_falls_back_to_the_emulation(gen, monkeypatch):
     with pytest.warns(UserWarning, match="chose 'emulated'.*because the stabilized softmax"):
         out = sf.flash_attention(q, k, v, stabilize="ours")
     assert rel_err(out, reference.attention(q, k, v)) <= 1e-5
-    with pytest.warns(UserWarning, match=r"chose 'emulated'.*because δ from dO·O32 was asked for \(stabilize=True\)"):
+    with pytest.warns(UserWarning, match=r"chose 'emulated'.*because δ from dO·\(O\+R\) was asked for \(stabilize=True\)"):
         sf.flash_attention(q.bfloat16(), k.bfloat16(), v.bfloat16())      # the default guards bf16's δ
 
 
@@ -201,13 +201,13 @@ def test_soft_capping_is_exact_in_float64(gen, causal):
 
 
 GUARDED = [                     # the policy's rounding → the δ source stabilize=True reads
-    (PrecisionPolicy.preset("fa2"), "dO·O32"),                                         # bf16 kernel
-    (PrecisionPolicy.preset("fa2", "fp16"), "dO·O32"),
-    (PrecisionPolicy.preset("fa2").replace(out="e8m4"), "dO·O32"),                     # narrow O store
-    (PrecisionPolicy.preset("fa2").replace(p_bar="fp16", out="fp16"), "dO·O32"),      # P̄ not narrower
-    (PrecisionPolicy.preset("fa2").replace(p_bar="fp8_e4m3", out="fp8_e4m3"), "dO·O16"),
-    (PrecisionPolicy.preset("fa2").replace(p_bar="fp8_e5m2"), "dO·O16"),
-    (PrecisionPolicy.preset("fa2").replace(p_bar="fp8_e4m3", v_bar="fp8_e4m3"), "dO·O16"),
+    (PrecisionPolicy.preset("fa2"), "dO·(O+R)"),                                         # bf16 kernel
+    (PrecisionPolicy.preset("fa2", "fp16"), "dO·(O+R)"),
+    (PrecisionPolicy.preset("fa2").replace(out="e8m4"), "dO·(O+R)"),                     # narrow O store
+    (PrecisionPolicy.preset("fa2").replace(p_bar="fp16", out="fp16"), "dO·(O+R)"),      # P̄ not narrower
+    (PrecisionPolicy.preset("fa2").replace(p_bar="fp8_e4m3", out="fp8_e4m3"), "dO·(O16+R)"),
+    (PrecisionPolicy.preset("fa2").replace(p_bar="fp8_e5m2"), "dO·(O16+R)"),
+    (PrecisionPolicy.preset("fa2").replace(p_bar="fp8_e4m3", v_bar="fp8_e4m3"), "dO·(O16+R)"),
     (PrecisionPolicy.preset("paper"), "dP·P"),                                         # rounded Ō, ℓ
     (PrecisionPolicy.preset("paper").replace(acc="e8m5", row_sum="e8m5", out="e8m5"), "dP·P"),
     (PrecisionPolicy.preset("fa2").replace(p_bar="fp8_e4m3", acc="bf16"), "dP·P"),
@@ -232,31 +232,34 @@ def _grads(q, k, v, do, **kw):
     return (o, *torch.autograd.grad(o, (q, k, v), do))
 
 
-def test_stabilize_true_is_the_standard_max_with_delta_from_o_as_computed(gen):
+def test_stabilize_true_is_the_standard_max_with_delta_from_o_plus_its_residual(gen):
     """stabilize=True on a bf16 kernel: the model's O is the standard kernel's, bit for bit, and the
-    gradients are those of δ from O as computed (delta="dO·O32"), not from the stored O.
-    (The fused kernels: tests/attention/test_triton.py.)"""
+    gradients are those of δ from the stored O plus its bf16 residual (delta="dO·(O+R)", O as
+    computed to about 16 bits), not from the stored O. (The fused kernels: tests/attention/test_triton.py.)"""
     q, k, v, do = (torch.randn(1, 2, 48, 32, generator=gen).to(torch.bfloat16) for _ in range(4))
     fa2 = PrecisionPolicy.preset("fa2")
     got = _grads(q, k, v, do, stabilize=True, backend="emulated")
-    want = _grads(q, k, v, do, stabilize=False, backend="emulated", policy=fa2.replace(delta="dO·O32"))
+    want = _grads(q, k, v, do, stabilize=False, backend="emulated", policy=fa2.replace(delta="dO·(O+R)"))
+    exact = _grads(q, k, v, do, stabilize=False, backend="emulated", policy=fa2.replace(delta="dO·O32"))
     standard = _grads(q, k, v, do, stabilize=False, backend="emulated", policy=fa2)
     assert torch.equal(got[0], standard[0])
-    for name, a, b, c in zip(("dQ", "dK", "dV"), got[1:], want[1:], standard[1:]):
+    for name, a, b, c, x in zip(("dQ", "dK", "dV"), got[1:], want[1:], standard[1:], exact[1:]):
         assert torch.equal(a, b), name
         if name != "dV":                                         # dV does not read δ
             assert not torch.equal(a, c), name
+            near, far = (a != x).float().mean().item(), (c != x).float().mean().item()
+            assert near <= far / 20, (name, near, far)           # δ's O is O as computed, nearly
     for a, r in zip(got, reference.forward_backward(q, k, v, do, causal=True)):
         assert rel_err(a, r) <= 2e-2                             # bf16: 8 significant bits
     assert torch.equal(sf.flash_attention(q, k, v, causal=True, stabilize="guard", backend="emulated"), got[0])
 
 
 def test_a_rule_with_the_guard(gen):
-    """stabilize="ours+guard": our row-maximum rule's O, bit for bit, and δ from O as computed."""
+    """stabilize="ours+guard": our row-maximum rule's O, bit for bit, and the guard's δ source."""
     q, k, v, do = (torch.randn(1, 2, 48, 32, generator=gen).to(torch.bfloat16) for _ in range(4))
     fa2 = PrecisionPolicy.preset("fa2")
     got = _grads(q, k, v, do, stabilize="ours+guard", backend="emulated")
-    want = _grads(q, k, v, do, stabilize="ours", backend="emulated", policy=fa2.replace(delta="dO·O32"))
+    want = _grads(q, k, v, do, stabilize="ours", backend="emulated", policy=fa2.replace(delta="dO·(O+R)"))
     for a, b in zip(got, want):
         assert torch.equal(a, b)
     standard = sf.flash_attention(q, k, v, causal=True, stabilize=True, backend="emulated")
@@ -280,7 +283,7 @@ def test_the_guard_keeps_sdpa_only_where_it_changes_nothing(gen):
     """The guard changes δ for bf16 inputs, which SDPA cannot do (a clear error); for fp32 inputs δ
     from the stored O is exact already, so SDPA still serves stabilize=True."""
     q, k, v = (torch.randn(1, 2, 16, 8, generator=gen) for _ in range(3))
-    with pytest.raises(ValueError, match=r"backend='sdpa' cannot take δ from dO·O32 \(stabilize=True guards δ"):
+    with pytest.raises(ValueError, match=r"backend='sdpa' cannot take δ from dO·\(O\+R\) \(stabilize=True guards δ"):
         sf.flash_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), stabilize=True, backend="sdpa")
     got = sf.flash_attention(q, k, v, causal=True, stabilize=True, backend="sdpa")
     want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)

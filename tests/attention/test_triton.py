@@ -802,13 +802,14 @@ def test_bounded_rules_stay_finite_at_huge_bf16_logits(stabilize):
         assert ok, (name, msg)
 
 
-def test_stabilize_true_reads_delta_from_o_as_computed(gen):
-    """The drop-in's default on the kernels: the standard kernel's O, bit for bit, and δ from O as
-    computed (policy.guarded_delta for a bf16 kernel); "ours+guard" adds our rule to the same δ."""
+def test_stabilize_true_reads_delta_from_o_plus_its_residual(gen):
+    """The drop-in's default on the kernels: the standard kernel's O, bit for bit, and δ from the
+    stored O plus its bf16 residual (policy.guarded_delta for a bf16 kernel); "ours+guard" adds our
+    rule to the same δ."""
     q, k, v, do = make(gen, 1, 2, 50, 32)
     fa2 = PrecisionPolicy.preset("fa2")
     got = run(q, k, v, do, causal=True, stabilize=True, backend="triton")
-    want = run(q, k, v, do, causal=True, stabilize=False, backend="triton", policy=fa2.replace(delta="dO·O32"))
+    want = run(q, k, v, do, causal=True, stabilize=False, backend="triton", policy=fa2.replace(delta="dO·(O+R)"))
     standard = run(q, k, v, do, causal=True, stabilize=False, backend="triton")
     assert torch.equal(got[0], standard[0])
     for name, a, b, c in zip(("dQ", "dK", "dV"), got[1:], want[1:], standard[1:]):
@@ -819,7 +820,7 @@ def test_stabilize_true_reads_delta_from_o_as_computed(gen):
     for name, a, r in zip(("O", "dQ", "dK", "dV"), got, ref):
         assert rel_err(a, r) <= BOUNDS[torch.bfloat16][name], name
     both = run(q, k, v, do, causal=True, stabilize="ours+guard", backend="triton")
-    rule = run(q, k, v, do, causal=True, stabilize="ours", backend="triton", policy=fa2.replace(delta="dO·O32"))
+    rule = run(q, k, v, do, causal=True, stabilize="ours", backend="triton", policy=fa2.replace(delta="dO·(O+R)"))
     for name, a, b in zip(("O", "dQ", "dK", "dV"), both, rule):
         assert torch.equal(a, b), name
 

@@ -187,8 +187,8 @@ def test_delta_auto_names_the_guard_in_a_spec():
 
     from stableflash.attention.policy import resolve_policy
     from stableflash.model.spec import parse_attention_spec
-    for text, want in (("triton rule=ours delta=auto", "dO·O32"),
-                       ("triton rule=ours policy=fa2 p_bar=fp8_e4m3 out=fp8_e4m3 delta=auto", "dO·O16"),
+    for text, want in (("triton rule=ours delta=auto", "dO·(O+R)"),
+                       ("triton rule=ours policy=fa2 p_bar=fp8_e4m3 out=fp8_e4m3 delta=auto", "dO·(O16+R)"),
                        ("emulated rule=ours policy=paper acc=e8m5 row_sum=e8m5 out=e8m5 delta=auto", "dP·P")):
         spec = parse_attention_spec(text)
         assert "delta=auto" in str(spec) and parse_attention_spec(str(spec)) == spec

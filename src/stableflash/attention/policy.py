@@ -200,18 +200,20 @@ def guarded_delta(policy: PrecisionPolicy) -> str:
     - scores, Ō or ℓ rounded below ``compute`` (the "paper" emulation): the O as computed is itself
       off, and only δ from the backward's own P held → "dP·P";
     - P̄ (or V for P̄V) narrower than the inputs (fp8 attention): δ from the O of a 16-bit P̄V
-      computed beside the narrow one held on fp8 e4m3 and e5m2 → "dO·O16";
+      computed beside the narrow one held on fp8 e4m3 and e5m2 ("dO·O16"); kept as the stored O
+      plus its residual in the inputs' dtype, half the memory of an fp32 O at the same cost → "dO·(O16+R)";
     - otherwise, O stored narrower than ``compute`` (bf16, fp16, or a narrower ``out``): δ from O as
-      computed held where δ from the stored O did not → "dO·O32";
+      computed held where δ from the stored O did not ("dO·O32"); kept the same way, as the stored O
+      plus its residual → "dO·(O+R)";
     - nothing rounded before δ (fp32/fp64 policies): "dO·O" is already exact.
     """
     wide = get_format(policy.compute).man_bits
     if any(policy.point(f)[0].man_bits < wide for f in ("scores", "acc", "row_sum")):
         return "dP·P"
     if policy.point("p_bar")[0].man_bits < policy.point("inputs")[0].man_bits or policy.narrows_v:
-        return "dO·O16"
+        return "dO·(O16+R)"
     if policy.point("out")[0].man_bits < wide:
-        return "dO·O32"
+        return "dO·(O+R)"
     return "dO·O"
 
 
