@@ -357,6 +357,16 @@ def test_plots_draw_no_data_notes_instead_of_raising(tmp_path):
         plots.spectral_heatmap(run, "x")
 
 
+def test_the_monitor_timeline_marks_a_run_stopped_as_exploded(tmp_path):
+    run = _run_with_losses(tmp_path, [1.0] * 10 + [3.0] * 6)
+    with open(run.path / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"step": 15, "event": "exploded", "loss": 3.0, "since": 10}) + "\n")
+    fig = plots.monitor_timeline([load_run(run.path)])
+    texts = [t.get_text() for t in fig.axes[0].texts]
+    legend = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert "exploded since 10" in texts and "stopped: exploded" in legend, (texts, legend)
+
+
 def test_loss_figure_scale_and_legend(two_runs, tmp_path):
     runs = [load_run(p) for p in two_runs]
     fig = plots.loss_curves(runs)

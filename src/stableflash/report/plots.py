@@ -346,6 +346,7 @@ _EVENT_STYLE = {
     "switch": dict(marker="s", color="royalblue", label="monitor action: switch"),
     "rollback": dict(marker="D", color="purple", label="monitor action: rollback"),
     "nonfinite": dict(marker="X", color="red", label="non-finite"),
+    "exploded": dict(marker="*", color="black", label="stopped: exploded"),
 }
 
 
@@ -366,6 +367,8 @@ def _event_text(event: dict) -> str:
         layers = event.get("layers")
         layers = ",".join(map(str, layers)) if isinstance(layers, list) else (layers or "")
         return _plain(f"{event.get('action', 'action')} L{layers}" if layers != "" else str(event.get("action", "")), 28)
+    if kind == "exploded":
+        return f"exploded since {event['since']}" if "since" in event else "exploded"
     return "non-finite"
 
 
@@ -373,7 +376,7 @@ def _label_positions(events: list[dict], char_width: float) -> list[tuple[dict, 
     """Which events get a text label, and on which side (+1 above, −1 below) of their marker:
     labels never overlap on a side; warnings and actions go first in step order, non-finite
     events (whose marker says it all) last; at most _MAX_ANNOTATIONS per row."""
-    priority = {"monitor_warning": 0, "monitor_action": 0, "nonfinite": 1}
+    priority = {"monitor_warning": 0, "monitor_action": 0, "nonfinite": 1, "exploded": 1}
     placed: dict[int, list[tuple[float, float]]] = {1: [], -1: []}
     chosen = []
     for event in sorted(events, key=lambda e: (priority.get(e.get("event"), 3), e["step"])):

@@ -62,7 +62,7 @@ class TrainConfig:
     tensorboard: bool = False
     stop_on_nonfinite: bool = True
     # stop once the loss has stayed above 2 × its running minimum for this many steps in a row (0: never);
-    # report.runs.explosion_step calls such a run exploded at the streak's first step or earlier
+    # (status and event "exploded"; report.runs.explosion_step counts such a run as exploded)
     stop_after_explosion: int = 0
     # diagnostics (stableflash.diagnostics): probes every probe_every steps (0: off), the δ analysis
     # on the comma-separated delta_layers, and the monitor's action on its warnings
