@@ -82,7 +82,7 @@ def test_every_preset_builds_its_three_runs(name):
     on the emulated backend, P̄) in fp32 with the baseline's scores and its δ not from a bf16 O; the
     stabilized run is the baseline as ``stabilize=True`` runs it — the standard row maximum, δ from
     the guard's source for its rounding (dP·P on "paper" policies, the 16-bit product's O on fp8 P̄,
-    O as computed otherwise) — nothing else changed."""
+    O as computed otherwise, both kept as the stored O plus its residual) — nothing else changed."""
     from stableflash.model import parse_attention_spec
     from stableflash.train.config import make_config
     p = REPRO_PRESETS[name]
@@ -103,8 +103,8 @@ def test_every_preset_builds_its_three_runs(name):
     base = resolve_policy(choices["baseline"].policy, torch.bfloat16)
     stab = resolve_policy(choices["stabilized"].policy, torch.bfloat16)
     assert stab == base.replace(delta=guarded_delta(base), name=stab.name)
-    want = "dP·P" if base.scores != "fp32" or base.acc != "fp32" else "dO·O16" if base.p_bar.startswith("fp8") \
-        else "dO·O32"
+    want = "dP·P" if base.scores != "fp32" or base.acc != "fp32" else "dO·(O16+R)" if base.p_bar.startswith("fp8") \
+        else "dO·(O+R)"
     assert guarded_delta(base) == want
     assert pol.scores == resolve_policy(choices["baseline"].policy, torch.bfloat16).scores
     narrowest = min(get_format(getattr(base, f)).man_bits for f in ("p_bar", "acc", "row_sum", "out"))
