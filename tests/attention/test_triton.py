@@ -363,6 +363,29 @@ def test_fp16_and_fp8_points_agree_with_the_emulated_policy(gen, policy):
         assert not torch.equal(fused[1], plain[1])
 
 
+@pytest.mark.parametrize("rule", ["ours", "bounded"])
+def test_our_shift_keeps_tied_rows_alive_in_fp8_on_the_kernels(gen, rule):
+    """Rows whose maximum (10, far above e4m3's range for P̄ = e^−(β−1)·max) is tied: our rule caps
+    its shift so that the tied entries' P̄ stays a normal e4m3 number, on the kernels as in the
+    emulation. Uncapped, every P̄ of those rows rounded to 0 on the kernels and their O was 0."""
+    n, d = 64, 32
+    u = torch.randn(d, generator=gen)
+    u = u / u.norm()
+    q = u.expand(1, 2, n, d).clone()
+    k = 0.1 * torch.randn(1, 2, n, d, generator=gen)
+    k[:, :, :2] = u * 10.0 * d ** 0.5                       # scores: 10 on keys 0 and 1, tied
+    v = torch.randn(1, 2, n, d, generator=gen)
+    q, k, v = (t.to(torch.bfloat16).to(DEVICE) for t in (q, k, v))
+    policy = PrecisionPolicy.preset("fa2").replace(p_bar="fp8_e4m3", out="fp8_e4m3")
+    fused = sf.flash_attention(q, k, v, causal=False, stabilize=rule, policy=policy, backend="triton")
+    emulated = sf.flash_attention(q, k, v, causal=False, stabilize=rule, policy=policy, backend="emulated",
+                                  block_q=32, block_k=triton_op.key_block(32))
+    exact = reference.attention(q, k, v, causal=False)
+    assert rel_err(fused, exact) <= 0.25, rel_err(fused, exact)   # e4m3 P̄ and O: 3 mantissa bits
+    ok, msg = agree(fused, emulated, 2.0 * 2.0 ** 4, O_FRAC)
+    assert ok, msg
+
+
 @pytest.mark.parametrize("policy", ["fa2", "paper"])
 @pytest.mark.parametrize("causal", [True, False])
 def test_soft_capped_scores_agree_with_the_emulation_and_float64(gen, policy, causal):
