@@ -3,17 +3,18 @@ for different lengths (the kernel presets' learning rate is constant after warm-
 
     python benchmarks/loss_at.py STEP RUNS_DIR [RUNS_DIR ...]
 
-A RUNS_DIR is a `stableflash repro` output (seed*/baseline/metrics.jsonl under it).
+A RUNS_DIR is a `stableflash repro` output (seed*/<role>/metrics.jsonl under it).
 """
-import json
 import sys
 from pathlib import Path
 
+from stableflash.report import load_run, loss_series
 
-def mean_loss(metrics: Path, step: int) -> tuple[float, int]:
-    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-    vals = [r["loss"] for r in rows if "event" not in r and step - 100 < r["step"] <= step]
-    return (sum(vals) / len(vals) if vals else float("nan")), len(vals)
+
+def mean_loss(run_dir: Path, step: int) -> tuple[float, int]:
+    steps, losses = loss_series(load_run(run_dir))
+    window = losses[(steps > step - 100) & (steps <= step)]
+    return (float(window.mean()) if window.size else float("nan")), int(window.size)
 
 
 def main() -> None:
@@ -22,7 +23,7 @@ def main() -> None:
     step = int(sys.argv[1])
     for root in map(Path, sys.argv[2:]):
         for metrics in sorted(root.glob("seed*/*/metrics.jsonl")):
-            value, n = mean_loss(metrics, step)
+            value, n = mean_loss(metrics.parent, step)
             print(f"{root.name:24s} {metrics.parent.parent.name:6s} {metrics.parent.name:10s} "
                   f"mean loss over ({step - 100}, {step}]: {value:.4f} (n={n})")
 

@@ -132,8 +132,7 @@ def emulated_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causa
     policy = resolve_delta(policy)                       # δ source "auto": the one guarded_delta names
     dtype, dev = policy.compute_dtype, q.device
     r = _Rounders(policy, H, dev)
-    if rule.kind in ("ours", "bounded"):
-        rule = rule.capped_for(policy.point("p_bar")[0].min_normal)
+    rule = rule.capped_for(policy.point("p_bar")[0].min_normal)   # tied entries' P̄ stays normal in P̄'s format
     q, k, v = (r.inputs(t.to(dtype)) for t in (q, k, v))
     v_bar = r.v_bar(v)                                   # V as P̄V reads it (fp8 in FP8 attention)
     full_mask = causal_mask(n_q, n_k, dev) if causal else None

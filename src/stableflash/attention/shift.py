@@ -93,8 +93,12 @@ class ShiftRule:
         """This rule with max_shift lowered so that exp(−max_shift) stays ≥ ``min_normal``.
 
         For formats with a narrow exponent range (fp8 e4m3: min normal 2⁻⁶) the default cap would
-        push the tied entries' P̄ into the subnormals.
+        push the tied entries' P̄ into the subnormals. Only "ours" and "bounded" fold their shift
+        into [min_shift, max_shift]; any other rule comes back unchanged. Every backend applies it
+        with P̄'s format.
         """
+        if self.kind not in ("ours", "bounded"):
+            return self
         k = max(0, math.floor(math.log2(7.0 / (8.0 * min_normal))))  # 7/8·2⁻ᵏ ≥ min_normal
         cap = LN_8_7 + k * math.log(2.0)
         if cap >= self.max_shift:

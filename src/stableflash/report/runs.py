@@ -282,4 +282,4 @@ def explosion_step(run: Run, factor: float = 2.0, window: int = 50) -> int | Non
         ahead = loss[i + 1:end]
         if not np.any(np.isfinite(ahead) & (ahead < threshold)):
             return min([int(steps[i]), *stopped])
-    return min(stopped, default=None) if stopped else min(streaks, default=None)
+    return min(stopped) if stopped else min(streaks, default=None)

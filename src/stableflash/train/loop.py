@@ -192,13 +192,12 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
     monitor = Monitor(monitor_config(cfg))
     stopper = ExplosionStop(cfg.stop_after_explosion)
     if step0 and cfg.stop_after_explosion:            # a resumed run keeps its running minimum and streak
-        state = [(stopper.running_min, stopper.above_since)]
         if dist.is_main and (run_dir / "metrics.jsonl").exists():
             stopper.replay(read_metrics(run_dir / "metrics.jsonl"))
+        if dist.world_size > 1:                       # rank 0 holds the metrics
             state = [(stopper.running_min, stopper.above_since)]
-        if dist.world_size > 1:
             torch_dist.broadcast_object_list(state, src=0)
-        stopper.running_min, stopper.above_since = state[0]
+            stopper.running_min, stopper.above_since = state[0]
     tracker = DeltaTracker()
     probes = open(run_dir / "probes.jsonl", "a") if dist.is_main and cfg.probe_every else None
 

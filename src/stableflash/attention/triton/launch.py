@@ -152,8 +152,7 @@ def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causa
     ``block_k``: the forward's key block under the "paper" emulation (``check_key_block``)."""
     mode = kernel_mode(policy, q.dtype)
     block = check_key_block(block_k, policy, q.dtype, q.shape[-1])
-    if rule.kind in ("ours", "bounded"):        # tied entries' P̄ stays normal in P̄'s format, as in the emulation
-        rule = rule.capped_for(policy.point("p_bar")[0].min_normal)
+    rule = rule.capped_for(policy.point("p_bar")[0].min_normal)   # tied entries' P̄ stays normal in P̄'s format
     return attention(q, k, v, causal, scale, RULE_CODES[rule.kind], float(rule.beta), float(rule.eps),
                      float(rule.min_shift), float(rule.max_shift), mode.emu, mode.mbits, mode.delta, mode.stochastic,
                      mode.flags, mode.hp_mask, softcap or 0.0, block)
