@@ -60,6 +60,50 @@ def test_timed_rows_reach_the_caller_one_by_one_and_a_failure_is_its_rows_error(
     assert last["ms"] == 7.0
 
 
+def test_a_row_records_the_tuners_choices_it_made():
+    """Rows that made the kernels' tuners choose carry those choices ("tuned"); a row whose keys
+    were tuned before, or a peer with no tuner, carries none."""
+    from stableflash.bench.attention import new_choices, time_jobs
+
+    state = {"fwd": {}, "dq": {}}
+    shape = (2, 4, 256, 64)
+
+    def timer(shape, mode, name):
+        if name == "ours-stable":
+            state["fwd"].setdefault("(256, 256, 64, True, 1)", "BLOCK_M: 128, BLOCK_N: 64")
+            state["dq"].setdefault("(256, 256, 64, True)", "BLOCK_M: 64, BLOCK_N: 64")
+        if name == "ours-standard":
+            state["fwd"].setdefault("(256, 256, 64, True, 0)", "BLOCK_M: 64, BLOCK_N: 64")
+            state["dq"].setdefault("(256, 256, 64, True)", "BLOCK_M: 128, BLOCK_N: 32")   # tuned already
+        return 1.0
+
+    def choices():
+        return {k: dict(v) for k, v in state.items()}
+
+    jobs = [(shape, "fwd+bwd", "ours-stable"), (shape, "fwd+bwd", "ours-standard"), (shape, "fwd+bwd", "sdpa-flash"),
+            (shape, "fwd+bwd", "ours-stable")]
+    def timings(names):
+        return {n: {"BLOCK_M: 64, BLOCK_N: 64": [0.5, 0.4, 0.6]} for n in names}
+
+    stable, standard, sdpa, again = time_jobs(jobs, timer, {"rows": []}, True, choices=choices,
+                                              timings=timings)["rows"]
+    assert stable["tuned"] == {"fwd": {"(256, 256, 64, True, 1)": "BLOCK_M: 128, BLOCK_N: 64"},
+                               "dq": {"(256, 256, 64, True)": "BLOCK_M: 64, BLOCK_N: 64"}}
+    assert standard["tuned"] == {"fwd": {"(256, 256, 64, True, 0)": "BLOCK_M: 64, BLOCK_N: 64"}}
+    assert sorted(stable["tuner_ms"]) == ["dq", "fwd"] and list(standard["tuner_ms"]) == ["fwd"]
+    assert "tuned" not in sdpa and "tuned" not in again and "tuner_ms" not in again
+    assert new_choices({"fwd": {"a": 1}}, {"fwd": {"a": 1, "b": 2}, "dq": {}}) == {"fwd": {"b": 2}}
+
+
+def test_the_kernels_tuners_are_listed_by_name():
+    from stableflash.attention.triton.op import TUNERS, tuned_choices, tuner_timings
+
+    got = tuned_choices()
+    assert sorted(got) == sorted(TUNERS) == ["delta_pass", "dkdv", "dq", "fwd", "fwd_tma"]
+    assert all(isinstance(v, dict) for v in got.values())
+    assert tuner_timings(["fwd", "dq"]).keys() == {"fwd", "dq"}
+
+
 def test_the_json_is_replaced_whole(tmp_path):
     import json
 

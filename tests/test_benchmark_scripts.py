@@ -60,3 +60,25 @@ def test_mitigation_costs_one_file_keeps_its_table(tmp_path, monkeypatch, capsys
     mc.main()
     out = capsys.readouterr().out
     assert "ratio to sdpa-flash" in out and "+100.0% (100 TF/s, 2.00x flash)" in out
+
+
+def test_max_logit_reads_each_probe_and_finds_the_first_step_past_the_edge(tmp_path, monkeypatch, capsys):
+    ml = load("max_logit")
+    run = tmp_path / "runs" / "seed0" / "baseline"
+    run.mkdir(parents=True)
+    records = [(0, [[1.0, 0.5], [0.2, 0.9]]), (100, [[40.0, 3.0], [88.5, 2.0]]), (200, [[90.0, 95.5], [1.0, 1.0]])]
+    run.joinpath("probes.jsonl").write_text(
+        "".join(json.dumps({"step": s, "row": {"max_logit": m}}) + "\n" for s, m in records))
+    assert ml.max_logits(run / "probes.jsonl") == [(0, 1.0), (100, 88.5), (200, 95.5)]
+    monkeypatch.setattr(sys, "argv", ["max_logit.py", str(tmp_path / "runs"), "--edge", "90"])
+    ml.main()
+    out = capsys.readouterr().out
+    assert "first above 90:   200" in out and "0:1 100:88 200:96" in out      # 88.5 and 95.5 round to even
+    monkeypatch.setattr(sys, "argv", ["max_logit.py", str(tmp_path)])
+    ml.main()
+    assert "first above 87:   100" in capsys.readouterr().out
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    monkeypatch.setattr(sys, "argv", ["max_logit.py", str(empty)])
+    with pytest.raises(SystemExit, match="holds no probes.jsonl"):
+        ml.main()

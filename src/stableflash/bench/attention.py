@@ -242,20 +242,38 @@ def run_bench(cfg: BenchConfig, progress: bool = True, on_row: Callable[[dict], 
         finally:
             torch.cuda.empty_cache()
 
-    return time_jobs(tqdm(jobs, desc="bench", disable=not progress), timer, result, cfg.causal, on_row)
+    from stableflash.attention.triton.op import tuned_choices, tuner_timings
+
+    return time_jobs(tqdm(jobs, desc="bench", disable=not progress), timer, result, cfg.causal, on_row,
+                     choices=tuned_choices, timings=tuner_timings)
 
 
-def time_jobs(jobs, timer: Callable, result: dict, causal: bool, on_row: Callable[[dict], None] | None = None) -> dict:
+def new_choices(before: dict[str, dict], after: dict[str, dict]) -> dict[str, dict]:
+    """The tuners' entries in ``after`` that ``before`` lacks, per kernel (kernels with none left out)."""
+    new = {k: {key: c for key, c in v.items() if key not in before.get(k, {})} for k, v in after.items()}
+    return {k: v for k, v in new.items() if v}
+
+
+def time_jobs(jobs, timer: Callable, result: dict, causal: bool, on_row: Callable[[dict], None] | None = None,
+              choices: Callable[[], dict] | None = None, timings: Callable | None = None) -> dict:
     """Time each (shape, mode, provider) with ``timer`` (ms) into result["rows"] — a failure
     becomes that row's "error" — handing the partial result to ``on_row`` after each; then the
-    ratios, and "complete": True."""
+    ratios, and "complete": True. ``choices`` (the kernels' tuners, ``tuned_choices``): a row that
+    made the tuners choose records those choices as "tuned", and ``timings`` (``tuner_timings``)
+    what each of those tuners measured for its candidates as "tuner_ms", so that runs which
+    disagree can be told apart by the tiles they timed and how close each choice was."""
     for shape, mode, name in jobs:
         row = {"shape": list(shape), "mode": mode, "provider": name}
+        before = choices() if choices is not None else {}
         try:
             ms = timer(shape, mode, name)
             row.update(ms=ms, tflops=flops(shape, causal, mode) / ms / 1e9)
         except Exception as exc:
             row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+        if choices is not None and (tuned := new_choices(before, choices())):
+            row["tuned"] = tuned
+            if timings is not None:
+                row["tuner_ms"] = timings(tuned)
         result["rows"].append(row)
         if on_row is not None:
             on_row(result)

@@ -91,6 +91,28 @@ _dq_tuned = triton.autotune(DQ_CONFIGS, key=_KEY + ["EMU", "SOFTCAP"], prune_con
 # the δ pass (dP·P or an fp32 recompute) does the forward's two products per key block: the forward's tiles
 _delta_tuned = triton.autotune(FWD_CONFIGS, key=_KEY + ["EMU", "DELTA_SRC", "SOFTCAP"],
                              prune_configs_by=_prune)(delta_pass_kernel)
+TUNERS = {"fwd": _fwd_tuned, "fwd_tma": _fwd_tma_tuned, "dkdv": _dkdv_tuned, "dq": _dq_tuned,
+          "delta_pass": _delta_tuned}
+
+
+def tuned_choices() -> dict[str, dict[str, str]]:
+    """Each tuner's choices so far in this process, {kernel: {key: config}}: Triton tunes anew in
+    every process, so two runs of a benchmark may time different tiles (``stableflash bench
+    attention`` records, per row, the choices that row made)."""
+    return {name: {str(key): str(cfg) for key, cfg in t.cache.items()} for name, t in TUNERS.items()}
+
+
+def tuner_timings(names) -> dict[str, dict[str, list[float]]]:
+    """The named tuners' timings of their candidates at their last tuning, {kernel: {config: ms}}
+    (Triton's median, 20th and 80th percentile): how close the choice was."""
+    out = {}
+    for name in names:
+        timings = getattr(TUNERS[name], "configs_timings", None) or {}
+        out[name] = {str(cfg): [float(x) for x in (ms if isinstance(ms, (list, tuple)) else [ms])]
+                     for cfg, ms in timings.items()}
+    return out
+
+
 # under the interpreter: one small tile, so that short test sequences still span several blocks
 _INTERP = {"BLOCK_M": 32, "BLOCK_N": 16}
 # with AUTOTUNE off (the tests: correctness needs no tuning, and tuning compiles every config),
