@@ -6,7 +6,13 @@ read before any device time is spent: the standard loop does a max, an FMA, an e
 half a bf16 pack per score; what a stabilized rule adds shows up as the difference.
 
     python benchmarks/sass_count.py [--head-dim 64] [--block-m 64] [--block-n 64] [--warps 4]
-                                    [--stages 3] [--tma] [--warp-specialize] [--out DIR]
+                                    [--stages 3] [--tma] [--warp-specialize] [--pfmt -1] [--aligned]
+                                    [--out DIR]
+
+``--pfmt`` sets the P̄ format switch (e.g. 96: P̄ and V multiplied on the fp8 tensor cores in e4m3,
+V read from the launcher's fp8 copy); ``--aligned`` compiles as the JIT does for aligned tensors
+(pointers, strides and lengths divisible by 16), which is what lets Triton pipeline the key loop's
+loads into shared memory — without it the counts include the unpipelined loads' instructions.
 
 ``--warp-specialize`` compiles the key loop as ``tl.range(..., warp_specialize=True)`` (a patched
 copy of the kernel source, nothing in the package changes) to see whether this Triton splits the
@@ -56,12 +62,16 @@ def load_kernel(warp_specialize: bool):
 def compile_forward(kernel, stab: int, args) -> bytes:
     const = dict(HEAD_DIM=args.head_dim, BLOCK_M=args.block_m, BLOCK_N=args.block_n, CAUSAL=not args.non_causal, STAB=stab,
                  EMU=False, MBITS=0, SR=False, ACC_NARROW=False, ROW_NARROW=False, O_NARROW=True, PBAR32=False,
-                 HP=False, PFMT=-1, SOFTCAP=False, KEEP_O32=False, PERSISTENT=False, TMA=args.tma, INTERP=False)
-    pointers = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "LSE": "*fp32", "O32": "*fp32"}
+                 HP=False, PFMT=args.pfmt, SOFTCAP=False, KEEP_O32=False, PERSISTENT=False, TMA=args.tma, INTERP=False)
+    v8 = {96: "*fp8e4nv", 95: "*fp8e5"}.get(args.pfmt, "*bf16")
+    pointers = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "V8": v8, "O": "*bf16", "LSE": "*fp32", "O32": "*fp32"}
     floats = {"scale", "beta", "eps", "lo", "hi", "period", "cap_in", "cap_out"}
     names = kernel.arg_names
     sig = {n: "constexpr" if n in const else pointers.get(n, "fp32" if n in floats else "i32") for n in names}
-    src = ASTSource(kernel, sig, constexprs={(names.index(k),): v for k, v in const.items()})
+    aligned = [n for n in names if args.aligned and n not in const
+               and (n.isupper() or n.startswith("stride") or n in ("n_q", "n_k"))]
+    src = ASTSource(kernel, sig, constexprs={(names.index(k),): v for k, v in const.items()},
+                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 128),
                               options=dict(num_warps=args.warps, num_stages=args.stages))
     return compiled.asm["cubin"]
@@ -96,12 +106,15 @@ def main() -> None:
     ap.add_argument("--tma", action="store_true")
     ap.add_argument("--warp-specialize", action="store_true")
     ap.add_argument("--non-causal", action="store_true")
+    ap.add_argument("--pfmt", type=int, default=-1, help="P̄ format switch (96: fp8 e4m3 product)")
+    ap.add_argument("--aligned", action="store_true", help="pointers, strides, lengths divisible by 16")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     kernel = load_kernel(args.warp_specialize)
     scores = args.block_m * args.block_n // (32 * args.warps)      # per thread and key block
     print(f"triton {triton.__version__}, sm_90, head_dim {args.head_dim}, tile {args.block_m}×{args.block_n}, "
-          f"{args.warps} warps, {args.stages} stages, tma={args.tma}, warp_specialize={args.warp_specialize}; "
+          f"{args.warps} warps, {args.stages} stages, tma={args.tma}, warp_specialize={args.warp_specialize}, "
+          f"pfmt={args.pfmt}, aligned={args.aligned}; "
           f"{scores} scores per thread per key block, two key loops (unmasked, masked)")
     result = {}
     for stab, rule in enumerate(RULES):

@@ -61,7 +61,7 @@ for shape in SHAPES:
 
                     def fwd():
                         attn_fwd_kernel[grid](
-                            q, k, v, o, lse, o32, *st(q), *st(k), *st(v), *st(o), n_heads=H, group=1, n_q=N, n_k=N,
+                            q, k, v, v, o, lse, o32, *st(q), *st(k), *st(v), *st(o), n_heads=H, group=1, n_q=N, n_k=N,
                             n_bh=B * H, scale=scale * LOG2E, beta=2.0, eps=1e-3 * LOG2E, lo=0.13 * LOG2E,
                             hi=8.4 * LOG2E, period=1.0, seed=0, hp_mask=0, cap_in=0.0, cap_out=0.0, HEAD_DIM=D,
                             BLOCK_M=bm, BLOCK_N=bn, CAUSAL=True, STAB=stab, EMU=False, MBITS=0, SR=False,

@@ -16,6 +16,15 @@ def test_cpu_demo_paired_runs_share_their_batches_and_report(tmp_path):
     assert all(r["same_batches_as_baseline"] and r["steps"] == 12 for r in result["rows"])
     attn = {r["role"]: r["attention"] for r in result["rows"]}
     assert attn["stabilized"].endswith("delta=auto") and "out=fp32" in attn["control"]
+    # the table says which δ source delta=auto ran (the preset's rounding picks it)
+    from stableflash.attention.policy import guarded_delta
+    from stableflash.model.spec import parse_attention_spec
+    from stableflash.repro.run import format_table
+    source = guarded_delta(parse_attention_spec(attn["stabilized"]).default.policy)
+    assert {r["role"]: r["delta_auto"] for r in result["rows"]} == {"baseline": [], "stabilized": [source],
+                                                                     "control": []}
+    stabilized_line = next(line for line in format_table(result).splitlines() if " stabilized " in line)
+    assert stabilized_line.endswith(f"delta=auto (δ: {source})")
     assert (tmp_path / "report.html").exists() and json.loads((tmp_path / "repro.json").read_text())["preset"] == "cpu-demo"
     assert "did not diverge" in result["verdict"]
 

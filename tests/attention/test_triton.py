@@ -147,7 +147,7 @@ def _p_bar_v(P, V, Y, hp, PBAR32: tl.constexpr, HP: tl.constexpr, INTERP: tl.con
     i = tl.arange(0, 16)
     p = tl.load(P + i[:, None] * 16 + i[None, :])
     v = tl.load(V + i[:, None] * 16 + i[None, :])
-    tl.store(Y + i[:, None] * 16 + i[None, :], p_bar_v(p, v, hp != 0, PBAR32, HP, INTERP))
+    tl.store(Y + i[:, None] * 16 + i[None, :], p_bar_v(p, v, v, hp != 0, PBAR32, HP, INTERP))
 
 
 def test_p_bar_v_multiplies_p_bar_in_fp32_only_when_asked():
@@ -193,6 +193,34 @@ def test_round_format_matches_the_numerics_module(name, code):
     got = y.cpu()
     same = (got == want) | (got.isnan() & want.isnan())
     assert same.all(), (x.cpu()[~same][:5], got[~same][:5], want[~same][:5])
+
+
+@triton.jit
+def _fp8_cast(X, Y, n, FMT: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(X + offs, mask=offs < n, other=0.0)
+    if FMT == 32:
+        y = x.to(tl.float8e4nv).to(tl.float32)
+    else:
+        y = x.to(tl.float8e5).to(tl.float32)
+    tl.store(Y + offs, y, mask=offs < n)
+
+
+@pytest.mark.skipif(DEVICE == "cpu", reason="the GPU's own fp32 → fp8 conversion instruction")
+@pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2"])
+def test_the_gpus_fp8_conversion_of_p_bar_rounds_as_round_to(name):
+    """Every 61st fp32 value from 2⁻²⁴ to 1 (P̄'s range, the formats' subnormals included) through
+    Triton's conversion to fp8: equal to round_to's nearest-even, which the fp8 product applies to
+    P̄ in software before the same conversion. If it holds, that software rounding is redundant."""
+    lo, hi = (torch.tensor([2.0 ** -24, 1.0]).view(torch.int32)).tolist()
+    x = torch.arange(lo, hi + 1, 61, dtype=torch.int32).view(torch.float32)
+    x = torch.cat([x, torch.tensor([0.0, 1.0])]).to(DEVICE)
+    y = torch.empty_like(x)
+    code = {"fp8_e4m3": 32, "fp8_e5m2": 31}[name]
+    _fp8_cast[(triton.cdiv(x.numel(), 1024),)](x, y, x.numel(), FMT=code, BLOCK=1024)
+    want = round_to(x.cpu(), name)
+    same = y.cpu() == want
+    assert same.all(), (x.cpu()[~same][:5], y.cpu()[~same][:5], want[~same][:5])
 
 
 def test_stochastic_rounding_helper_is_unbiased():
@@ -530,6 +558,30 @@ def test_p_bar_v_on_the_fp8_tensor_cores_agrees_with_the_emulation(gen, fmt):
         assert ok, (name, msg)
     p_only = run(q, k, v, do, backend="triton", causal=True, stabilize="ours+guard", policy=policy.replace(v_bar="fp32"))
     assert not torch.equal(fused[0], p_only[0])
+
+
+@pytest.mark.parametrize("delta", ["dO·O", "dO·(O16+R)"])
+def test_the_fp8_product_reads_v_converted_once_for_every_head_group(gen, delta):
+    """The launcher converts V to fp8 once per call, laid out (B, H_kv, d, N); each program finds
+    its head's V there — grouped-query heads, keys fewer or more than the queries, a ragged last
+    key block, V handed in as a (B, N, H, d) buffer — and the 16-bit product beside it (the guard's
+    δ for fp8) still reads V itself: O equal to the emulated backend's under the interpreter, to
+    well under one fp8 step on a GPU, and the same with V given contiguous."""
+    for n_q, n_k, causal in ((40, 70, False), (70, 40, False), (70, 70, True)):
+        q, k, v, do = make(gen, 2, 4, n_q, 32, n_k=n_k, h_kv=2)
+        v_bnhd = v.transpose(1, 2).contiguous().transpose(1, 2)          # (B, N, H, d) memory
+        policy = PrecisionPolicy.preset("fa2").replace(p_bar="fp8_e5m2", v_bar="fp8_e5m2", delta=delta)
+        kw = dict(causal=causal, policy=policy)
+        fused = run(q, k, v_bnhd, do, backend="triton", **kw)
+        emulated = run(q, k, v, do, backend="emulated", block_q=32, block_k=triton_op.key_block(32), **kw)
+        if DEVICE == "cpu":
+            assert torch.equal(fused[0], emulated[0]), (n_q, n_k)
+        else:
+            assert rel_err(fused[0], emulated[0]) < 1e-2, (n_q, n_k, rel_err(fused[0], emulated[0]))
+        assert torch.equal(run(q, k, v, do, backend="triton", **kw)[0], fused[0])
+        for name, a, b in zip(("dQ", "dK", "dV"), fused[1:], emulated[1:]):
+            ok, msg = agree(a, b, 2.0)
+            assert ok, (n_q, n_k, name, msg)
 
 
 def test_v_bar_narrows_only_and_only_as_an_fp8_product_on_the_kernels():

@@ -193,3 +193,15 @@ def test_delta_auto_names_the_guard_in_a_spec():
         spec = parse_attention_spec(text)
         assert "delta=auto" in str(spec) and parse_attention_spec(str(spec)) == spec
         assert resolve_policy(spec.default.kwargs()["policy"], torch.bfloat16).delta == want
+
+
+def test_guard_sources_say_what_delta_auto_runs():
+    from stableflash.model.spec import parse_attention_spec
+    spec = parse_attention_spec("triton policy=fa2 p_bar=fp8_e4m3 out=fp8_e4m3; "
+                                "1: triton policy=fa2 p_bar=fp8_e4m3 out=fp8_e4m3 delta=auto; "
+                                "2: triton policy=fa2 out=e8m4 delta=auto; 3: emulated policy=paper delta=auto; "
+                                "4: triton policy=fa2 out=e8m4 rule=ours delta=auto")
+    assert spec.guard_sources() == ["dO·(O16+R)", "dO·(O+R)", "dP·P"]
+    assert parse_attention_spec("triton delta=auto").guard_sources() == ["dO·(O+R)"]
+    for text in ("sdpa", "triton rule=ours", "triton policy=fa2 out=e8m4 delta=dP*P", "emulated policy=paper"):
+        assert parse_attention_spec(text).guard_sources() == [], text

@@ -30,7 +30,8 @@ class Variant(NamedTuple):
 
 _E8M5 = {"acc": "e8m5", "row_sum": "e8m5", "out": "e8m5"}
 OURS = {
-    # stabilize=True: the standard row max and δ from O as computed (bf16/fp16: policy.guarded_delta)
+    # stabilize=True: the standard row max and the guarded δ (policy.guarded_delta; bf16/fp16 inputs:
+    # δ from O plus its rounding residual, dO·(O+R), since 2026-11-23f)
     "ours-stable": Variant(True),
     # our row-maximum rule alone, δ from the stored O (stabilize=True before 2026-11-23c)
     "ours-rule": Variant("ours"),
@@ -74,6 +75,10 @@ OURS = {
     "ours-o32r-norule": Variant(False, "fa2", {"delta": "dO·(O+R)"}),
     # FP8 attention's product: P̄ and V in e4m3 on the fp8 tensor cores (O in bf16)
     "ours-fp8-pv": Variant("ours", "fa2", {"p_bar": "fp8_e4m3", "v_bar": "fp8_e4m3"}),
+    # the same with the standard row max (the baseline of the next), and with the guard stabilize=True
+    # applies to it: δ from the 16-bit product's O kept as the store's residual
+    "ours-fp8-pv-norule": Variant(False, "fa2", {"p_bar": "fp8_e4m3", "v_bar": "fp8_e4m3"}),
+    "ours-fp8-pv-guard": Variant(False, "fa2", {"p_bar": "fp8_e4m3", "v_bar": "fp8_e4m3", "delta": "dO·(O16+R)"}),
     "ours-softcap": Variant("ours", extra={"softcap": 30.0}),
 }
 PROVIDERS = (*OURS, "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex")

@@ -32,7 +32,7 @@ import re
 from dataclasses import dataclass, field, fields
 from typing import Iterable
 
-from stableflash.attention.policy import PRESETS, ROUNDING_POINTS, PrecisionPolicy
+from stableflash.attention.policy import PRESETS, ROUNDING_POINTS, PrecisionPolicy, resolve_delta
 from stableflash.attention.shift import RULES, ShiftRule
 from stableflash.numerics import get_format
 
@@ -203,6 +203,16 @@ class AttentionSpec:
                 if bad:
                     raise ValueError(f"attention spec entry {str(c)!r} has hp_heads={','.join(map(str, bad))} "
                                      f"but the model has n_head={n_head}; accepted: heads 0 to {n_head - 1}")
+
+    def guard_sources(self) -> list[str]:
+        """What ``delta=auto`` runs: the δ sources ``policy.guarded_delta`` picks for the choices
+        that ask for it, default first, each once; empty when no choice asks."""
+        sources: list[str] = []
+        for c in (self.default, *(c for _, c in self.overrides)):
+            if isinstance(c.policy, PrecisionPolicy) and c.policy.delta == "auto":
+                source = resolve_delta(c.policy).delta
+                sources += [] if source in sources else [source]
+        return sources
 
     def __str__(self) -> str:
         entries = [str(self.default)]

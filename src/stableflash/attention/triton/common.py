@@ -212,25 +212,23 @@ def keep_hp(x, narrowed, hp, HP: tl.constexpr):
 
 
 @triton.jit
-def p_bar_v(p, v, hp, PBAR32: tl.constexpr, HP: tl.constexpr, INTERP: tl.constexpr, PFMT: tl.constexpr = -1):
+def p_bar_v(p, v, v8, hp, PBAR32: tl.constexpr, HP: tl.constexpr, INTERP: tl.constexpr, PFMT: tl.constexpr = -1):
     """P̄V with fp32 accumulation: P̄ rounded to V's dtype for the tensor cores, or (PBAR32, or a head
     kept in fp32) multiplied in fp32. PFMT ≥ 0: P̄ rounded to that format first (``round_format``);
     bf16, e8mY and fp8 values are exact in bf16, fp16 values in tf32, so the products stay exact.
-    PFMT = FP8_PV + E4M3 or E5M2: P̄ and V both rounded to that fp8 format and multiplied on the
-    fp8 tensor cores (FP8 attention; Hopper's fp8 products accumulate with fewer bits than fp32);
-    the interpreter multiplies the same rounded values in bf16."""
+    PFMT = FP8_PV + E4M3 or E5M2: P̄ rounded to that fp8 format and multiplied with ``v8``, V
+    already in it (the launcher converts V once per call), on the fp8 tensor cores (FP8 attention;
+    Hopper's fp8 products accumulate with fewer bits than fp32); the interpreter's ``v8`` holds the
+    same values in V's dtype, multiplied in fp32. Otherwise ``v8`` is not read."""
     if PBAR32:
         pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
     else:
         if PFMT >= FP8_PV:
             p8 = round_format(p, PFMT - FP8_PV, INTERP)
-            v8 = round_format(v.to(tl.float32), PFMT - FP8_PV, INTERP)
             if INTERP:
-                pv = mma(cast(p8, v.dtype, INTERP), cast(v8, v.dtype, INTERP), INTERP)
-            elif PFMT - FP8_PV == E4M3:
-                pv = tl.dot(p8.to(tl.float8e4nv), v8.to(tl.float8e4nv))
+                pv = mma(cast(p8, v8.dtype, INTERP), v8, INTERP)
             else:
-                pv = tl.dot(p8.to(tl.float8e5), v8.to(tl.float8e5))
+                pv = tl.dot(p8.to(v8.dtype), v8)
         elif PFMT == FP16:
             pv = tl.dot(round_format(p, PFMT, INTERP), v.to(tl.float32), input_precision="tf32")
         elif PFMT >= 0:

@@ -36,7 +36,7 @@ O as computed: as the residual of the O store, in the input dtype.
 import triton
 import triton.language as tl
 
-from stableflash.attention.triton.common import (bound_rounded_shift, cast, count_ties, keep_hp, mma, narrow,
+from stableflash.attention.triton.common import (FP8_PV, bound_rounded_shift, cast, count_ties, keep_hp, mma, narrow,
                                                  next_shift, p_bar_v, round_up_bf16, shift_from_ties, tanh,
                                                  to_bf16)
 
@@ -44,7 +44,7 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _fwd_blocks(acc, acc16, l_i, m_i, r_i, q, K, V, stride_kn, stride_vn, offs_m, offs_d, start, stop, n_k,
+def _fwd_blocks(acc, acc16, l_i, m_i, r_i, q, K, V, V8, stride_kn, stride_vn, offs_m, offs_d, start, stop, n_k,
                 scale, beta, eps, lo, hi, period, seed, rows, hp, cap_in, cap_out,
                 BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
                 STAB: tl.constexpr, EMU: tl.constexpr, MBITS: tl.constexpr, SR: tl.constexpr,
@@ -55,19 +55,33 @@ def _fwd_blocks(acc, acc16, l_i, m_i, r_i, q, K, V, stride_kn, stride_vn, offs_m
     descriptors (rows past n_k come back as zeros) instead of pointers. ``rows``: the rows' indices
     over the whole (batch, head, query) grid, which with ``seed`` and the key block number pick the
     random streams of stochastic rounding (SR). ``hp`` (with HP): this head keeps P̄, Ō and ℓ in fp32.
-    O16 ("fa2" mode): ``acc16`` accumulates P̄V with P̄ in the input dtype beside ``acc``."""
+    O16 ("fa2" mode): ``acc16`` accumulates P̄V with P̄ in the input dtype beside ``acc``. An fp8
+    product (PFMT ≥ FP8_PV) reads V from ``V8``, V converted to fp8 with the keys contiguous (what
+    the fp8 tensor cores take), and V itself only where the 16-bit product or an fp32 head needs it."""
     offs_n = tl.arange(0, BLOCK_N)
+    FP8PV: tl.constexpr = PFMT >= FP8_PV
+    BF16_V: tl.constexpr = not FP8PV or O16 or HP
     for start_n in range(start, stop, BLOCK_N):
         cols = start_n + offs_n
+        v = 0.0                                    # placeholders for the operand a mode does not read
+        v8 = 0.0
         if TMA:
             k = tl.trans(K.load([start_n, 0]))
-            v = V.load([start_n, 0])
+            if BF16_V:
+                v = V.load([start_n, 0])
         elif MASKED:
             k = tl.load(K + cols[None, :] * stride_kn + offs_d[:, None], mask=cols[None, :] < n_k, other=0.0)
-            v = tl.load(V + cols[:, None] * stride_vn + offs_d[None, :], mask=cols[:, None] < n_k, other=0.0)
+            if BF16_V:
+                v = tl.load(V + cols[:, None] * stride_vn + offs_d[None, :], mask=cols[:, None] < n_k, other=0.0)
         else:
             k = tl.load(K + cols[None, :] * stride_kn + offs_d[:, None])
-            v = tl.load(V + cols[:, None] * stride_vn + offs_d[None, :])
+            if BF16_V:
+                v = tl.load(V + cols[:, None] * stride_vn + offs_d[None, :])
+        if FP8PV:                                  # V8: (HEAD_DIM, n_k) per head, keys contiguous
+            if MASKED:
+                v8 = tl.load(V8 + offs_d[None, :] * n_k + cols[:, None], mask=cols[:, None] < n_k, other=0.0)
+            else:
+                v8 = tl.load(V8 + offs_d[None, :] * n_k + cols[:, None])
         qk = mma(q, k, INTERP)
         if SOFTCAP and not EMU:                # capped scores in log2 units: cap_out·tanh(qk·cap_in); scale = 1
             qk = cap_out * tanh(qk * cap_in, not INTERP)
@@ -88,7 +102,7 @@ def _fwd_blocks(acc, acc16, l_i, m_i, r_i, q, K, V, stride_kn, stride_vn, offs_m
             l_i = l_i * alpha + tl.sum(p, 1)
             if ROW_NARROW:
                 l_i = keep_hp(l_i, narrow(l_i, MBITS, SR, seed + blk + 1, rows, INTERP), hp, HP)
-            acc = acc * alpha[:, None] + p_bar_v(p, v, hp, PBAR32, HP, INTERP, PFMT)
+            acc = acc * alpha[:, None] + p_bar_v(p, v, v8, hp, PBAR32, HP, INTERP, PFMT)
             if ACC_NARROW:
                 acc = keep_hp(acc, narrow(acc, MBITS, SR, seed + blk, rows[:, None] * acc.shape[1] + offs_d[None, :],
                                           INTERP), hp, HP)
@@ -101,15 +115,15 @@ def _fwd_blocks(acc, acc16, l_i, m_i, r_i, q, K, V, stride_kn, stride_vn, offs_m
             p = tl.exp2(qk * scale - m_new[:, None])
             alpha = tl.exp2(m_i - m_new)
             l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + p_bar_v(p, v, hp, PBAR32, HP, INTERP, PFMT)
+            acc = acc * alpha[:, None] + p_bar_v(p, v, v8, hp, PBAR32, HP, INTERP, PFMT)
             if O16:                                # the 16-bit product beside the policy's, for δ
-                acc16 = acc16 * alpha[:, None] + p_bar_v(p, v, hp, False, False, INTERP)
+                acc16 = acc16 * alpha[:, None] + p_bar_v(p, v, v, hp, False, False, INTERP)
         m_i = m_new
     return acc, acc16, l_i, m_i, r_i
 
 
 @triton.jit
-def attn_fwd_kernel(Q, K, V, O, LSE, O32,
+def attn_fwd_kernel(Q, K, V, V8, O, LSE, O32,
                     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
                     stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om,
                     n_heads, group, n_q, n_k, n_bh, scale, beta, eps, lo, hi, period, seed, hp_mask, cap_in, cap_out,
@@ -125,7 +139,7 @@ def attn_fwd_kernel(Q, K, V, O, LSE, O32,
     if PERSISTENT:
         n_m = tl.cdiv(n_q, BLOCK_M)
         for tile in range(tl.program_id(0), n_m * n_bh, tl.num_programs(0)):
-            _fwd_tile((n_m - 1 - tile // n_bh) * BLOCK_M, tile % n_bh, Q, K, V, O, LSE, O32,
+            _fwd_tile((n_m - 1 - tile // n_bh) * BLOCK_M, tile % n_bh, Q, K, V, V8, O, LSE, O32,
                       stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
                       stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om,
                       n_heads, group, n_q, n_k, scale, beta, eps, lo, hi, period, seed, hp_mask, cap_in, cap_out,
@@ -134,7 +148,7 @@ def attn_fwd_kernel(Q, K, V, O, LSE, O32,
     else:
         # the last query blocks see the most keys under a causal mask: launch them first, so that
         # the grid's tail is made of short programs (longest-processing-time-first scheduling)
-        _fwd_tile((tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M, tl.program_id(1), Q, K, V, O, LSE, O32,
+        _fwd_tile((tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M, tl.program_id(1), Q, K, V, V8, O, LSE, O32,
                   stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
                   stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om,
                   n_heads, group, n_q, n_k, scale, beta, eps, lo, hi, period, seed, hp_mask, cap_in, cap_out,
@@ -143,7 +157,7 @@ def attn_fwd_kernel(Q, K, V, O, LSE, O32,
 
 
 @triton.jit
-def _fwd_tile(start_m, bh, Q, K, V, O, LSE, O32,
+def _fwd_tile(start_m, bh, Q, K, V, V8, O, LSE, O32,
               stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
               stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om,
               n_heads, group, n_q, n_k, scale, beta, eps, lo, hi, period, seed, hp_mask, cap_in, cap_out,
@@ -160,6 +174,8 @@ def _fwd_tile(start_m, bh, Q, K, V, O, LSE, O32,
     Q += b * stride_qb + h * stride_qh
     K += b * stride_kb + hk * stride_kh
     V += b * stride_vb + hk * stride_vh
+    if PFMT >= FP8_PV:                         # V8 is (B, H_kv, HEAD_DIM, n_k), contiguous
+        V8 += (b * (n_heads // group) + hk).to(tl.int64) * (HEAD_DIM * n_k)
     if TMA:     # device-side descriptors (Hopper's tensor memory accelerator) for the key loop
         K = tl.make_tensor_descriptor(K, shape=[n_k, HEAD_DIM], strides=[stride_kn, 1],
                                       block_shape=[BLOCK_N, HEAD_DIM])
@@ -185,11 +201,11 @@ def _fwd_tile(start_m, bh, Q, K, V, O, LSE, O32,
     full = (n_k // BLOCK_N) * BLOCK_N
     if CAUSAL:
         full = tl.minimum(full, (start_m // BLOCK_N) * BLOCK_N)
-    acc, acc16, l_i, m_i, r_i = _fwd_blocks(acc, acc16, l_i, m_i, r_i, q, K, V, stride_kn, stride_vn, offs_m,
+    acc, acc16, l_i, m_i, r_i = _fwd_blocks(acc, acc16, l_i, m_i, r_i, q, K, V, V8, stride_kn, stride_vn, offs_m,
                                             offs_d, 0, full, n_k, scale, beta, eps, lo, hi, period, seed, rows, hp,
                                             cap_in, cap_out, BLOCK_N, CAUSAL, False, STAB, EMU, MBITS, SR, ACC_NARROW,
                                             ROW_NARROW, PBAR32, HP, PFMT, SOFTCAP, O16, TMA, INTERP)
-    acc, acc16, l_i, m_i, r_i = _fwd_blocks(acc, acc16, l_i, m_i, r_i, q, K, V, stride_kn, stride_vn, offs_m,
+    acc, acc16, l_i, m_i, r_i = _fwd_blocks(acc, acc16, l_i, m_i, r_i, q, K, V, V8, stride_kn, stride_vn, offs_m,
                                             offs_d, full, stop, n_k, scale, beta, eps, lo, hi, period, seed, rows, hp,
                                             cap_in, cap_out, BLOCK_N, CAUSAL, True, STAB, EMU, MBITS, SR, ACC_NARROW,
                                             ROW_NARROW, PBAR32, HP, PFMT, SOFTCAP, O16, TMA, INTERP)

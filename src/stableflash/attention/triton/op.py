@@ -19,6 +19,7 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from stableflash.attention.triton.backward import (attn_bwd_dkdv_kernel, attn_bwd_dq_kernel,
                                                    delta_dot_kernel, delta_pass_kernel)
+from stableflash.attention.triton.common import E4M3, FP8_PV
 from stableflash.attention.triton.forward import attn_fwd_kernel
 
 LOG2E = 1.0 / math.log(2.0)
@@ -247,6 +248,19 @@ def _empty_like_layout(t: torch.Tensor) -> torch.Tensor:
     return torch.empty_permuted(t.shape, order, dtype=t.dtype, device=t.device)
 
 
+def _v_for_fp8_product(v: torch.Tensor, fmt: int) -> torch.Tensor:
+    """V in the fp8 product's format (``fmt``: E4M3 or E5M2), converted once per call instead of
+    once per query block, and laid out (B, H_kv, d, N), keys contiguous: the operand layout Hopper's
+    fp8 tensor cores take, which the kernel can then copy to shared memory as it is. torch's casts
+    round to nearest-even, e4m3 saturating, as the kernels' ``round_format`` does (tests compare
+    the two); the interpreter gets the same values in V's dtype."""
+    B, H, n, d = v.shape
+    v8 = torch.empty(B, H, d, n, dtype=torch.float8_e4m3fn if fmt == E4M3.value else torch.float8_e5m2,
+                     device=v.device)
+    v8.copy_(v.transpose(-1, -2))
+    return v8.to(v.dtype) if interpreting() else v8
+
+
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, rule: int,
              beta: float, eps: float, min_shift: float, max_shift: float, emu: bool,
              mbits: int, stochastic: bool = False, flags: int = NARROW_ALL, hp_mask: int = 0,
@@ -281,12 +295,14 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sc
     else:
         grid = lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]), B * H)  # noqa: E731
     config = key_block_config(block_k, d) if block_k else None
-    _launch(_fwd_tuned, attn_fwd_kernel, grid, q, k, v, o, lse, o32, *_strides(q), *_strides(k), *_strides(v),
+    pfmt = (flags >> PFMT_SHIFT) - 1
+    v8 = _v_for_fp8_product(v, pfmt - FP8_PV.value) if pfmt >= FP8_PV.value else v
+    _launch(_fwd_tuned, attn_fwd_kernel, grid, q, k, v, v8, o, lse, o32, *_strides(q), *_strides(k), *_strides(v),
             *_strides(o), H, H // k.shape[1], n_q, n_k, B * H, scale_u, beta, eps_u, lo, hi, period,
             seed, hp_mask, cap_in, cap_out, tma_tuned=_fwd_tma_tuned, tma=_use_tma(k, v) and config is None,
             fixed=emu, config=config, HEAD_DIM=d, CAUSAL=causal, STAB=rule, EMU=emu, MBITS=mbits, SR=stochastic, ACC_NARROW=bool(flags & ACC_NARROW),
             ROW_NARROW=bool(flags & ROW_NARROW), O_NARROW=bool(flags & O_NARROW), PBAR32=bool(flags & PBAR32),
-            HP=hp_mask != 0, PFMT=(flags >> PFMT_SHIFT) - 1, SOFTCAP=softcap > 0, KEEP_O32=int(keep_o32),
+            HP=hp_mask != 0, PFMT=pfmt, SOFTCAP=softcap > 0, KEEP_O32=int(keep_o32),
             PERSISTENT=PERSISTENT > 0)
     return o, lse, o32
 
