@@ -25,6 +25,10 @@ from stableflash.report.runs import explosion_step, load_run
 
 GRID = {"spectral_ratio": (2.0, 3.0, 4.0, 6.0, 8.0), "growth": (2.0, 3.0, 5.0), "patience": (1, 2, 3),
         "repeated_max": (0.25, 1e9)}          # 1e9: the repeated-maxima indicator off
+# the largest-logit indicator (off by default) alone, the other probe indicators off, and beside
+# the default setting
+LOGIT_GRID = {"max_logit": (100.0, 150.0, 200.0, 300.0, 500.0, 1000.0), "patience": (1, 2)}
+ALONE = {"spectral_ratio": 1e9, "repeated_max": 1e9}
 
 
 def runs_below(paths: list[Path]) -> list[Path]:
@@ -71,33 +75,50 @@ def main() -> None:
     print(f"{len(runs)} runs: {len(boom)} exploded, {len(calm)} did not, {len(stopped)} stopped on a non-finite "
           f"gradient (left out); the default setting's replay gives the logged first probe warning in {agree} of "
           f"{len(runs)}")
-    rows = []
-    keys = list(GRID)
-    for values in itertools.product(*GRID.values()):
-        settings = dict(zip(keys, values))
-        leads, missed, late = [], 0, 0
-        for r in boom:
-            w = first_warning(r["probes"], **settings)
-            if w is None:
-                missed += 1
-            elif w > r["exploded_at"]:
-                late += 1
-            else:
-                leads.append(r["exploded_at"] - w)
-        false = sum(first_warning(r["probes"], **settings) is not None for r in calm)
-        rows.append({**settings, "warned_before": len(leads), "late": late, "missed": missed,
-                     "median_lead": statistics.median(leads) if leads else None,
-                     "min_lead": min(leads) if leads else None, "false_alarms": false, "quiet_runs": len(calm)})
+    rows = [evaluate(dict(zip(GRID, values)), boom, calm) for values in itertools.product(*GRID.values())]
     print(f"{'spectral':>8} {'growth':>6} {'patience':>8} {'rep.max':>7} | {'before':>6} {'late':>4} {'missed':>6} "
           f"{'median lead':>11} {'min lead':>8} | false alarms")
     for r in rows:
         rep = "off" if r["repeated_max"] > 1 else f"{r['repeated_max']:g}"
-        print(f"{r['spectral_ratio']:>8g} {r['growth']:>6g} {r['patience']:>8} {rep:>7} | {r['warned_before']:>6} "
-              f"{r['late']:>4} {r['missed']:>6} {str(r['median_lead']):>11} {str(r['min_lead']):>8} | "
-              f"{r['false_alarms']} of {r['quiet_runs']}")
+        print(f"{r['spectral_ratio']:>8g} {r['growth']:>6g} {r['patience']:>8} {rep:>7} | {outcome(r)}")
+    logit_rows = []
+    for alone in (True, False):
+        for values in itertools.product(*LOGIT_GRID.values()):
+            settings = {**(ALONE if alone else {}), **dict(zip(LOGIT_GRID, values))}
+            logit_rows.append({**evaluate(settings, boom, calm), "alone": alone})
+    print(f"\nthe largest-logit indicator, alone and beside the default probe indicators\n"
+          f"{'max logit':>9} {'patience':>8} {'with':>14} | {'before':>6} {'late':>4} {'missed':>6} "
+          f"{'median lead':>11} {'min lead':>8} | false alarms")
+    for r in logit_rows:
+        with_ = "alone" if r["alone"] else "the defaults"
+        print(f"{r['max_logit']:>9g} {r['patience']:>8} {with_:>14} | {outcome(r)}")
     if args.json:
         args.json.write_text(json.dumps({"runs": [{k: v for k, v in r.items() if k != "probes"} for r in runs],
-                                         "default_replay_agrees": agree, "rows": rows}, indent=1))
+                                         "default_replay_agrees": agree, "rows": rows, "logit_rows": logit_rows},
+                                        indent=1))
+
+
+def evaluate(settings: dict, boom: list[dict], calm: list[dict]) -> dict:
+    """One setting replayed on the exploded runs (warned before, late, missed; lead times) and on
+    the runs that never exploded (false alarms)."""
+    leads, missed, late = [], 0, 0
+    for r in boom:
+        w = first_warning(r["probes"], **settings)
+        if w is None:
+            missed += 1
+        elif w > r["exploded_at"]:
+            late += 1
+        else:
+            leads.append(r["exploded_at"] - w)
+    false = sum(first_warning(r["probes"], **settings) is not None for r in calm)
+    return {**settings, "warned_before": len(leads), "late": late, "missed": missed,
+            "median_lead": statistics.median(leads) if leads else None,
+            "min_lead": min(leads) if leads else None, "false_alarms": false, "quiet_runs": len(calm)}
+
+
+def outcome(r: dict) -> str:
+    return (f"{r['warned_before']:>6} {r['late']:>4} {r['missed']:>6} {str(r['median_lead']):>11} "
+            f"{str(r['min_lead']):>8} | {r['false_alarms']} of {r['quiet_runs']}")
 
 
 if __name__ == "__main__":

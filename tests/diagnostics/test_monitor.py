@@ -54,6 +54,25 @@ def test_delta_drift_is_optional():
     assert [(e["indicator"], e["layer"]) for e in events] == [("delta_drift", 2)]
 
 
+def test_largest_logit_is_optional_and_names_its_layer_and_head():
+    def rec(layers):
+        return {"row": {"max_logit": layers}}
+    assert Monitor(MonitorConfig(patience=1)).observe_probe(0, rec([[300.0, 2.0]])) == []     # off by default
+    m = Monitor(MonitorConfig(patience=2, max_logit=200.0))
+    assert m.observe_probe(0, rec([[40.0, 30.0], [20.0, 10.0]])) == []
+    assert m.observe_probe(100, rec([[40.0, 30.0], [150.0, 250.0]])) == []                    # patience 2
+    events = m.observe_probe(200, rec([[40.0, math.nan], [180.0, 260.0]]))
+    assert [(e["indicator"], e["layer"], e["head"]) for e in events] == [("max_logit", 1, 1)]
+    assert events[0]["value"] == 260.0 and events[0]["threshold"] == 200.0
+    assert "largest attention logit 260 over 200" in events[0]["message"]
+    # an absolute level, not a growth: a layer over it from the first probe is flagged too
+    assert [e["layer"] for e in Monitor(MonitorConfig(patience=1, max_logit=200.0)).observe_probe(
+        0, rec([[201.0], [1.0]]))] == [0]
+    for bad in (0, -1.0, math.inf):
+        with pytest.raises(ValueError, match="monitor max_logit=.* is invalid; accepted: None"):
+            MonitorConfig(max_logit=bad)
+
+
 def test_actions_choose_layers_once():
     warn = Monitor(MonitorConfig(action="warn"))
     ev = [{"layer": 1}, {"layer": None}]

@@ -67,3 +67,14 @@ def test_parse_value_optional_and_underscores():
     assert parse_value("lr_decay_iters", "none") is None
     assert parse_value("max_iters", "600_000") == 600000
     assert apply_overrides(TrainConfig(), {"n_layer": 3}).n_layer == 3
+
+
+def test_the_monitor_settings_reach_the_monitor():
+    from stableflash.train.config import monitor_config
+    cfg = make_config("tiny", overrides=["monitor=switch", "monitor_max_logit=200", "monitor_delta_drift=0.5",
+                                         "monitor_patience=1", "monitor_spectral_ratio=3"])
+    m = monitor_config(cfg)
+    assert (m.action, m.max_logit, m.delta_drift, m.patience, m.spectral_ratio) == ("switch", 200.0, 0.5, 1, 3.0)
+    assert monitor_config(make_config("tiny")).max_logit is None                 # off by default
+    with pytest.raises(ValueError, match=r"monitor max_logit=-3.0 is invalid"):
+        monitor_config(make_config("tiny", overrides=["monitor_max_logit=-3"]))

@@ -8,6 +8,9 @@ Indicators, each checked per layer on every probe record (``probes.probe_record`
   layers and at least ``growth`` × its own first value (the paper's Fig. 3: one layer's W_Q grows);
 - δ bias: the magnitude of the running sum of Σ_T(δ_lp − δ_hp) above ``delta_drift`` (off by
   default: its scale depends on the model);
+- the largest attention logit: the layer's largest score (over heads and the probed rows) above
+  ``max_logit`` (off by default: its scale depends on the model; docs/diagnostics.md has what it
+  did on the project's failing runs);
 and on every step:
 - the loss itself: its exponential average above ``loss_spike`` × the lowest average so far.
 
@@ -35,6 +38,7 @@ class MonitorConfig:
     spectral_ratio: float = 4.0
     growth: float = 3.0
     delta_drift: float | None = None
+    max_logit: float | None = None
     loss_spike: float = 1.5
     loss_ema: float = 0.1
     warmup_steps: int = 50
@@ -48,6 +52,10 @@ class MonitorConfig:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise ValueError(f"monitor {name}={value!r} is invalid; accepted: a finite number > 0")
+        for name in ("delta_drift", "max_logit"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(f"monitor {name}={value!r} is invalid; accepted: None (off) or a finite number > 0")
         if self.patience < 1:
             raise ValueError(f"monitor patience={self.patience!r} is invalid; accepted: >= 1")
         if self.scope not in SCOPES:
@@ -94,6 +102,9 @@ class Monitor:
             events += self._check(step, "repeated_max", layer, head, value, self.config.repeated_max)
         for layer, value, limit in self._spectral(record):
             events += self._check(step, "spectral_q", layer, None, value, limit)
+        if self.config.max_logit is not None:
+            for layer, value, head in self._max_logit(record):
+                events += self._check(step, "max_logit", layer, head, value, self.config.max_logit, use_growth=False)
         if self.config.delta_drift is not None:
             for layer, info in (record.get("delta") or {}).items():
                 running = info.get("running_sum")
@@ -129,6 +140,15 @@ class Monitor:
                 worst = max(range(len(values)), key=lambda h: -math.inf if values[h] is None else values[h])
                 yield layer, sum(finite) / len(finite), worst
 
+    @staticmethod
+    def _max_logit(record: dict):
+        rows = (record.get("row") or {}).get("max_logit")
+        for layer, heads in enumerate(rows or []):
+            finite = [(h, v) for h, v in enumerate(heads) if isinstance(v, (int, float)) and math.isfinite(v)]
+            if finite:
+                head, value = max(finite, key=lambda hv: hv[1])
+                yield layer, value, head
+
     def _spectral(self, record: dict):
         norms = (record.get("spectral") or {}).get("q_full")
         if not norms or len(norms) < 2:
@@ -145,7 +165,7 @@ class Monitor:
         if self.streak[key] != self.config.patience:
             return []
         what = {"repeated_max": "fraction of rows with repeated maxima", "spectral_q": "spectral norm of W_Q",
-                "delta_drift": "running δ bias"}[indicator]
+                "delta_drift": "running δ bias", "max_logit": "largest attention logit"}[indicator]
         return [self._warning(step, layer, head, indicator, value, limit,
                               f"layer {layer}: {what} {value:.3g} over {limit:.3g} "
                               f"(first seen {self.first[key]:.3g}) for {self.config.patience} probes")]

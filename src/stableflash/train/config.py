@@ -77,6 +77,7 @@ class TrainConfig:
     monitor_loss_spike: float = 1.5
     monitor_patience: int = 2
     monitor_delta_drift: float | None = None
+    monitor_max_logit: float | None = None    # warn when a layer's largest attention logit passes this
     monitor_switch_to: str = "delta=auto"     # what "switch"/"rollback" change on a flagged layer
     monitor_scope: str = "flagged"            # which layers they change: the flagged ones, or all
     notes: str = ""
@@ -284,7 +285,8 @@ def monitor_config(cfg: TrainConfig):
     return MonitorConfig(action=cfg.monitor, repeated_max=cfg.monitor_repeated_max,
                          spectral_ratio=cfg.monitor_spectral_ratio, growth=cfg.monitor_growth,
                          loss_spike=cfg.monitor_loss_spike, patience=cfg.monitor_patience,
-                         delta_drift=cfg.monitor_delta_drift, warmup_steps=cfg.warmup_iters,
+                         delta_drift=cfg.monitor_delta_drift, max_logit=cfg.monitor_max_logit,
+                         warmup_steps=cfg.warmup_iters,
                          scope=cfg.monitor_scope)
 
 
