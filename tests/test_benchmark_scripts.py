@@ -82,3 +82,28 @@ def test_max_logit_reads_each_probe_and_finds_the_first_step_past_the_edge(tmp_p
     monkeypatch.setattr(sys, "argv", ["max_logit.py", str(empty)])
     with pytest.raises(SystemExit, match="holds no probes.jsonl"):
         ml.main()
+
+
+def test_plot_loss_draws_the_runs_and_refuses_a_folder_without_metrics(tmp_path, monkeypatch):
+    import argparse
+
+    pl = load("plot_loss")
+    runs = []
+    for name, status, losses in (("held", "finished", [3.0, 2.0, 1.5, 1.2]), ("boom", "exploded", [3.0, 2.0, 6.0])):
+        run = tmp_path / name
+        run.mkdir()
+        lines = [{"step": 10 * i, "loss": v} for i, v in enumerate(losses)]
+        lines.append({"step": 15, "event": "monitor_action", "action": "switch", "layers": [0]})
+        run.joinpath("metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+        run.joinpath("summary.json").write_text(json.dumps({"status": status}))
+        runs.append(f"{name} run={run}")
+    out = tmp_path / "loss.png"
+    monkeypatch.setattr(sys, "argv", ["plot_loss.py", str(out), "--run", runs[0], "--run", runs[1],
+                                      "--dashed", "held run", "--ylim", "0.5", "10", "--title", "t"])
+    pl.main()
+    assert out.stat().st_size > 10_000 and out.read_bytes()[:4] == b"\x89PNG"
+    assert pl.parse_run(runs[0]) == ("held run", tmp_path / "held")
+    with pytest.raises(argparse.ArgumentTypeError, match="holds no metrics.jsonl"):
+        pl.parse_run(f"x={tmp_path}")
+    with pytest.raises(argparse.ArgumentTypeError, match="accepted: LABEL=RUN_DIR"):
+        pl.parse_run(str(tmp_path / "held"))
