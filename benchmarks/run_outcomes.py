@@ -26,7 +26,7 @@ def outcome(run_dir: Path, root: Path) -> dict:
     config = json.loads((run_dir / "config.json").read_text()) if (run_dir / "config.json").exists() else {}
     return {"run": str(run_dir.relative_to(root)), "attention": config.get("attention"),
             "steps": int(steps[-1]) + 1 if len(steps) else 0,
-            "explosion_step": explosion_step(run, 2.0, 50),
+            "explosion_step": explosion_step(run),
             "final_loss": round(float(losses[-1]), 4) if len(losses) else None,
             "min_loss": round(float(losses.min()), 4) if len(losses) else None,
             "warnings": len(events_of(run, "monitor_warning")),

@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from stableflash.train.stopping import EXPLOSION_FACTOR
+
 log = logging.getLogger(__name__)
 
 _NONFINITE = {"nan": math.nan, "+nan": math.nan, "-nan": math.nan, "inf": math.inf, "+inf": math.inf,
@@ -248,7 +250,7 @@ def first_event_step(run: Run, kind: str) -> int | None:
 
 # -------------------------------------------------------------------------------------- explosion
 
-def explosion_step(run: Run, factor: float = 2.0, window: int = 50) -> int | None:
+def explosion_step(run: Run, factor: float = EXPLOSION_FACTOR, window: int = 50) -> int | None:
     """First step where the training loss blows up, or None.
 
     A step counts when its loss is non-finite (also a ``nonfinite`` event: the loop stops there

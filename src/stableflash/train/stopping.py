@@ -12,11 +12,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+EXPLOSION_FACTOR = 2.0              # loss above this × its running minimum: exploded (here and in reports)
+
 
 @dataclass
 class ExplosionStop:
     after: int                      # steps above the threshold in a row that stop the run (0: never)
-    factor: float = 2.0
+    factor: float = EXPLOSION_FACTOR
     running_min: float = math.inf
     above_since: int | None = None  # first step of the current streak above the threshold
 
