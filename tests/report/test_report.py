@@ -433,3 +433,12 @@ def test_many_long_legend_entries_stay_inside_the_figure(tmp_path):
     fig.canvas.draw()
     legend_box = fig.legends[0].get_window_extent()
     assert legend_box.x0 >= 0 and legend_box.x1 <= fig.bbox.width, (legend_box, fig.bbox.width)
+
+
+def test_event_labels_leave_out_a_layer_or_head_the_event_does_not_name():
+    """The loss warning names no layer and the W_Q one no head (both logged as null)."""
+    loss = {"event": "monitor_warning", "layer": None, "head": None, "indicator": "loss"}
+    spectral = {"event": "monitor_warning", "layer": 0, "head": None, "indicator": "spectral_q"}
+    logit = {"event": "monitor_warning", "layer": 2, "head": 1, "indicator": "max_logit"}
+    assert [plots._event_text(e) for e in (loss, spectral, logit)] == ["loss", "L0 spectral_q", "L2 H1 max_logit"]
+    assert plots._event_text({"event": "exploded", "since": 13}) == "exploded since 13"

@@ -172,13 +172,13 @@ def _figure_specs(runs: list[Run]) -> list[_FigureSpec]:
     specs.append(_FigureSpec(
         "fig-monitor", "Monitor timeline",
         "One row per run over its logged steps (grey bar): monitor warnings (triangles, labelled layer/head/indicator), "
-        "monitor actions (squares: switch, diamonds: rollback, labelled with the layers) and non-finite events "
-        "(crosses); the red dashed tick is the explosion step. The gap between the first warning and the explosion "
+        "monitor actions (squares: switch, diamonds: rollback, labelled with the layers), non-finite losses "
+        "(crosses) and explosion stops (stars: stop_after_explosion); the red dashed tick is the explosion step. The gap between the first warning and the explosion "
         "is the lead time in the table above.",
-        "Timeline of monitor warnings, actions and non-finite events per run",
+        "Timeline of monitor warnings, actions, non-finite losses and explosion stops per run",
         lambda: plots.monitor_timeline(runs),
-        None if any(events_of(r, "monitor_warning", "monitor_action", "nonfinite") for r in runs)
-        else "no monitor or non-finite events in any run"))
+        None if any(events_of(r, "monitor_warning", "monitor_action", "nonfinite", "exploded") for r in runs)
+        else "no monitor, non-finite or explosion-stop events in any run"))
     return specs
 
 

@@ -360,7 +360,8 @@ def _event_key(event: dict) -> str | None:
 def _event_text(event: dict) -> str:
     kind = event.get("event")
     if kind == "monitor_warning":
-        parts = [f"L{event['layer']}" if "layer" in event else "", f"H{event['head']}" if "head" in event else "",
+        parts = [f"L{event['layer']}" if event.get("layer") is not None else "",
+                 f"H{event['head']}" if event.get("head") is not None else "",
                  str(event.get("indicator", ""))]
         return _plain(" ".join(p for p in parts if p), 28)
     if kind == "monitor_action":
@@ -393,12 +394,12 @@ def _label_positions(events: list[dict], char_width: float) -> list[tuple[dict, 
 
 
 def monitor_timeline(runs: Sequence[Run]):
-    """Monitor warnings, monitor actions and non-finite events as markers on a step axis, one row
+    """Monitor warnings, monitor actions, non-finite losses and explosion stops as markers on a step axis, one row
     per run, labelled with layer/head (and indicator) where the labels fit without overlapping;
     grey bars span each run's logged steps, a red dashed tick marks its explosion step."""
     fig = _new_figure(10, max(2.8, 1.4 + 1.1 * len(runs)))
     ax = fig.add_subplot()
-    ax.set_title("Monitor warnings, actions and non-finite events")
+    ax.set_title("Monitor warnings and actions, non-finite losses, explosion stops")
     ax.set_xlabel("step")
     if not runs:
         _no_data(ax, "no runs given")
@@ -439,7 +440,7 @@ def monitor_timeline(runs: Sequence[Run]):
     ax.set_ylim(len(runs) - 0.4, -0.6)
     ax.grid(True, axis="x", alpha=0.3)
     if not any_events:
-        ax.text(0.5, 0.02, "No data: no monitor or non-finite events in any run's metrics.jsonl",
+        ax.text(0.5, 0.02, "No data: no monitor, non-finite or explosion-stop events in any run's metrics.jsonl",
                 transform=ax.transAxes, ha="center", va="bottom", fontsize=10, color="0.35")
     handles, labels = ax.get_legend_handles_labels()
     if handles:
