@@ -60,8 +60,12 @@ DELTA_VARIANTS = {"dP·P": dict(DELTA_SRC=1), "recompute in fp32": dict(DELTA_SR
                   "dP·P, soft-capped": dict(DELTA_SRC=1, SOFTCAP=True)}
 
 
-def compile_kernel(kernel, const: dict, warps: int = 4, stages: int = 3) -> int:
-    """Compile for sm_90; the cubin's size in bytes."""
+def source(kernel, const: dict, aligned: bool = True) -> ASTSource:
+    """``kernel`` with the constants ``const``, typed as the launchers call it: bf16 tensors, fp32
+    LSE/δ/O32 (O32 in O's dtype for the residual δ sources), an fp8 V8 for the fp8 product. With
+    ``aligned``, what the launcher's JIT would specialize at the benchmarks' shapes: pointers,
+    strides and lengths divisible by 16 (aligned, vectorizable loads: what lets the key loop be
+    pipelined)."""
     names = kernel.arg_names
     fp32 = FP32_POINTERS - {"O32"} if const.get("KEEP_O32") in RESIDUAL_KEEP else FP32_POINTERS   # O32 in O's dtype
     pfmt = const.get("PFMT", -1)            # an fp8 product reads V8, V converted by the launcher
@@ -69,12 +73,16 @@ def compile_kernel(kernel, const: dict, warps: int = 4, stages: int = 3) -> int:
     sig = {n: "constexpr" if n in const else v8 if n == "V8" else
            ("*fp32" if n in fp32 else "*bf16") if n.isupper() else
            "fp32" if n in FLOATS else "i32" for n in names}
-    # what the launcher's JIT would specialize at the benchmarks' shapes: pointers, strides and
-    # lengths divisible by 16 (aligned, vectorizable loads: what lets the key loop be pipelined)
-    aligned = [n for n in names if n not in const and (n.isupper() or n.startswith("stride") or n in ("n_q", "n_k"))]
-    src = ASTSource(kernel, sig, constexprs={(names.index(k),): v for k, v in const.items()},
-                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 128), options=dict(num_warps=warps, num_stages=stages))
+    divisible = [n for n in names if aligned and n not in const
+                 and (n.isupper() or n.startswith("stride") or n in ("n_q", "n_k"))]
+    return ASTSource(kernel, sig, constexprs={(names.index(k),): v for k, v in const.items()},
+                     attrs={(names.index(n),): [["tt.divisibility", 16]] for n in divisible})
+
+
+def compile_kernel(kernel, const: dict, warps: int = 4, stages: int = 3) -> int:
+    """Compile for sm_90; the cubin's size in bytes."""
+    compiled = triton.compile(source(kernel, const), target=GPUTarget("cuda", 90, 128),
+                              options=dict(num_warps=warps, num_stages=stages))
     return len(compiled.asm["cubin"])
 
 

@@ -9,16 +9,19 @@ A RUN_OR_ROOT is a run folder (holding probes.jsonl) or any folder above run fol
 """
 import argparse
 import json
+import math
 from pathlib import Path
+
+from stableflash.diagnostics.monitor import largest_logits
 
 
 def max_logits(probes: Path) -> list[tuple[int, float]]:
-    """(step, largest logit over every layer and head) of each probe record."""
+    """(step, largest finite logit over every layer and head) of each probe record: the largest of
+    the monitor's per-layer values (``largest_logits``; NaN where a record has none finite)."""
     out = []
     for line in probes.read_text().splitlines():
         rec = json.loads(line)
-        heads = rec["row"]["max_logit"]
-        out.append((int(rec["step"]), max(max(layer) for layer in heads)))
+        out.append((int(rec["step"]), max((v for _, v, _ in largest_logits(rec)), default=math.nan)))
     return out
 
 

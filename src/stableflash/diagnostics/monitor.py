@@ -31,6 +31,21 @@ ACTIONS = ("off", "warn", "switch", "rollback")
 SCOPES = ("flagged", "all")
 
 
+def _finite_positive(value) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+
+
+def largest_logits(record: dict):
+    """(layer, largest logit over its heads, that head) of one probe record (``row.max_logit``),
+    non-finite values left out: the monitor's largest-logit indicator."""
+    rows = (record.get("row") or {}).get("max_logit")
+    for layer, heads in enumerate(rows or []):
+        finite = [(h, v) for h, v in enumerate(heads) if isinstance(v, (int, float)) and math.isfinite(v)]
+        if finite:
+            head, value = max(finite, key=lambda hv: hv[1])
+            yield layer, value, head
+
+
 @dataclass
 class MonitorConfig:
     action: str = "warn"
@@ -49,13 +64,12 @@ class MonitorConfig:
         if self.action not in ACTIONS:
             raise ValueError(f"monitor action={self.action!r} is invalid; accepted: {', '.join(ACTIONS)}")
         for name in ("repeated_max", "spectral_ratio", "growth", "loss_spike", "loss_ema"):
-            value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-                raise ValueError(f"monitor {name}={value!r} is invalid; accepted: a finite number > 0")
-        for name in ("delta_drift", "max_logit"):
-            value = getattr(self, name)
-            if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-                raise ValueError(f"monitor {name}={value!r} is invalid; accepted: None (off) or a finite number > 0")
+            if not _finite_positive(getattr(self, name)):
+                raise ValueError(f"monitor {name}={getattr(self, name)!r} is invalid; accepted: a finite number > 0")
+        for name in ("delta_drift", "max_logit"):                  # optional indicators: None is off
+            if getattr(self, name) is not None and not _finite_positive(getattr(self, name)):
+                raise ValueError(f"monitor {name}={getattr(self, name)!r} is invalid; accepted: None (off) or a "
+                                 "finite number > 0")
         if self.patience < 1:
             raise ValueError(f"monitor patience={self.patience!r} is invalid; accepted: >= 1")
         if self.scope not in SCOPES:
@@ -103,7 +117,7 @@ class Monitor:
         for layer, value, limit in self._spectral(record):
             events += self._check(step, "spectral_q", layer, None, value, limit)
         if self.config.max_logit is not None:
-            for layer, value, head in self._max_logit(record):
+            for layer, value, head in largest_logits(record):
                 events += self._check(step, "max_logit", layer, head, value, self.config.max_logit, use_growth=False)
         if self.config.delta_drift is not None:
             for layer, info in (record.get("delta") or {}).items():
@@ -139,15 +153,6 @@ class Monitor:
             if finite:
                 worst = max(range(len(values)), key=lambda h: -math.inf if values[h] is None else values[h])
                 yield layer, sum(finite) / len(finite), worst
-
-    @staticmethod
-    def _max_logit(record: dict):
-        rows = (record.get("row") or {}).get("max_logit")
-        for layer, heads in enumerate(rows or []):
-            finite = [(h, v) for h, v in enumerate(heads) if isinstance(v, (int, float)) and math.isfinite(v)]
-            if finite:
-                head, value = max(finite, key=lambda hv: hv[1])
-                yield layer, value, head
 
     def _spectral(self, record: dict):
         norms = (record.get("spectral") or {}).get("q_full")

@@ -211,7 +211,8 @@ class AttentionSpec:
         for c in (self.default, *(c for _, c in self.overrides)):
             if isinstance(c.policy, PrecisionPolicy) and c.policy.delta == "auto":
                 source = resolve_delta(c.policy).delta
-                sources += [] if source in sources else [source]
+                if source not in sources:
+                    sources.append(source)
         return sources
 
     def __str__(self) -> str:

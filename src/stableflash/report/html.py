@@ -177,7 +177,7 @@ def _figure_specs(runs: list[Run]) -> list[_FigureSpec]:
         "is the lead time in the table above.",
         "Timeline of monitor warnings, actions, non-finite losses and explosion stops per run",
         lambda: plots.monitor_timeline(runs),
-        None if any(events_of(r, "monitor_warning", "monitor_action", "nonfinite", "exploded") for r in runs)
+        None if any(plots.timeline_events(r) for r in runs)
         else "no monitor, non-finite or explosion-stop events in any run"))
     return specs
 

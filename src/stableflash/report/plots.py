@@ -357,6 +357,11 @@ def _event_key(event: dict) -> str | None:
     return kind if kind in _EVENT_STYLE else None
 
 
+def timeline_events(run: Run) -> list[dict]:
+    """The run's events the monitor timeline marks (those ``_EVENT_STYLE`` has a marker for)."""
+    return [e for e in run.events if _event_key(e) is not None]
+
+
 def _event_text(event: dict) -> str:
     kind = event.get("event")
     if kind == "monitor_warning":
@@ -420,7 +425,7 @@ def monitor_timeline(runs: Sequence[Run]):
             ax.plot([boom, boom], [row - 0.3, row + 0.3], color="crimson", linestyle="--", linewidth=1.3,
                     zorder=2, label=None if "explosion" in seen_labels else "explosion step")
             seen_labels.add("explosion")
-        events = [e for e in run.events if _event_key(e) is not None]
+        events = timeline_events(run)
         for event in events:
             style = dict(_EVENT_STYLE[_event_key(event)])
             label = style.pop("label")
