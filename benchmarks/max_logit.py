@@ -8,21 +8,19 @@ subnormals: docs/mitigations.md), so this says when a run came within reach of t
 A RUN_OR_ROOT is a run folder (holding probes.jsonl) or any folder above run folders.
 """
 import argparse
-import json
 import math
 from pathlib import Path
 
 from stableflash.diagnostics.monitor import largest_logits
+from stableflash.report import load_run
 
 
-def max_logits(probes: Path) -> list[tuple[int, float]]:
-    """(step, largest finite logit over every layer and head) of each probe record: the largest of
-    the monitor's per-layer values (``largest_logits``; NaN where a record has none finite)."""
-    out = []
-    for line in probes.read_text().splitlines():
-        rec = json.loads(line)
-        out.append((int(rec["step"]), max((v for _, v, _ in largest_logits(rec)), default=math.nan)))
-    return out
+def max_logits(run_dir: Path) -> list[tuple[int, float]]:
+    """(step, largest finite logit over every layer and head) of each probe record of the run (read
+    by ``report.load_run``, which skips malformed lines with a warning): the largest of the
+    monitor's per-layer values (``largest_logits``; NaN where a record has none finite)."""
+    return [(rec["step"], max((v for _, v, _ in largest_logits(rec)), default=math.nan))
+            for rec in load_run(run_dir).probes]
 
 
 def main() -> None:
@@ -36,7 +34,10 @@ def main() -> None:
         if not files:
             raise SystemExit(f"paths: {root} holds no probes.jsonl; accepted: a run folder or a folder above runs")
         for f in files:
-            rows = max_logits(f)
+            try:
+                rows = max_logits(f.parent)
+            except FileNotFoundError as exc:              # probes without the run's metrics.jsonl
+                raise SystemExit(f"paths: {exc}") from None
             shown = [f"{s}:{v:.0f}" for i, (s, v) in enumerate(rows) if s % args.every == 0 or i == len(rows) - 1]
             above = next((s for s, v in rows if v > args.edge), None)
             name = f.parent.relative_to(root.parent) if f.parent != root else root.name

@@ -69,7 +69,8 @@ def test_max_logit_reads_each_probe_and_finds_the_first_step_past_the_edge(tmp_p
     records = [(0, [[1.0, 0.5], [0.2, 0.9]]), (100, [[40.0, 3.0], [88.5, 2.0]]), (200, [[90.0, 95.5], [1.0, 1.0]])]
     run.joinpath("probes.jsonl").write_text(
         "".join(json.dumps({"step": s, "row": {"max_logit": m}}) + "\n" for s, m in records))
-    assert ml.max_logits(run / "probes.jsonl") == [(0, 1.0), (100, 88.5), (200, 95.5)]
+    run.joinpath("metrics.jsonl").write_text(json.dumps({"step": 0, "loss": 3.0}) + "\n")
+    assert ml.max_logits(run) == [(0, 1.0), (100, 88.5), (200, 95.5)]
     monkeypatch.setattr(sys, "argv", ["max_logit.py", str(tmp_path / "runs"), "--edge", "90"])
     ml.main()
     out = capsys.readouterr().out
@@ -81,6 +82,12 @@ def test_max_logit_reads_each_probe_and_finds_the_first_step_past_the_edge(tmp_p
     empty.mkdir()
     monkeypatch.setattr(sys, "argv", ["max_logit.py", str(empty)])
     with pytest.raises(SystemExit, match="holds no probes.jsonl"):
+        ml.main()
+    orphan = tmp_path / "orphan"                       # probes without the run's metrics.jsonl
+    orphan.mkdir()
+    orphan.joinpath("probes.jsonl").write_text(json.dumps({"step": 0, "row": {"max_logit": [[1.0]]}}) + "\n")
+    monkeypatch.setattr(sys, "argv", ["max_logit.py", str(orphan)])
+    with pytest.raises(SystemExit, match="has no metrics.jsonl"):
         ml.main()
 
 
