@@ -183,6 +183,21 @@ for g in $groups; do
            --set stop_after_explosion=400 --set "attention=triton policy=fa2 out=e8m4 delta=dO*(O+R)"
          bash $d start r-o16r-fp8 kernel-fa2-fp8 --seeds 0 1 2 --roles baseline --steps 4000 --parallel 3 \
            --set stop_after_explosion=400 --set "attention=triton policy=fa2 p_bar=fp8_e4m3 out=fp8_e4m3 delta=dO*(O16+R)";;
+    # δ from O as computed on fp8 e4m3 P̄ and O again, now that our rule keeps a tied row's P̄ normal in
+    # e4m3 (the capped shift, kernels.md item 25; the 2026-11-23 runs that exploded at 680 / 2240 / 970
+    # shifted without the cap, which can round a whole row's P̄ to 0), and without our rule
+    o32c-fp8-capped) S="--steps 4000 --set stop_after_explosion=400"
+         bash $d start c-o32c-fp8 kernel-fa2-fp8 --seeds 0 1 2 --roles baseline $S --parallel 3 \
+           --set "attention=triton policy=fa2 p_bar=fp8_e4m3 out=fp8_e4m3 rule=ours delta=dO*O32"
+         bash $d start c-o32c-fp8-norule kernel-fa2-fp8 --seeds 0 1 2 --roles baseline $S --parallel 3 \
+           --set "attention=triton policy=fa2 p_bar=fp8_e4m3 out=fp8_e4m3 delta=dO*O32";;
+    # the Llama model's rows with our rule + the guard and with QK-norm on fp8 e4m3, to 6000 steps (the
+    # 2026-11-23d runs stopped at 3490 and 2760 when the machine went back)
+    llama-6000) S="--steps 6000 --set stop_after_explosion=400"
+         bash $d start l6-llama-fp8-guard kernel-fa2-fp8 --seeds 0 1 2 --roles baseline $S --parallel 3 \
+           --set model=llama-small --set "attention=triton policy=fa2 p_bar=fp8_e4m3 out=fp8_e4m3 rule=ours delta=auto"
+         bash $d start l6-llama-fp8-qk kernel-fa2-fp8 --seeds 0 1 2 --roles baseline $S --parallel 3 \
+           --set model=llama-small-qknorm;;
     *) echo "unknown group $g"; exit 2;;
   esac
 done
