@@ -42,9 +42,11 @@ def costs(datas: list, against: str, mode: str = "fwd+bwd") -> dict:
 def print_one(data: dict, against: str, mode: str) -> None:
     tf = tflops(data, mode)
     shapes = sorted({s for s, _ in tf}, key=lambda s: s[2])
+    names = variants([data], against)
+    w = max([len("variant"), *map(len, names)]) + 2       # long provider names keep their column
     print(f"{mode}: cost vs {against} (time), and ratio to sdpa-flash (TFLOP/s)")
-    print("variant".ljust(16) + "".join(f"{'x'.join(map(str, s)):>28}" for s in shapes))
-    for name in variants([data], against):
+    print("variant".ljust(w) + "".join(f"{'x'.join(map(str, s)):>33}" for s in shapes))
+    for name in names:
         cells = []
         for s in shapes:
             ref, mine, flash = tf.get((s, against)), tf.get((s, name)), tf.get((s, "sdpa-flash"))
@@ -53,20 +55,22 @@ def print_one(data: dict, against: str, mode: str) -> None:
                 continue
             cell = f"{ref / mine - 1:+.1%} ({mine:.0f} TF/s"
             cells.append(cell + (f", {mine / flash:.2f}x flash)" if flash else ")"))
-        print(name.ljust(16) + "".join(f"{c:>28}" for c in cells))
+        print(name.ljust(w) + "".join(f" {c:>32}" for c in cells))
 
 
 def print_many(datas: list, against: str, mode: str) -> None:
     table = costs(datas, against, mode)
     shapes = sorted({s for _, s in table}, key=lambda s: s[2])
     print(f"{mode}: cost vs {against} (time) over {len(datas)} files: median [min, max] n=files with the cell")
-    print("variant".ljust(16) + "".join(f"{'x'.join(map(str, s)):>32}" for s in shapes))
-    for name in variants(datas, against):
+    names = variants(datas, against)
+    w = max([len("variant"), *map(len, names)]) + 2
+    print("variant".ljust(w) + "".join(f"{'x'.join(map(str, s)):>32}" for s in shapes))
+    for name in names:
         cells = []
         for s in shapes:
             c = table.get((name, s))
             cells.append(f"{statistics.median(c):+.1%} [{min(c):+.1%}, {max(c):+.1%}] n={len(c)}" if c else "-")
-        print(name.ljust(16) + "".join(f"{c:>32}" for c in cells))
+        print(name.ljust(w) + "".join(f"{c:>32}" for c in cells))
 
 
 def main() -> None:

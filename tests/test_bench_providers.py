@@ -114,3 +114,60 @@ def test_the_json_is_replaced_whole(tmp_path):
     write_text_atomic(out, json.dumps({"rows": [1, 2]}))
     assert json.loads(out.read_text()) == {"rows": [1, 2]}
     assert [p.name for p in out.parent.iterdir()] == ["bench.json"]      # no temporary file left
+
+
+def test_a_timing_the_benchmark_does_not_have_is_refused_by_name():
+    from stableflash.bench.attention import BenchConfig
+
+    with pytest.raises(ValueError, match=r"timing='cudagraph' is invalid; accepted: events, graph"):
+        BenchConfig(timing="cudagraph")
+
+
+@pytest.mark.parametrize("timing, bench", [("events", "do_bench"), ("graph", "do_bench_cudagraph")])
+@pytest.mark.parametrize("mode", ["fwd", "fwd+bwd"])
+def test_each_timing_times_the_call_it_names(monkeypatch, timing, bench, mode):
+    """``time_one`` hands the provider's call to triton.testing's benchmark of its timing: the call
+    computes the output (fwd, no graph kept) or the gradients of q, k, v (fwd+bwd). The benchmark is
+    replaced by one that runs the call twice and checks what it computed (CPU: the interpreter)."""
+    import triton.testing
+
+    from stableflash.bench.attention import BenchConfig, time_one
+
+    ran = []
+
+    def fake(fn, *args, **kwargs):
+        seen = []
+        real_grad = torch.autograd.grad
+        monkeypatch.setattr(torch.autograd, "grad",
+                            lambda o, leaves, do: seen.append(real_grad(o, leaves, do)) or seen[-1])
+        fn()
+        fn()
+        monkeypatch.setattr(torch.autograd, "grad", real_grad)
+        ran.append((bench, len(seen), torch.is_grad_enabled()))
+        if seen:
+            assert all(torch.isfinite(g).all() and g.abs().sum() > 0 for g in seen[-1])
+        return 1.25
+
+    other = {"do_bench": "do_bench_cudagraph", "do_bench_cudagraph": "do_bench"}[bench]
+    monkeypatch.setattr(triton.testing, bench, fake)
+    monkeypatch.setattr(triton.testing, other, lambda *a, **k: pytest.fail(f"{other} used for {timing}"))
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    gen = torch.Generator(device=device).manual_seed(0)
+    cfg = BenchConfig(shapes=((1, 2, 40, 16),), providers=("ours-standard",), modes=(mode,), timing=timing)
+    assert time_one("ours-standard", (1, 2, 40, 16), mode, cfg, torch.bfloat16, device, gen) == 1.25
+    assert ran == [(bench, 2 if mode == "fwd+bwd" else 0, True)]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_graph_timing_measures_the_gpus_time_on_the_gpu():
+    """On the GPU: the CUDA-graph timing of our kernel and of SDPA flash at a small shape, where the
+    host's launch time is a large part of a Python-launched call, is positive and not above the
+    Python-launched timing by more than noise."""
+    from stableflash.bench.attention import BenchConfig, time_one
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    shape = (2, 4, 256, 64)
+    for name in ("ours-standard", "sdpa-flash"):
+        ms = {t: time_one(name, shape, "fwd+bwd", BenchConfig(shapes=(shape,), providers=(name,), timing=t),
+                          torch.bfloat16, torch.device("cuda"), gen) for t in ("events", "graph")}
+        assert 0 < ms["graph"] <= 1.2 * ms["events"], (name, ms)

@@ -56,7 +56,8 @@ def _cmd_bench_attention(args: argparse.Namespace) -> int:
 
     cfg = BenchConfig(shapes=tuple(args.shape) if args.shape else BenchConfig.shapes,
                       providers=tuple(args.providers) if args.providers else BenchConfig.providers,
-                      causal=not args.no_causal, dtype=args.dtype, modes=tuple(args.modes))
+                      causal=not args.no_causal, dtype=args.dtype, modes=tuple(args.modes),
+                      timing=args.timing)
     command = "stableflash " + shlex.join(args.argv)
 
     def out_path(result: dict) -> Path:
@@ -336,8 +337,9 @@ def build_parser() -> argparse.ArgumentParser:
         "attention",
         help="time our Triton kernels against SDPA (flash, cuDNN, efficient) and FlexAttention",
         description="Check every provider against float64, then time forward and forward+backward "
-                    "(median of triton.testing.do_bench) for our kernel (stabilized, standard, paper's "
-                    "rule) and torch's peers in the same run; print TFLOP/s and ratios; write JSON.",
+                    "(median of triton.testing.do_bench, or of its CUDA-graph form with --timing graph) "
+                    "for our kernel (stabilized, standard, paper's rule) and torch's peers in the same "
+                    "run; print TFLOP/s and ratios; write JSON.",
     )
     p.add_argument("--shape", type=_shape, action="append",
                    help="B,H,N,d (repeatable; default: 32,12,1024,64 8,16,4096,64 4,16,8192,128)")
@@ -346,6 +348,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--modes", nargs="+", choices=("fwd", "fwd+bwd"), default=["fwd", "fwd+bwd"])
     p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
     p.add_argument("--no-causal", action="store_true", help="non-causal attention (default: causal)")
+    from stableflash.bench.attention import TIMINGS
+    p.add_argument("--timing", choices=TIMINGS, default="events",
+                   help="events: each call launched from Python, host launch time included where it "
+                        "exceeds the GPU's; graph: calls replayed from a CUDA graph, the GPU's time "
+                        "alone (default: events)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"),
                    help="JSON file, or a folder for a named file (default: benchmarks/results)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")

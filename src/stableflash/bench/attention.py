@@ -1,8 +1,12 @@
 """Attention speed: our Triton kernels (stabilized and not) against torch's peers, same run.
 
 Correctness first: every provider is compared with float64 on fresh random inputs at a small
-size before anything is timed. Times are medians of ``triton.testing.do_bench``; FLOPs are
-4·B·H·N²·d (×½ when causal) for the forward and 3.5× that for forward+backward.
+size before anything is timed. Times are medians of ``triton.testing.do_bench`` ("events": each
+call launched from Python, so the host's launch time shows wherever it exceeds the GPU's) or of
+``triton.testing.do_bench_cudagraph`` ("graph": the calls replayed from a CUDA graph, as a
+training step under ``torch.compile(mode="reduce-overhead")`` runs them: the GPU's time alone, L2
+not flushed between calls). FLOPs are 4·B·H·N²·d (×½ when causal) for the forward and 3.5× that
+for forward+backward.
 """
 from __future__ import annotations
 
@@ -83,6 +87,7 @@ OURS = {
 }
 PROVIDERS = (*OURS, "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex")
 PEERS = ("sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex")
+TIMINGS = ("events", "graph")
 
 
 @dataclass
@@ -95,6 +100,7 @@ class BenchConfig:
     warmup_ms: int = 25
     rep_ms: int = 100
     seed: int = 0
+    timing: str = "events"
 
     def __post_init__(self) -> None:
         bad = [p for p in self.providers if p not in PROVIDERS]
@@ -108,6 +114,8 @@ class BenchConfig:
         bad_modes = [m for m in self.modes if m not in ("fwd", "fwd+bwd")]
         if bad_modes:
             raise ValueError(f"modes={bad_modes} invalid; accepted: fwd, fwd+bwd")
+        if self.timing not in TIMINGS:
+            raise ValueError(f"timing={self.timing!r} is invalid; accepted: {', '.join(TIMINGS)}")
 
 
 def _sdpa(backend) -> Callable:
@@ -202,15 +210,18 @@ def time_one(name: str, shape, mode: str, cfg: BenchConfig, dtype, device, gen) 
     q, k, v, do = _inputs(shape, dtype, device, gen)
     fn = provider_fn(name, shape, cfg.causal, device)
     if mode == "fwd":
-        with torch.no_grad():
-            return triton.testing.do_bench(lambda: fn(q, k, v, cfg.causal), warmup=cfg.warmup_ms, rep=cfg.rep_ms,
-                                           return_mode="median")
-    leaves = [t.requires_grad_(True) for t in (q, k, v)]
+        def call():
+            with torch.no_grad():
+                fn(q, k, v, cfg.causal)
+    else:
+        leaves = [t.requires_grad_(True) for t in (q, k, v)]
 
-    def step():
-        o = fn(*leaves, cfg.causal)
-        torch.autograd.grad(o, leaves, do)
-    return triton.testing.do_bench(step, warmup=cfg.warmup_ms, rep=cfg.rep_ms, return_mode="median")
+        def call():
+            o = fn(*leaves, cfg.causal)
+            torch.autograd.grad(o, leaves, do)
+    if cfg.timing == "graph":
+        return triton.testing.do_bench_cudagraph(call, rep=cfg.rep_ms, return_mode="median")
+    return triton.testing.do_bench(call, warmup=cfg.warmup_ms, rep=cfg.rep_ms, return_mode="median")
 
 
 def environment() -> dict:
@@ -316,7 +327,8 @@ def format_table(result: dict) -> str:
                               else [errs["error"][:60], "", "", ""]))
         console.print(t)
         providers = list(dict.fromkeys(r["provider"] for r in result["rows"]))
-        t = Table(title=f"TFLOP/s (median), causal={result['config']['causal']}, {result['config']['dtype']} — "
+        t = Table(title=f"TFLOP/s (median, {result['config'].get('timing', 'events')} timing), "
+                        f"causal={result['config']['causal']}, {result['config']['dtype']} — "
                         f"{env['gpu']}, torch {env['torch']}, triton {env['triton']}")
         t.add_column("shape")
         t.add_column("mode")

@@ -216,7 +216,8 @@ def p_bar_v(p, v, v8, hp, PBAR32: tl.constexpr, HP: tl.constexpr, INTERP: tl.con
     """P̄V with fp32 accumulation: P̄ rounded to V's dtype for the tensor cores, or (PBAR32, or a head
     kept in fp32) multiplied in fp32. PFMT ≥ 0: P̄ rounded to that format first (``round_format``);
     bf16, e8mY and fp8 values are exact in bf16, fp16 values in tf32, so the products stay exact.
-    PFMT = FP8_PV + E4M3 or E5M2: P̄ rounded to that fp8 format and multiplied with ``v8``, V
+    PFMT = FP8_PV + E4M3 or E5M2: P̄ rounded to that fp8 format (on the GPU by the conversion itself,
+    which rounds to nearest-even, subnormals included, as ``round_format``) and multiplied with ``v8``, V
     already in it (the launcher converts V once per call), on the fp8 tensor cores (FP8 attention;
     Hopper's fp8 products accumulate with fewer bits than fp32); the interpreter's ``v8`` holds the
     same values in V's dtype, multiplied in fp32. Otherwise ``v8`` is not read."""
@@ -224,11 +225,10 @@ def p_bar_v(p, v, v8, hp, PBAR32: tl.constexpr, HP: tl.constexpr, INTERP: tl.con
         pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
     else:
         if PFMT >= FP8_PV:
-            p8 = round_format(p, PFMT - FP8_PV, INTERP)
             if INTERP:
-                pv = mma(cast(p8, v8.dtype, INTERP), v8, INTERP)
-            else:
-                pv = tl.dot(p8.to(v8.dtype), v8)
+                pv = mma(cast(round_format(p, PFMT - FP8_PV, INTERP), v8.dtype, INTERP), v8, INTERP)
+            else:                                      # the GPU's conversion rounds to nearest-even as
+                pv = tl.dot(p.to(v8.dtype), v8)        # round_format does (test_the_gpus_fp8_conversion…)
         elif PFMT == FP16:
             pv = tl.dot(round_format(p, PFMT, INTERP), v.to(tl.float32), input_precision="tf32")
         elif PFMT >= 0:
