@@ -36,6 +36,8 @@ FWD_VARIANTS = {
     "paper, e8m5, O fp32 kept for δ": dict(EMU=True, MBITS=5, ACC_NARROW=True, ROW_NARROW=True, O_NARROW=False,
                                           KEEP_O32=True),
     "fa2, P̄ and O in fp8 e4m3": dict(MBITS=32, PFMT=32),
+    "fa2, P̄ e4m3, O stored in e4m3 stochastically": dict(MBITS=32, PFMT=32, SR=True),
+    "fa2, P̄ e5m2, O stored in e5m2 stochastically": dict(MBITS=31, PFMT=31, SR=True),
     "fa2, O e8m4, O as computed kept for δ": dict(MBITS=4, KEEP_O32=2),
     "fa2, P̄ in e4m3, 16-bit P̄V beside it for δ": dict(PFMT=32, KEEP_O32=3),
     "fa2, the O store's residual kept in bf16 for δ": dict(KEEP_O32=4),

@@ -198,6 +198,25 @@ for g in $groups; do
            --set model=llama-small --set "attention=triton policy=fa2 p_bar=fp8_e4m3 out=fp8_e4m3 rule=ours delta=auto"
          bash $d start l6-llama-fp8-qk kernel-fa2-fp8 --seeds 0 1 2 --roles baseline $S --parallel 3 \
            --set model=llama-small-qknorm;;
+    # the rest of the mitigation matrix on the two real-FA2 failing configurations (2026-11-23h): the
+    # paper's rule at β = 4 and 8, ε of our rule and δ from an fp32 recompute on fp8 e4m3; β = 4, 8 and
+    # the recompute on e8m4; the logit-warned switch on both (it saved e5m2 and cpu-fp8)
+    matrix-rest) A8="attention=triton policy=fa2 p_bar=fp8_e4m3 out=fp8_e4m3" A4="attention=triton policy=fa2 out=e8m4"
+         S8="--steps 4000 --set stop_after_explosion=400" S4="--steps 5000 --set stop_after_explosion=400"
+         for b in 4 8; do bash $d start x-fp8-paper$b kernel-fa2-fp8 --seeds 1 --roles baseline $S8 --set "$A8 rule=paper beta=$b"
+           bash $d start x-e8m4-paper$b kernel-fa2-e8m4 --seeds 1 --roles baseline $S4 --set "$A4 rule=paper beta=$b"; done
+         for e in 0 0.1; do bash $d start x-fp8-eps-$e kernel-fa2-fp8 --seeds 1 --roles baseline $S8 --set "$A8 rule=ours eps=$e"; done
+         bash $d start x-fp8-recompute kernel-fa2-fp8 --seeds 1 --roles baseline $S8 --set "$A8 delta=recompute_fp32"
+         bash $d start x-e8m4-recompute kernel-fa2-e8m4 --seeds 1 --roles baseline $S4 --set "$A4 delta=recompute_fp32"
+         bash $d start x-fp8-switch-logit kernel-fa2-fp8 --seeds 0 1 2 --roles baseline $S8 --parallel 3 \
+           --set probe_every=50 --set monitor=switch --set monitor_max_logit=200
+         bash $d start x-e8m4-switch-logit kernel-fa2-e8m4 --seeds 0 1 2 --roles baseline $S4 --parallel 3 \
+           --set probe_every=50 --set monitor=switch --set monitor_max_logit=200;;
+    # stochastic rounding of the fp8 O store on the kernels (kernels.md item 28), fp8 e4m3 and e5m2
+    fp8-sr) bash $d start x-fp8-sr kernel-fa2-fp8 --seeds 0 1 2 --roles baseline --steps 4000 --parallel 3 \
+           --set stop_after_explosion=400 --set "attention=triton policy=fa2 p_bar=fp8_e4m3 out=fp8_e4m3:stochastic"
+         bash $d start x-e5m2-sr kernel-fa2-fp8 --seeds 0 1 2 --roles baseline --steps 2500 --parallel 3 \
+           --set stop_after_explosion=400 --set "attention=triton policy=fa2 p_bar=fp8_e5m2 out=fp8_e5m2:stochastic";;
     *) echo "unknown group $g"; exit 2;;
   esac
 done

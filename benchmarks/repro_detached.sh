@@ -5,8 +5,9 @@
 #       starts `stableflash repro --preset PRESET --no-probe -q --out /tmp/detached/NAME ...` in its
 #       own process session (it keeps running after the call returns)
 #   bash benchmarks/repro_detached.sh wait SECONDS
-#       sleeps, then packs every run's metrics, probes and events (no checkpoints) into
-#       $OUT/detached.tgz and prints each run's last logged loss and step
+#       waits SECONDS, or less once every started run's process group has ended, then packs every
+#       run's metrics, probes and events (no checkpoints) into $OUT/detached.tgz and prints each
+#       run's last logged loss and step
 #   bash benchmarks/repro_detached.sh solo PRESET STEPS [repro options ...]
 #       stops the detached runs, then times PRESET's baseline alone for STEPS steps (ms per step)
 #   bash benchmarks/repro_detached.sh stop [NAME ...]
@@ -14,7 +15,7 @@
 #       own process group, recorded at start (a `pkill -f` pattern can match the calling shell, and
 #       misses spawn workers, whose command line does not name the run)
 set -u
-root=/tmp/detached; mkdir -p $root
+root=${DETACHED_ROOT:-/tmp/detached}; mkdir -p "$root"     # DETACHED_ROOT: another folder (tests)
 export PYTHONPATH=$PWD/src:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp}
 case $1 in
@@ -33,7 +34,14 @@ case $1 in
       rm -f "$root/$name.pgid"
     done;;
   wait)
-    sleep "$2"
+    end=$((SECONDS + $2))
+    while [ $SECONDS -lt $end ]; do            # the pgid files, not `pgrep -f`, which matches this shell
+      alive=0
+      for f in "$root"/*.pgid; do [ -f "$f" ] && kill -0 -- -"$(cat "$f")" 2>/dev/null && alive=1; done
+      [ $alive = 0 ] && break
+      sleep 5
+    done
+    echo "waited $((SECONDS + $2 - end)) s of $2"
     tar czf "$OUT/detached.tgz" --exclude='*.pt' --exclude=batches -C "$root" .
     for f in $(find "$root" -name metrics.jsonl | sort); do      # repro and ladder layouts alike
       python3 - "$f" <<'PY'

@@ -62,6 +62,50 @@ def test_mitigation_costs_one_file_keeps_its_table(tmp_path, monkeypatch, capsys
     assert "ratio to sdpa-flash" in out and "+100.0% (100 TF/s, 2.00x flash)" in out
 
 
+def test_mitigation_costs_keeps_a_long_providers_name_apart_from_its_cells(tmp_path, monkeypatch, capsys):
+    """Provider names longer than the old 16-character column (ours-fp8-pv-norule) ran into their
+    first cell; the name column now fits the longest name, and cells are space-separated."""
+    import re
+
+    mc = load("mitigation_costs")
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(fake_bench({(SMALL, "ours-standard"): 200.0, (SMALL, "ours-fp8-pv-norule"): 100.0,
+                                           (BIG, "ours-standard"): 200.0, (BIG, "ours-fp8-pv-norule"): 160.0},
+                                          providers=("ours-standard", "ours-fp8-pv-norule"))))
+    for argv in ([str(path)], [str(path), str(path)]):
+        monkeypatch.setattr(sys, "argv", ["mitigation_costs.py", *argv])
+        mc.main()
+        line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("ours-fp8-pv-norule"))
+        assert re.match(r"ours-fp8-pv-norule\s+\+100\.0% .*\s\+25\.0% ", line), line
+
+
+def test_detached_runs_wait_ends_when_every_run_has_stopped(tmp_path):
+    """`repro_detached.sh wait SECONDS` returns once every started run's process group has ended
+    (a `pgrep -f` loop in the calling shell matched itself and always waited its full time), and
+    still packs the runs."""
+    import shutil
+    import subprocess
+    import time
+
+    if shutil.which("setsid") is None:
+        pytest.skip("needs setsid")
+    root = tmp_path / "detached"
+    (root / "run1" / "seed0").mkdir(parents=True)
+    (root / "run1" / "seed0" / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0, "ms": 3.0}\n')
+    import threading
+
+    sleeper = subprocess.Popen(["setsid", "sleep", "2"])          # its own process group, as `start` makes
+    threading.Thread(target=sleeper.wait, daemon=True).start()    # reaped when it ends, not left a zombie
+    (root / "run1.pgid").write_text(f"{sleeper.pid}\n")
+    start = time.monotonic()
+    out = subprocess.run(["bash", str(BENCHMARKS / "repro_detached.sh"), "wait", "60"], capture_output=True,
+                         text=True, env={"PATH": "/usr/bin:/bin", "DETACHED_ROOT": str(root), "OUT": str(tmp_path)},
+                         cwd=BENCHMARKS.parent, timeout=90)
+    assert out.returncode == 0, out.stderr
+    assert time.monotonic() - start < 30 and "of 60" in out.stdout
+    assert (tmp_path / "detached.tgz").stat().st_size > 0
+
+
 def test_max_logit_reads_each_probe_and_finds_the_first_step_past_the_edge(tmp_path, monkeypatch, capsys):
     ml = load("max_logit")
     run = tmp_path / "runs" / "seed0" / "baseline"

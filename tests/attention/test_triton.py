@@ -14,7 +14,8 @@ from tests.conftest import DEVICE, rel_err
 triton = pytest.importorskip("triton")
 from stableflash.attention.triton import op as triton_op  # noqa: E402  (after TRITON_INTERPRET is set)
 import triton.language as tl  # noqa: E402
-from stableflash.attention.triton.common import p_bar_v, round_format, round_mantissa_stochastic  # noqa: E402
+from stableflash.attention.triton.common import (p_bar_v, round_format, round_format_stochastic,  # noqa: E402
+                                                 round_mantissa_stochastic)
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")   # interpreter: numpy's inf − inf
 gpu = pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA device")
@@ -143,6 +144,12 @@ def _stochastic_e8m3(X, Y, seed, N: tl.constexpr):
 
 
 @triton.jit
+def _stochastic_small(X, Y, seed, N: tl.constexpr, FMT: tl.constexpr):
+    offs = tl.arange(0, N)
+    tl.store(Y + offs, round_format_stochastic(tl.load(X + offs), FMT, seed, offs))
+
+
+@triton.jit
 def _p_bar_v(P, V, Y, hp, PBAR32: tl.constexpr, HP: tl.constexpr, INTERP: tl.constexpr):
     i = tl.arange(0, 16)
     p = tl.load(P + i[:, None] * 16 + i[None, :])
@@ -251,10 +258,49 @@ def test_stochastic_rounding_helper_is_unbiased():
     assert err_sr.mean() < 0.25 * err_rne.mean()
 
 
+@pytest.mark.parametrize("name, code", [("fp16", 30), ("fp8_e5m2", 31), ("fp8_e4m3", 32)])
+def test_stochastic_rounding_to_fp16_and_fp8_is_unbiased_down_to_subnormals(name, code):
+    """round_format_stochastic in fp16, e5m2 and e4m3: every result is one of x's two neighbours in
+    the format (subnormals, the edge of the normal range and overflow included: e4m3 saturates at
+    448, the others go to ±inf past their largest value), a representable x never moves, ±inf and
+    NaN go as nearest-even takes them, and the mean of 400 roundings approaches x."""
+    fmt = get_format(name)
+    gen = torch.Generator().manual_seed(5)
+    q, lo_n, top = fmt.min_subnormal, fmt.min_normal, fmt.max_finite
+    x = torch.cat([torch.randn(80, generator=gen) * 3, torch.rand(36, generator=gen) * lo_n * torch.sign(torch.randn(36, generator=gen)),
+                   torch.tensor([0.0, -0.0, q, 2.5 * q, -0.3 * q, lo_n * (1 - 2 ** -12), lo_n, top, 1.02 * top,
+                                 float("inf"), float("-inf"), float("nan")])])
+    x = x.float().to(DEVICE)                 # 128 values: a power of two, as tl.arange needs
+    finite = torch.isfinite(x)
+    lo = round_to(x, name, mode="rtz")
+    hi = torch.where(lo == x, lo, lo + torch.sign(x) * ulp(lo.abs(), name))
+    hi = torch.where(hi.abs() > top, torch.sign(x) * (top if fmt.overflow == "saturate" else float("inf")), hi)
+    ys = []
+    for seed in range(1, 401):
+        y = torch.empty_like(x)
+        _stochastic_small[(1,)](x, y, seed, N=x.numel(), FMT=code)
+        ys.append(y)
+    ys = torch.stack(ys)
+    assert ((ys == lo) | (ys == hi))[:, finite].all()
+    exact = finite & (lo == x)
+    assert (ys[:, exact] == x[exact]).all() and exact.sum() >= 5       # 0, −0, q, lo_n, top at least
+    nearest = round_to(x[~finite], name)
+    assert torch.equal(ys[:, ~finite].isnan(), nearest.isnan().expand(len(ys), -1))
+    assert (ys[:, ~finite & ~x.isnan()] == nearest[~nearest.isnan()]).all()
+    inside = finite & (x.abs() <= top)
+    quantum = (hi - lo).abs()[inside]
+    err = (ys[:, inside].mean(0) - x[inside]).abs()
+    assert (err <= quantum / 8 + 1e-12).all()        # 400 draws: ~quantum/40 per element
+    assert err.mean() < 0.25 * (round_to(x, name)[inside] - x[inside]).abs().mean()
+
+
 SR_POLICIES = [PrecisionPolicy.preset("fa2").replace(out="e8m3:stochastic"),
                PrecisionPolicy.preset("fa2").replace(out="bf16:stochastic"),
                PrecisionPolicy.preset("paper").replace(acc="e8m5:stochastic", row_sum="e8m5:stochastic",
-                                                     out="e8m5:stochastic")]
+                                                     out="e8m5:stochastic"),
+               PrecisionPolicy.preset("fa2").replace(p_bar="fp8_e4m3", out="fp8_e4m3:stochastic"),
+               PrecisionPolicy.preset("fa2").replace(p_bar="fp8_e5m2", out="fp8_e5m2:stochastic"),
+               PrecisionPolicy.preset("fa2").replace(out="fp16:stochastic")]
 
 
 @pytest.mark.parametrize("policy", SR_POLICIES, ids=lambda p: f"{p.name}-{p.out}")
@@ -788,11 +834,11 @@ BAD = [
     (dict(policy=PrecisionPolicy.preset("paper").replace(out="e8m4")), ValueError, r"in one shared format bf16, e8m1-e8m6"),
     (dict(policy=PrecisionPolicy.preset("fa2").replace(out="e8m4:rtz")), ValueError, r"not implemented"),
     (dict(policy=PrecisionPolicy.preset("paper").replace(acc="e8m5:stochastic", row_sum="e8m5", out="e8m5")),
-     ValueError, r"\(nearest-even, or ':stochastic'\)"),
+     ValueError, r"\(each nearest-even, or ':stochastic'\)"),
     (dict(policy=PrecisionPolicy.preset("fa2").replace(out="bf16:stochastic"), dtype=torch.float16), ValueError,
      r"not implemented"),
-    (dict(policy=PrecisionPolicy.preset("fa2").replace(out="e5m2:stochastic")), ValueError,
-     r"fp16, fp8_e5m2 or fp8_e4m3 \(nearest-even\)"),
+    (dict(policy=PrecisionPolicy.preset("fa2").replace(out="fp8_e5m2:rtz")), ValueError,
+     r"fp16, fp8_e5m2 or fp8_e4m3 \(each nearest-even, or ':stochastic'\)"),
     (dict(policy=PrecisionPolicy.preset("fa2", "fp16").replace(out="fp8_e4m3"), dtype=torch.float16), ValueError,
      r"not implemented"),
     (dict(policy=PrecisionPolicy.preset("paper").replace(acc="e8m5", row_sum="e8m4", out="fp32")), ValueError,

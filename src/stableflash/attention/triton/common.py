@@ -151,6 +151,52 @@ def _round_small(x, M: tl.constexpr, MIN_NORMAL: tl.constexpr, QUANTUM: tl.const
 
 
 @triton.jit
+def _round_small_stochastic(x, M: tl.constexpr, MIN_NORMAL: tl.constexpr, QUANTUM: tl.constexpr,
+                            MAX: tl.constexpr, SATURATE: tl.constexpr, seed, offsets):
+    """x (fp32) rounded stochastically in a format with M mantissa bits, normal numbers from
+    MIN_NORMAL, subnormals in steps of QUANTUM and largest finite value MAX, as ``numerics.round_to``
+    does with mode "stochastic": up with probability equal to the distance from the lower
+    neighbour in quanta. Normal magnitudes as ``round_mantissa_stochastic`` (random bits added below
+    the kept mantissa); below MIN_NORMAL, k = |x|/QUANTUM (exact) goes up from floor(k) when a
+    uniform u on 24 bits is below k − floor(k) (exact too): the probability is that fraction to
+    2⁻²⁴, and a representable x never moves. One Philox draw serves both. Beyond MAX: ±MAX when
+    SATURATE (e4m3), else ±inf; infinities as the nearest-even form (±MAX when SATURATE); NaN stays
+    NaN."""
+    r = tl.randint(seed, offsets)                                     # uint32
+    DROP: tl.constexpr = 23 - M
+    bits = x.to(tl.int32, bitcast=True)
+    y = ((bits + (r & ((1 << DROP) - 1)).to(tl.int32, bitcast=True)) & -(1 << DROP)).to(tl.float32, bitcast=True)
+    u = (r >> 8).to(tl.float32) * (1.0 / 16777216.0)                # [0, 1), 24 bits
+    a = tl.abs(x)
+    k = a * (1.0 / QUANTUM)
+    low = tl.floor(k)
+    sub = (low + tl.where(u < k - low, 1.0, 0.0)) * QUANTUM
+    y = tl.where(a < MIN_NORMAL, tl.where(x < 0, -sub, sub), y)
+    y = tl.where(a < float("inf"), y, x)                              # ±inf: not through the bit pattern
+    over = tl.abs(y) > MAX
+    if SATURATE:
+        y = tl.where(over, tl.where(x < 0, -MAX, MAX), y)
+    else:
+        y = tl.where(over, tl.where(x < 0, float("-inf"), float("inf")), y)
+    return tl.where(x == x, y, x)
+
+
+@triton.jit
+def round_format_stochastic(x, FMT: tl.constexpr, seed, offsets):
+    """x (fp32) rounded stochastically in format FMT (0 bf16, 1-6 e8mY, 23 fp32 — unchanged — FP16,
+    E5M2, E4M3), returned as fp32; ``seed`` and ``offsets`` pick the Philox streams."""
+    if FMT == FP16:
+        y = _round_small_stochastic(x, 10, 6.103515625e-05, 5.9604644775390625e-08, 65504.0, False, seed, offsets)
+    elif FMT == E5M2:
+        y = _round_small_stochastic(x, 2, 6.103515625e-05, 1.52587890625e-05, 57344.0, False, seed, offsets)
+    elif FMT == E4M3:
+        y = _round_small_stochastic(x, 3, 0.015625, 0.001953125, 448.0, True, seed, offsets)
+    else:
+        y = round_mantissa_stochastic(x, FMT, seed, offsets)
+    return y
+
+
+@triton.jit
 def round_format(x, FMT: tl.constexpr, INTERP: tl.constexpr):
     """x (fp32) rounded to nearest-even in format FMT (0 bf16, 1-6 e8mY, 23 fp32, FP16, E5M2,
     E4M3), returned as fp32."""
@@ -167,10 +213,10 @@ def round_format(x, FMT: tl.constexpr, INTERP: tl.constexpr):
 
 @triton.jit
 def narrow(x, MBITS: tl.constexpr, SR: tl.constexpr, seed, offsets, INTERP: tl.constexpr):
-    """One narrowing point to format MBITS (``round_format``): nearest-even or, with SR (bf16 and
-    e8mY only), stochastic."""
+    """One narrowing point to format MBITS (``round_format``): nearest-even or, with SR,
+    stochastic (``round_format_stochastic``)."""
     if SR:
-        y = round_mantissa_stochastic(x, MBITS, seed, offsets)
+        y = round_format_stochastic(x, MBITS, seed, offsets)
     else:
         y = round_format(x, MBITS, INTERP)
     return y

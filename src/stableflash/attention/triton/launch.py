@@ -22,7 +22,7 @@ SUPPORT = {
                 "('dO·O16' and 'dO·(O16+R)' too under 'fa2'); v_bar equal to an fp8 p_bar (P̄V on the fp8 tensor cores); "
                 "for bf16 also hp_heads 0-30, p_bar in fp32, e8m1-e8m6, fp16, fp8_e5m2 or fp8_e4m3, and 'fa2' "
                 "with out or 'paper' with acc, row_sum and out each in fp32 or in one shared format bf16, "
-                "e8m1-e8m6 (nearest-even, or ':stochastic'), fp16, fp8_e5m2 or fp8_e4m3 (nearest-even)",
+                "e8m1-e8m6, fp16, fp8_e5m2 or fp8_e4m3 (each nearest-even, or ':stochastic')",
 }
 
 
@@ -41,22 +41,22 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor) -> None:
                          "for grouped-query attention")
 
 
-# the narrow formats beyond bf16 and e8mY that the kernels round to (nearest-even only), by code
+# the narrow formats beyond bf16 and e8mY that the kernels round to, by code
 SMALL_FORMATS = {"fp16": common.FP16.value, "fp8_e5m2": common.E5M2.value, "fp8_e4m3": common.E4M3.value}
 FP8_CODES = (common.E5M2.value, common.E4M3.value)
 
 
 def _narrow_bits(point: str) -> tuple[int, bool] | None:
     """(format code, stochastic) of a narrowing point the kernels implement: 0 for bf16, Y for an
-    e8mY format with 1 ≤ Y ≤ 6 (each nearest-even or stochastic); 30, 31, 32 for fp16, fp8 e5m2 and
-    e4m3 (nearest-even); (23, False) for fp32; None otherwise."""
+    e8mY format with 1 ≤ Y ≤ 6; 30, 31, 32 for fp16, fp8 e5m2 and e4m3 (each nearest-even or
+    stochastic); (23, False) for fp32; None otherwise."""
     fmt, mode = parse_point(point)
     if fmt.name == "fp32":
         return (23, False) if mode == "rne" else None
-    if fmt.name in SMALL_FORMATS:
-        return (SMALL_FORMATS[fmt.name], False) if mode == "rne" else None
     if mode not in ("rne", "stochastic"):
         return None
+    if fmt.name in SMALL_FORMATS:
+        return SMALL_FORMATS[fmt.name], mode == "stochastic"
     if fmt.name == "bf16":
         return 0, mode == "stochastic"
     narrow = fmt.exp_bits == 8 and fmt.bias == 127 and fmt.has_inf and 1 <= fmt.man_bits <= 6
