@@ -39,11 +39,16 @@ def costs(datas: list, against: str, mode: str = "fwd+bwd") -> dict:
     return out
 
 
+def name_width(names: list) -> int:
+    """The variant column's width: the longest provider name keeps its cells apart."""
+    return max([len("variant"), *map(len, names)]) + 2
+
+
 def print_one(data: dict, against: str, mode: str) -> None:
     tf = tflops(data, mode)
     shapes = sorted({s for s, _ in tf}, key=lambda s: s[2])
     names = variants([data], against)
-    w = max([len("variant"), *map(len, names)]) + 2       # long provider names keep their column
+    w = name_width(names)
     print(f"{mode}: cost vs {against} (time), and ratio to sdpa-flash (TFLOP/s)")
     print("variant".ljust(w) + "".join(f"{'x'.join(map(str, s)):>33}" for s in shapes))
     for name in names:
@@ -63,7 +68,7 @@ def print_many(datas: list, against: str, mode: str) -> None:
     shapes = sorted({s for _, s in table}, key=lambda s: s[2])
     print(f"{mode}: cost vs {against} (time) over {len(datas)} files: median [min, max] n=files with the cell")
     names = variants(datas, against)
-    w = max([len("variant"), *map(len, names)]) + 2
+    w = name_width(names)
     print("variant".ljust(w) + "".join(f"{'x'.join(map(str, s)):>32}" for s in shapes))
     for name in names:
         cells = []

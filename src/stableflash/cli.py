@@ -343,12 +343,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--shape", type=_shape, action="append",
                    help="B,H,N,d (repeatable; default: 32,12,1024,64 8,16,4096,64 4,16,8192,128)")
-    from stableflash.bench.attention import PROVIDERS
+    from stableflash.bench.attention import PROVIDERS, TIMINGS
     p.add_argument("--providers", nargs="+", choices=PROVIDERS, help="subset of providers (default: all)")
     p.add_argument("--modes", nargs="+", choices=("fwd", "fwd+bwd"), default=["fwd", "fwd+bwd"])
     p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
     p.add_argument("--no-causal", action="store_true", help="non-causal attention (default: causal)")
-    from stableflash.bench.attention import TIMINGS
     p.add_argument("--timing", choices=TIMINGS, default="events",
                    help="events: each call launched from Python, host launch time included where it "
                         "exceeds the GPU's; graph: calls replayed from a CUDA graph, the GPU's time "

@@ -107,6 +107,15 @@ def round_mantissa(x, MBITS: tl.constexpr, INTERP: tl.constexpr):
 
 
 @triton.jit
+def _add_random_bits(x, DROP: tl.constexpr, r):
+    """x (fp32) with the low DROP bits of the random ``r`` (uint32) added to its bit pattern and then
+    those DROP bits cleared: rounded stochastically to 23 − DROP mantissa bits, up with probability
+    equal to its distance from the lower neighbour in quanta (infinities and NaN not handled)."""
+    bits = x.to(tl.int32, bitcast=True)
+    return ((bits + (r & ((1 << DROP) - 1)).to(tl.int32, bitcast=True)) & -(1 << DROP)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def round_mantissa_stochastic(x, MBITS: tl.constexpr, seed, offsets):
     """x (fp32) rounded stochastically to MBITS mantissa bits (0: bfloat16; 23: unchanged), returned
     as fp32: a uniform random integer below the dropped bits' range is added to the bit pattern
@@ -118,9 +127,7 @@ def round_mantissa_stochastic(x, MBITS: tl.constexpr, seed, offsets):
         y = x
     else:
         DROP: tl.constexpr = 16 if MBITS == 0 else 23 - MBITS
-        r = (tl.randint(seed, offsets) & ((1 << DROP) - 1)).to(tl.int32, bitcast=True)   # Philox: uint32
-        bits = x.to(tl.int32, bitcast=True)
-        y = ((bits + r) & -(1 << DROP)).to(tl.float32, bitcast=True)
+        y = _add_random_bits(x, DROP, tl.randint(seed, offsets))          # Philox: uint32
         y = tl.where(tl.abs(x) < float("inf"), y, x)
     return y
 
@@ -134,14 +141,29 @@ FP8_PV = tl.constexpr(64)   # added to E4M3 or E5M2 in p_bar_v's PFMT: P̄ and V
 
 @triton.jit
 def _round_small(x, M: tl.constexpr, MIN_NORMAL: tl.constexpr, QUANTUM: tl.constexpr, MAX: tl.constexpr,
-                 SATURATE: tl.constexpr, INTERP: tl.constexpr):
-    """x (fp32) rounded to nearest-even in a format with M mantissa bits, normal numbers from
-    MIN_NORMAL, subnormals in steps of QUANTUM and largest finite value MAX (beyond it: ±MAX when
-    SATURATE, as float8_e4m3fn, else ±inf), returned as fp32 — as ``numerics.round_to`` does."""
-    y = round_mantissa(x, M, INTERP)
-    # below MIN_NORMAL: nearest-even multiple of QUANTUM (|x|/QUANTUM < 2^M: 1.5·2^23 rounds it)
-    sub = ((x * (1.0 / QUANTUM) + 12582912.0) - 12582912.0) * QUANTUM
-    y = tl.where(tl.abs(x) < MIN_NORMAL, sub, y)
+                 SATURATE: tl.constexpr, INTERP: tl.constexpr, SR: tl.constexpr, seed, offsets):
+    """x (fp32) rounded in a format with M mantissa bits, normal numbers from MIN_NORMAL, subnormals
+    in steps of QUANTUM and largest finite value MAX (beyond it: ±MAX when SATURATE, as
+    float8_e4m3fn, else ±inf), returned as fp32 — as ``numerics.round_to`` does, to nearest-even or,
+    with SR, stochastically (up with probability equal to the distance from the lower neighbour in
+    quanta). Stochastic: normal magnitudes as ``round_mantissa_stochastic``; below MIN_NORMAL,
+    k = |x|/QUANTUM (exact) goes up from floor(k) when a uniform u on 24 bits is below k − floor(k)
+    (exact too): the probability is that fraction to 2⁻²⁴, and a representable x never moves. One
+    Philox draw serves both; infinities go as nearest-even takes them. NaN stays NaN."""
+    if SR:
+        r = tl.randint(seed, offsets)                                 # uint32
+        y = _add_random_bits(x, 23 - M, r)
+        u = (r >> 8).to(tl.float32) * (1.0 / 16777216.0)            # [0, 1), 24 bits
+        k = tl.abs(x) * (1.0 / QUANTUM)
+        low = tl.floor(k)
+        sub = (low + tl.where(u < k - low, 1.0, 0.0)) * QUANTUM
+        y = tl.where(tl.abs(x) < MIN_NORMAL, tl.where(x < 0, -sub, sub), y)
+        y = tl.where(tl.abs(x) < float("inf"), y, x)                  # ±inf: not through the bit pattern
+    else:
+        y = round_mantissa(x, M, INTERP)
+        # below MIN_NORMAL: nearest-even multiple of QUANTUM (|x|/QUANTUM < 2^M: 1.5·2^23 rounds it)
+        sub = ((x * (1.0 / QUANTUM) + 12582912.0) - 12582912.0) * QUANTUM
+        y = tl.where(tl.abs(x) < MIN_NORMAL, sub, y)
     over = tl.abs(y) > MAX
     if SATURATE:
         y = tl.where(over, tl.where(x < 0, -MAX, MAX), y)
@@ -151,61 +173,18 @@ def _round_small(x, M: tl.constexpr, MIN_NORMAL: tl.constexpr, QUANTUM: tl.const
 
 
 @triton.jit
-def _round_small_stochastic(x, M: tl.constexpr, MIN_NORMAL: tl.constexpr, QUANTUM: tl.constexpr,
-                            MAX: tl.constexpr, SATURATE: tl.constexpr, seed, offsets):
-    """x (fp32) rounded stochastically in a format with M mantissa bits, normal numbers from
-    MIN_NORMAL, subnormals in steps of QUANTUM and largest finite value MAX, as ``numerics.round_to``
-    does with mode "stochastic": up with probability equal to the distance from the lower
-    neighbour in quanta. Normal magnitudes as ``round_mantissa_stochastic`` (random bits added below
-    the kept mantissa); below MIN_NORMAL, k = |x|/QUANTUM (exact) goes up from floor(k) when a
-    uniform u on 24 bits is below k − floor(k) (exact too): the probability is that fraction to
-    2⁻²⁴, and a representable x never moves. One Philox draw serves both. Beyond MAX: ±MAX when
-    SATURATE (e4m3), else ±inf; infinities as the nearest-even form (±MAX when SATURATE); NaN stays
-    NaN."""
-    r = tl.randint(seed, offsets)                                     # uint32
-    DROP: tl.constexpr = 23 - M
-    bits = x.to(tl.int32, bitcast=True)
-    y = ((bits + (r & ((1 << DROP) - 1)).to(tl.int32, bitcast=True)) & -(1 << DROP)).to(tl.float32, bitcast=True)
-    u = (r >> 8).to(tl.float32) * (1.0 / 16777216.0)                # [0, 1), 24 bits
-    a = tl.abs(x)
-    k = a * (1.0 / QUANTUM)
-    low = tl.floor(k)
-    sub = (low + tl.where(u < k - low, 1.0, 0.0)) * QUANTUM
-    y = tl.where(a < MIN_NORMAL, tl.where(x < 0, -sub, sub), y)
-    y = tl.where(a < float("inf"), y, x)                              # ±inf: not through the bit pattern
-    over = tl.abs(y) > MAX
-    if SATURATE:
-        y = tl.where(over, tl.where(x < 0, -MAX, MAX), y)
-    else:
-        y = tl.where(over, tl.where(x < 0, float("-inf"), float("inf")), y)
-    return tl.where(x == x, y, x)
-
-
-@triton.jit
-def round_format_stochastic(x, FMT: tl.constexpr, seed, offsets):
-    """x (fp32) rounded stochastically in format FMT (0 bf16, 1-6 e8mY, 23 fp32 — unchanged — FP16,
-    E5M2, E4M3), returned as fp32; ``seed`` and ``offsets`` pick the Philox streams."""
+def round_format(x, FMT: tl.constexpr, INTERP: tl.constexpr, SR: tl.constexpr = False, seed=0, offsets=0):
+    """x (fp32) rounded in format FMT (0 bf16, 1-6 e8mY, 23 fp32, FP16, E5M2, E4M3), returned as
+    fp32: to nearest-even or, with SR, stochastically (``seed`` and ``offsets`` pick the Philox
+    streams)."""
     if FMT == FP16:
-        y = _round_small_stochastic(x, 10, 6.103515625e-05, 5.9604644775390625e-08, 65504.0, False, seed, offsets)
+        y = _round_small(x, 10, 6.103515625e-05, 5.9604644775390625e-08, 65504.0, False, INTERP, SR, seed, offsets)
     elif FMT == E5M2:
-        y = _round_small_stochastic(x, 2, 6.103515625e-05, 1.52587890625e-05, 57344.0, False, seed, offsets)
+        y = _round_small(x, 2, 6.103515625e-05, 1.52587890625e-05, 57344.0, False, INTERP, SR, seed, offsets)
     elif FMT == E4M3:
-        y = _round_small_stochastic(x, 3, 0.015625, 0.001953125, 448.0, True, seed, offsets)
-    else:
+        y = _round_small(x, 3, 0.015625, 0.001953125, 448.0, True, INTERP, SR, seed, offsets)
+    elif SR:
         y = round_mantissa_stochastic(x, FMT, seed, offsets)
-    return y
-
-
-@triton.jit
-def round_format(x, FMT: tl.constexpr, INTERP: tl.constexpr):
-    """x (fp32) rounded to nearest-even in format FMT (0 bf16, 1-6 e8mY, 23 fp32, FP16, E5M2,
-    E4M3), returned as fp32."""
-    if FMT == FP16:
-        y = _round_small(x, 10, 6.103515625e-05, 5.9604644775390625e-08, 65504.0, False, INTERP)
-    elif FMT == E5M2:
-        y = _round_small(x, 2, 6.103515625e-05, 1.52587890625e-05, 57344.0, False, INTERP)
-    elif FMT == E4M3:
-        y = _round_small(x, 3, 0.015625, 0.001953125, 448.0, True, INTERP)
     else:
         y = round_mantissa(x, FMT, INTERP)
     return y
@@ -213,13 +192,8 @@ def round_format(x, FMT: tl.constexpr, INTERP: tl.constexpr):
 
 @triton.jit
 def narrow(x, MBITS: tl.constexpr, SR: tl.constexpr, seed, offsets, INTERP: tl.constexpr):
-    """One narrowing point to format MBITS (``round_format``): nearest-even or, with SR,
-    stochastic (``round_format_stochastic``)."""
-    if SR:
-        y = round_format_stochastic(x, MBITS, seed, offsets)
-    else:
-        y = round_format(x, MBITS, INTERP)
-    return y
+    """One narrowing point to format MBITS: nearest-even or, with SR, stochastic (``round_format``)."""
+    return round_format(x, MBITS, INTERP, SR, seed, offsets)
 
 
 # the largest shift at which the row maximum's P̄ = exp(−shift) is a normal bf16 number: 126·ln 2
