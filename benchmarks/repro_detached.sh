@@ -46,7 +46,7 @@ case $1 in
     for f in $(find "$root" -name metrics.jsonl | sort); do      # repro and ladder layouts alike
       python3 - "$f" <<'PY'
 import json, sys
-rows = [json.loads(l) for l in open(sys.argv[1]) if '"loss"' in l]
+rows = [r for r in map(json.loads, open(sys.argv[1])) if isinstance(r.get("loss"), float)]  # not "nan" events
 if rows:
     print(f"{sys.argv[1].split('detached/')[1]:48s} step {rows[-1]['step']:>6} loss {rows[-1]['loss']:7.3f}"
           f" min {min(r['loss'] for r in rows):.3f} ms {rows[-1].get('ms', 0):.0f}")

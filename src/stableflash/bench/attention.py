@@ -71,6 +71,8 @@ OURS = {
     "ours-fp8-o16": Variant("ours", "fa2", {"p_bar": "fp8_e4m3", "out": "fp8_e4m3", "delta": "dO·O16"}),
     # the fp8 rounding with the standard row max (the baseline of the next variant)
     "ours-fp8-norule": Variant(False, "fa2", {"p_bar": "fp8_e4m3", "out": "fp8_e4m3"}),
+    # the same with the O store rounded stochastically (seeded Philox bits per element)
+    "ours-fp8-sr-norule": Variant(False, "fa2", {"p_bar": "fp8_e4m3", "out": "fp8_e4m3:stochastic"}),
     # the same with δ from the 16-bit product: what stabilize=True runs for fp8 P̄ and O
     "ours-fp8-o16-norule": Variant(False, "fa2", {"p_bar": "fp8_e4m3", "out": "fp8_e4m3", "delta": "dO·O16"}),
     # the same O kept as the residual of the e4m3 store, in bf16 (2 bytes per element, not 4)

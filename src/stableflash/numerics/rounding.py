@@ -103,7 +103,11 @@ def round_to(x: torch.Tensor, fmt: FloatFormat | torch.dtype | str, mode: str = 
     _check_fits(fmt, x.dtype)
     if mode == "rne" and x.dtype == torch.float32:
         if fmt in _TORCH_CASTS:
-            return x.to(_TORCH_CASTS[fmt]).to(torch.float32)
+            y = x.to(_TORCH_CASTS[fmt]).to(torch.float32)
+            if fmt.overflow == "saturate":       # CUDA's float8_e4m3fn cast gives NaN for ±inf
+                y = torch.where(torch.isnan(y) & ~torch.isnan(x), torch.copysign(torch.tensor(
+                    fmt.max_finite, device=x.device), x), y)
+            return y
         if fmt.exp_bits == 8 and fmt.bias == 127 and fmt.has_inf and fmt.overflow == "inf" and fmt.man_bits < 23:
             return _rne_e8_fp32(x, fmt.man_bits)
     return _round_exact(x, fmt, mode, generator)
