@@ -81,7 +81,9 @@ def round_to(x: torch.Tensor, fmt: FloatFormat | torch.dtype | str, mode: str = 
     Returns a tensor of x's dtype and shape whose values are exactly representable in fmt.
     The rounding is a single, correct rounding of x's exact value, whatever x's dtype (torch's own
     casts from float64 round twice, through float32; this does not). From float32 inputs the
-    results equal torch's casts to bfloat16, float16, float8_e4m3fn and float8_e5m2 bit for bit.
+    results equal torch's casts to bfloat16, float16, float8_e4m3fn and float8_e5m2 bit for bit,
+    except that float8_e4m3fn overflow saturates here on every device and torch version (torch 2.11
+    casts it to NaN on CPU and CUDA).
 
     Modes: ``"rne"`` round to nearest, ties to even; ``"rtz"`` toward zero; ``"stochastic"``
     rounds up with probability equal to the distance to the lower neighbour in units of the
@@ -104,7 +106,7 @@ def round_to(x: torch.Tensor, fmt: FloatFormat | torch.dtype | str, mode: str = 
     if mode == "rne" and x.dtype == torch.float32:
         if fmt in _TORCH_CASTS:
             y = x.to(_TORCH_CASTS[fmt]).to(torch.float32)
-            if fmt.overflow == "saturate":       # CUDA's float8_e4m3fn cast gives NaN for ±inf
+            if fmt.overflow == "saturate":       # torch 2.11's float8_e4m3fn cast: overflow → NaN
                 y = torch.where(torch.isnan(y) & ~torch.isnan(x), torch.copysign(torch.tensor(
                     fmt.max_finite, device=x.device), x), y)
             return y
