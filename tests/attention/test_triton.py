@@ -629,6 +629,25 @@ def test_the_fp8_product_reads_v_converted_once_for_every_head_group(gen, delta)
             assert ok, (n_q, n_k, name, msg)
 
 
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
+def test_v_converted_for_the_fp8_product_rounds_as_round_to(fmt):
+    """The launcher's one conversion of V for the fp8 product: nearest-even, e4m3 saturating at ±448
+    beyond its range (464, 1e9, ±inf included; torch 2.11's own cast gives NaN there), e5m2 to ±inf,
+    subnormals and NaN kept — round_to's values, in the (B, H, d, N) layout."""
+    from stableflash.attention.triton.op import _v_for_fp8_product
+    from stableflash.numerics import round_to
+    code = 32 if fmt == "fp8_e4m3" else 31
+    g = torch.Generator().manual_seed(3)
+    v = torch.randn(2, 3, 16, 8, generator=g) * 40
+    v.view(-1)[:10] = torch.tensor([464.0, 500.0, 1e9, -1e9, float("inf"), float("-inf"), float("nan"),
+                                    1e-3, -2e-6, 61440.0])
+    v = v.to(torch.bfloat16).to(DEVICE)
+    got = _v_for_fp8_product(v, code).float()
+    want = round_to(v.float().cpu(), fmt).transpose(-1, -2).to(DEVICE)
+    assert got.shape == want.shape
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got[~got.isnan()], want[~want.isnan()])
+
+
 def test_v_bar_narrows_only_and_only_as_an_fp8_product_on_the_kernels():
     from stableflash.attention.triton.launch import kernel_mode
     fa2 = PrecisionPolicy.preset("fa2")

@@ -252,12 +252,14 @@ def _v_for_fp8_product(v: torch.Tensor, fmt: int) -> torch.Tensor:
     """V in the fp8 product's format (``fmt``: E4M3 or E5M2), converted once per call instead of
     once per query block, and laid out (B, H_kv, d, N), keys contiguous: the operand layout Hopper's
     fp8 tensor cores take, which the kernel can then copy to shared memory as it is. torch's casts
-    round to nearest-even, e4m3 saturating, as the kernels' ``round_format`` does (tests compare
-    the two); the interpreter gets the same values in V's dtype."""
+    round to nearest-even as the kernels' ``round_format`` does (tests compare the two); e4m3
+    saturates at ±448, which torch 2.11's cast does not (it gives NaN), so V is clamped first —
+    exact, since every value beyond 448 saturates to it. The interpreter gets the same values in
+    V's dtype."""
     B, H, n, d = v.shape
-    v8 = torch.empty(B, H, d, n, dtype=torch.float8_e4m3fn if fmt == E4M3.value else torch.float8_e5m2,
-                     device=v.device)
-    v8.copy_(v.transpose(-1, -2))
+    e4m3 = fmt == E4M3.value
+    v8 = torch.empty(B, H, d, n, dtype=torch.float8_e4m3fn if e4m3 else torch.float8_e5m2, device=v.device)
+    v8.copy_(v.transpose(-1, -2).clamp(-448.0, 448.0) if e4m3 else v.transpose(-1, -2))
     return v8.to(v.dtype) if interpreting() else v8
 
 
