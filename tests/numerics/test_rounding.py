@@ -29,10 +29,10 @@ ROUNDERS = [pytest.param(round_to, id="round_to"), pytest.param(exact, id="exact
 # ----------------------------------------------------------------------------- helpers
 
 def torch_cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """torch's cast of x (float32 or float64), back to float32. float8_e4m3fn has no infinities and saturates on overflow
-    (its definition, and the hand-written cases below); torch 2.11 casts overflow past 464 to NaN on
-    both devices, later CPU casts saturate: a NaN from a non-NaN input is read as the saturated
-    value, so the comparisons hold on every torch version."""
+    """torch's cast of x (float32 or float64), back to float32. float8_e4m3fn has no infinities and
+    saturates on overflow (its definition, and the hand-written cases below); torch 2.11 casts
+    overflow past 464 to NaN on both devices, later CPU casts saturate: a NaN from a non-NaN input
+    is read as the saturated value, so the comparisons hold on every torch version."""
     y = x.to(dtype).to(torch.float32)
     if dtype is torch.float8_e4m3fn:
         y = torch.where(torch.isnan(y) & ~torch.isnan(x), torch.copysign(torch.tensor(448.0), x.float()), y)
