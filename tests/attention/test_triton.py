@@ -623,7 +623,8 @@ def test_the_fp8_product_reads_v_converted_once_for_every_head_group(gen, delta)
             assert torch.equal(fused[0], emulated[0]), (n_q, n_k)
         else:
             assert rel_err(fused[0], emulated[0]) < 1e-2, (n_q, n_k, rel_err(fused[0], emulated[0]))
-        assert torch.equal(run(q, k, v, do, backend="triton", **kw)[0], fused[0])
+        with torch.no_grad():                                  # V contiguous: the forward alone
+            assert torch.equal(sf.flash_attention(q, k, v, backend="triton", **kw), fused[0])
         for name, a, b in zip(("dQ", "dK", "dV"), fused[1:], emulated[1:]):
             ok, msg = agree(a, b, 2.0)
             assert ok, (n_q, n_k, name, msg)
