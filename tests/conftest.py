@@ -1,8 +1,19 @@
-"""Shared test helpers. Every test draws fresh random inputs from a seeded generator."""
+"""Shared test helpers. Every test draws fresh random inputs from a seeded generator.
+
+The suite runs one worker process per core (pytest-xdist, ``-n auto`` in pyproject.toml) without a
+GPU, and in one process with a GPU, whose tests share the device. A worker's torch and BLAS use
+one thread, so two workers on two cores do not contend; `-n 0` runs everything in this process.
+Markers: ``gpu`` (skipped without CUDA), ``slow`` (longer than a few seconds on 2 CPU cores;
+``-m "not slow"`` leaves them out for a quick check).
+"""
 import os
 
-import pytest
-import torch
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        os.environ.setdefault(_var, "1")
+
+import pytest  # noqa: E402  (after the thread counts are set)
+import torch  # noqa: E402
 
 # Without a GPU, the Triton kernels run in Triton's CPU interpreter; Triton reads this variable
 # when the kernels are defined, so it must be set before stableflash.attention.triton is imported.
@@ -10,6 +21,23 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    """``-n auto``: one worker per core this process may use without a GPU; none with one."""
+    if torch.cuda.is_available():
+        return 0
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` skip cleanly without a CUDA device."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if item.get_closest_marker("gpu"):
+            item.add_marker(skip)
 
 
 def rel_err(actual: torch.Tensor, expected: torch.Tensor, floor: float = 0.0) -> float:

@@ -158,7 +158,7 @@ def test_each_timing_times_the_call_it_names(monkeypatch, timing, bench, mode):
     assert ran == [(bench, 2 if mode == "fwd+bwd" else 0, True)]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.gpu                     # CUDA graphs need a GPU
 def test_graph_timing_measures_the_gpus_time_on_the_gpu():
     """On the GPU: the CUDA-graph timing of our kernel and of SDPA flash at a small shape, where the
     host's launch time is a large part of a Python-launched call, is positive and not above the

@@ -79,6 +79,7 @@ def test_mitigation_costs_keeps_a_long_providers_name_apart_from_its_cells(tmp_p
         assert re.match(r"ours-fp8-pv-norule\s+\+100\.0% .*\s\+25\.0% ", line), line
 
 
+@pytest.mark.slow
 def test_detached_runs_wait_ends_when_every_run_has_stopped(tmp_path):
     """`repro_detached.sh wait SECONDS` returns once every started run's process group has ended
     (a `pgrep -f` loop in the calling shell matched itself and always waited its full time), and

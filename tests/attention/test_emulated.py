@@ -21,6 +21,7 @@ def run(q, k, v, do, **kw):
     return o, dq, dk, dv
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("block", [16, 64, None])
@@ -38,6 +39,7 @@ def test_fp32_policy_matches_float64(gen, shape, causal, block, stabilize):
         assert rel_err(g, w, floor) <= 1e-5, (name, rel_err(g, w, floor))
 
 
+@pytest.mark.slow
 def test_long_sequence_fp32_matches_float64(gen):
     q, k, v = qkv(gen, 1, 1, 1000, 32)
     do = torch.randn(1, 1, 1000, 32, generator=gen)

@@ -397,6 +397,7 @@ def test_report_renders_in_headless_chromium(report, tmp_path):
     assert (pixels < 200).mean() > 0.01
 
 
+@pytest.mark.slow
 def test_runs_of_several_seeds_get_distinct_names_and_figures(tmp_path):
     """A reproduction's runs are all named baseline/stabilized/control, one per seed folder: the
     report names them with their seed folder and draws one figure per run."""

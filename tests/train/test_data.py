@@ -174,7 +174,7 @@ def test_get_batch_shapes_and_shift():
         get_batch(data, [0, last + 1], 16)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 def test_get_batch_on_cuda():
     data = np.arange(1000, dtype=np.uint16)
     x, y = get_batch(data, [0, 10], 8, "cuda")

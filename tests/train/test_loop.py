@@ -98,6 +98,7 @@ def test_cli_train_resume_and_errors(data_dir, tmp_path, capsys):
         assert match in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_ddp_splits_the_global_batch_like_one_process(data_dir, tmp_path):
     """Two gloo ranks on CPU consume the micro-batches one process consumes, and their average loss
     per step matches the one-process run (same global batch) to float32 summation order."""
