@@ -241,7 +241,7 @@ def _empty_like_layout(t: torch.Tensor) -> torch.Tensor:
     are (B, N, H, d) buffers seen as (B, H, N, d); outputs laid out the same way make its transpose
     back free, and the three gradients cheap to join into the gradient of the fused QKV projection
     (from (B, H, N, d) gradients that join costs a GPT-2 small step about 6% of its time:
-    docs/training.md has the profile and its command). Used by the ops and their fakes alike,
+    docs/notebook/training-speed-log.md has the profile and its command). Used by the ops and their fakes alike,
     so that torch.compile sees the strides the kernels produce."""
     t = _last_dim_contiguous(t)
     order = sorted(range(t.dim()), key=lambda i: -t.stride(i))
