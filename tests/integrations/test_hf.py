@@ -1,20 +1,50 @@
 """transformers models run on stableflash attention: tiny random GPT-2 and Llama, no download."""
+import re
+from pathlib import Path
+
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
-pytest.importorskip("triton")
 
-from stableflash.attention.triton import op as triton_op  # noqa: E402
 from stableflash.integrations import hf  # noqa: E402
 from tests.conftest import DEVICE  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture
 def fixed_config(monkeypatch):
+    """The fused kernels without autotuning (the Triton tests take it)."""
+    pytest.importorskip("triton")
+    from stableflash.attention.triton import op as triton_op
     monkeypatch.setattr(triton_op, "AUTOTUNE", False)
+
+
+def readme_hf_example() -> str:
+    blocks = re.findall(r"```python\n(.+?)```", README.read_text(), flags=re.S)
+    found = [b for b in blocks if "attn_implementation" in b]
+    assert len(found) == 1, "the README should hold one Python example with attn_implementation"
+    return found[0]
+
+
+@pytest.mark.filterwarnings("ignore:backend=.auto. chose")
+def test_readme_example_builds_and_trains_a_model():
+    namespace: dict = {}
+    exec(compile(readme_hf_example(), "README.md", "exec"), namespace)
+    model = namespace["model"]
+    assert model.config._attn_implementation == hf.DEFAULT_NAME
+    ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    out = model(ids, labels=ids)
+    out.loss.backward()
+    assert torch.isfinite(out.loss)
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+def test_names_containing_flash_are_refused():
+    with pytest.raises(ValueError, match="name='stableflash' is invalid"):
+        hf.register("stableflash")
 
 
 def tiny(kind: str, attn: str):
@@ -32,6 +62,7 @@ def tiny(kind: str, attn: str):
     return model.to(DEVICE, torch.bfloat16).eval()
 
 
+@pytest.mark.usefixtures("fixed_config")
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
 def test_model_matches_sdpa_and_trains(kind):
     name = hf.register(backend="triton")
@@ -49,6 +80,7 @@ def test_model_matches_sdpa_and_trains(kind):
     assert grads and all(torch.isfinite(g).all() for g in grads)
 
 
+@pytest.mark.usefixtures("fixed_config")
 def test_padding_mask_is_refused_clearly():
     name = hf.register(backend="triton")
     model = tiny("gpt2", name)
@@ -59,6 +91,7 @@ def test_padding_mask_is_refused_clearly():
         model(ids, attention_mask=mask)
 
 
+@pytest.mark.usefixtures("fixed_config")
 def test_attention_dropout_in_training_is_refused():
     name = hf.register(backend="triton")
     model = tiny("gpt2", name)

@@ -140,22 +140,24 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
                     eps: float = 1e-3, backend: str = "auto",
                     policy: PrecisionPolicy | str | None = None, block_q: int | None = None,
                     block_k: int = DEFAULT_BLOCK_K, softcap: float | None = None) -> torch.Tensor:
-    """softmax(QKᵀ·scale)·V with a stabilized row maximum, in the layout of torch's SDPA.
+    """softmax(QKᵀ·scale)·V, stabilized for low-precision training, in the layout of torch's SDPA.
 
     q: (batch, heads, seq_q, head_dim); k, v: (batch, heads, seq_k, head_dim); one floating dtype
     and device. ``causal`` hides key j from query i when j > i (as SDPA's ``is_causal``).
 
-    stabilize: True (or "guard") → δ = rowsum(dO ∘ O) from a source consistent with the backward's
-    P, with the standard row maximum: where the policy's δ reads the stored O (the default), it reads
-    instead what ``policy.guarded_delta`` names for the policy's rounding — for bf16/fp16 kernels O
-    as computed (one fp32 copy of O kept for the backward, 4 bytes per element), for fp8 P̄ the O of
-    a 16-bit P̄V beside it, under rounded accumulators dP·P. The forward is the standard one, bit for
-    bit (docs/mitigations.md has the runs and costs behind this choice). "ours" → our row-maximum
-    rule alone (covers rm = 0 and cannot underflow ℓ), δ as the policy says; "paper" → the paper's
-    Algorithm 3; "bounded" → our shift on every row; "ours+guard" (any rule + "+guard") → that rule
-    and the guarded δ (stabilize=True until 2026-11-23d); False → the standard row max, δ as the
-    policy says. ``beta`` (> 1) and ``eps`` (≥ 0) parametrise the rules. Exact in real arithmetic
-    whatever the choice.
+    stabilize: True (the default, or "guard") → the standard row maximum, with δ = rowsum(dO ∘ O)
+    taken from a source consistent with the backward's P: where the policy's δ reads the stored O
+    (the default), it reads instead what ``policy.guarded_delta`` names for the policy's rounding —
+    for bf16/fp16 kernels O as computed, kept as the stored O plus its rounding residual in the
+    input dtype (2 more bytes per element of O for the backward); for fp8 P̄ the O of a 16-bit P̄V
+    computed beside it, kept the same way; under rounded scores or accumulators dP·P. The forward
+    is the standard one, bit for bit; where nothing is rounded before δ (float32/float64 inputs
+    with no policy) nothing changes. docs/mitigations.md has the runs and costs behind this choice.
+    The rule names change the row maximum instead: "ours" → our rule alone (covers rm = 0
+    and cannot underflow ℓ), δ as the policy says; "paper" → the paper's Algorithm 3; "bounded" →
+    our shift on every row; a rule + "+guard" ("ours+guard", …) → that rule and the guarded δ.
+    False → the standard row max, δ as the policy says. ``beta`` (> 1) and ``eps`` (≥ 0)
+    parametrise the rules. Exact in real arithmetic whatever the choice.
 
     backend: "auto" (fastest available that honours the arguments, and says which), "emulated"
     (tiled FlashAttention-2 in PyTorch under ``policy``), "reference" (float64, returned in the

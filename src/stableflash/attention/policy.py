@@ -195,7 +195,7 @@ def resolve_policy(policy: "PrecisionPolicy | str | None", dtype: torch.dtype) -
 def guarded_delta(policy: PrecisionPolicy) -> str:
     """The δ source that keeps δ = rowsum(dO ∘ O) consistent with the backward's P under ``policy``'s
     rounding: the cheapest one that held on every seed of the failing configurations of its kind
-    (docs/mitigations.md, H200 runs of 2026-11-22/23):
+    (docs/mitigations.md):
 
     - scores, Ō or ℓ rounded below ``compute`` (the "paper" emulation): the O as computed is itself
       off, and only δ from the backward's own P held → "dP·P";

@@ -35,11 +35,11 @@ class Variant(NamedTuple):
 _E8M5 = {"acc": "e8m5", "row_sum": "e8m5", "out": "e8m5"}
 OURS = {
     # stabilize=True: the standard row max and the guarded δ (policy.guarded_delta; bf16/fp16 inputs:
-    # δ from O plus its rounding residual, dO·(O+R), since 2026-11-23f)
+    # δ from O plus its rounding residual, dO·(O+R))
     "ours-stable": Variant(True),
-    # our row-maximum rule alone, δ from the stored O (stabilize=True before 2026-11-23c)
+    # our row-maximum rule alone, δ from the stored O (stabilize="ours")
     "ours-rule": Variant("ours"),
-    # our rule and the guarded δ (stabilize=True from 2026-11-23c to -23d)
+    # our rule and the guarded δ (stabilize="ours+guard")
     "ours-rule-guard": Variant("ours+guard"),
     "ours-bounded": Variant("bounded"),
     "ours-standard": Variant(False),
@@ -55,8 +55,8 @@ OURS = {
     "ours-o32c": Variant("ours", "fa2", {"delta": "dO·O32"}),
     # δ from O as stored plus its rounding residual, kept in bf16 (2 bytes per element, not 4)
     "ours-o32r": Variant("ours", "fa2", {"delta": "dO·(O+R)"}),
-    # δ from O as computed without our rule (the standard row max): for bf16 inputs the same variant
-    # as ours-stable since 2026-11-23d, kept under this name because earlier result files use it
+    # δ from O as computed, kept in fp32, with the standard row max (ours-stable keeps O as computed as
+    # the stored O plus a residual in the input dtype instead); benchmarks/results/ files use this name
     "ours-o32c-norule": Variant(False, "fa2", {"delta": "dO·O32"}),
     # the accelerated reproduction's arithmetic (ℓ, Ō, O in e8m5 under the "paper" emulation), with
     # those three rounded to nearest-even and stochastically: what its mitigation costs there

@@ -1,8 +1,11 @@
 """Hugging Face transformers: use stableflash as a model's attention implementation.
 
     import stableflash.integrations.hf as sf_hf
-    name = sf_hf.register()                      # "stableflash"
+    name = sf_hf.register()                      # "stable_attention"
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation=name)
+
+The name must not contain "flash": transformers reads any such name as a request for a
+FlashAttention kernel from the hub and refuses it, so ``register`` refuses it first.
 
 The attention function receives (B, H, N, d) query/key/value from the model and returns
 (B, N, H, d), as transformers' own implementations do. Causal models without padding work
@@ -46,9 +49,19 @@ def make_attention_function(*, stabilize: bool | str = True, beta: float = 2.0, 
     return stableflash_attention
 
 
-def register(name: str = "stableflash", **options) -> str:
+DEFAULT_NAME = "stable_attention"
+
+
+def register(name: str = DEFAULT_NAME, **options) -> str:
     """Register the attention function (and transformers' SDPA mask builder, which passes no mask
-    for unpadded causal batches) under ``name``; returns the name for ``attn_implementation``."""
+    for unpadded causal batches) under ``name``; returns the name for ``attn_implementation``.
+
+    ``options`` are ``make_attention_function``'s (stabilize, beta, eps, backend).
+    """
+    if not isinstance(name, str) or not name or "flash" in name:
+        raise ValueError(f"name={name!r} is invalid; accepted: a non-empty string without 'flash' "
+                         "(transformers treats any attn_implementation containing 'flash' as a hub "
+                         "FlashAttention kernel)")
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.masking_utils import sdpa_mask
 

@@ -82,8 +82,8 @@ def _with_tma(configs: list[triton.Config], tma: list[tuple[int, int, int, int]]
 
 
 # where TMA is possible the forward's tuner also tries the key loop through tensor descriptors
-# (faster at head_dim 128, slower at 64: benchmarks/results/tune-tma-atomic-H200-2026-11-22.txt;
-# the backward kernels gained nothing end to end: tune-bwd-tma-H200-2026-11-22.txt)
+# (faster at head_dim 128, slower at 64; the backward kernels gain nothing end to end from it:
+# docs/notebook/kernel-optimisation-log.md has the timings and their commands)
 _fwd_tuned = triton.autotune(FWD_CONFIGS, key=_KEY + _FWD_MODE, prune_configs_by=_prune)(attn_fwd_kernel)
 _fwd_tma_tuned = triton.autotune(_with_tma(FWD_CONFIGS, [(64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3)]),
                                  key=_KEY + _FWD_MODE, prune_configs_by=_prune)(attn_fwd_kernel)
@@ -240,8 +240,8 @@ def _empty_like_layout(t: torch.Tensor) -> torch.Tensor:
     (largest stride first), as the kernel will see t (last dimension contiguous). A model's q, k, v
     are (B, N, H, d) buffers seen as (B, H, N, d); outputs laid out the same way make its transpose
     back free, and the three gradients cheap to join into the gradient of the fused QKV projection
-    (a GPT-2 small step spent 2.2 ms of 36.7 on that join from (B, H, N, d) gradients:
-    benchmarks/results/train-profile-H200-2026-11-23.txt). Used by the ops and their fakes alike,
+    (from (B, H, N, d) gradients that join costs a GPT-2 small step about 6% of its time:
+    docs/notebook/training-speed-log.md has the profile and its command). Used by the ops and their fakes alike,
     so that torch.compile sees the strides the kernels produce."""
     t = _last_dim_contiguous(t)
     order = sorted(range(t.dim()), key=lambda i: -t.stride(i))
