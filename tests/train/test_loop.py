@@ -105,11 +105,13 @@ def test_ddp_splits_the_global_batch_like_one_process(data_dir, tmp_path):
     import os
     import subprocess
     import sys
-    single = train(cfg_for(data_dir, "max_iters=5", "grad_accum=2"), tmp_path / "one", progress=False)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), PYTHONFAULTHANDLER="1")   # a crash shows its stack
+    # on the CPU on any machine: two ranks need two GPUs, and a GPU's sums differ from the CPU's
+    single = train(cfg_for(data_dir, "max_iters=5", "grad_accum=2", "device=cpu"), tmp_path / "one", progress=False)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), PYTHONFAULTHANDLER="1",   # a crash shows its stack
+               CUDA_VISIBLE_DEVICES="")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
            "stableflash.cli", "train", "--preset", "tiny", "--out", str(tmp_path / "two"), "-q",
-           "--set", f"data={data_dir}", "--set", "max_iters=5", "--set", "grad_accum=2"]
+           "--set", f"data={data_dir}", "--set", "max_iters=5", "--set", "grad_accum=2", "--set", "device=cpu"]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[:2000] + "\n[...]\n" + res.stderr[-2000:]   # the ranks' own errors come first
     one, two = losses(tmp_path / "one"), losses(tmp_path / "two")

@@ -184,11 +184,12 @@ class Monitor:
 DEFAULT_SWITCH = "delta=auto"         # the δ source stabilize=True adds (policy.guarded_delta)
 
 
-def stabilized_choice_spec(current_choice_text: str, on_cuda: bool, switch_to: str = DEFAULT_SWITCH) -> str:
+def stabilized_choice_spec(current_choice_text: str, kernels: bool, switch_to: str = DEFAULT_SWITCH) -> str:
     """The attention a flagged layer switches to: the same backend and policy with ``switch_to``'s
     key=value settings in place of its own (default: "delta=auto", the δ source stabilize=True adds
     for the policy's rounding), or, for SDPA (which can be neither stabilized nor re-precisioned),
-    the fused kernel on CUDA and the fa2 emulation elsewhere with those settings. ``switch_to``
+    the fused kernel where ``kernels`` says it can run (CUDA, attention in bf16 or fp16) and the fa2
+    emulation elsewhere, with those settings. ``switch_to``
     "delta=dP*P" takes δ from dP·P whatever the policy, "rule=ours" our row-maximum rule (which did
     not hold alone on any failing configuration; docs/mitigations.md)."""
     settings = switch_to.split()
@@ -197,5 +198,5 @@ def stabilized_choice_spec(current_choice_text: str, on_cuda: bool, switch_to: s
         raise ValueError(f"monitor_switch_to={switch_to!r} is invalid; accepted: space-separated key=value "
                          "attention settings, e.g. 'rule=ours' or 'delta=dP*P' or 'rule=paper beta=4'")
     if current_choice_text.split()[0] == "sdpa":
-        current_choice_text = "triton" if on_cuda else "emulated policy=fa2"
+        current_choice_text = "triton" if kernels else "emulated policy=fa2"
     return with_settings(current_choice_text, switch_to)

@@ -184,6 +184,7 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
     amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.dtype)
     autocast = (lambda: torch.autocast(device.type, dtype=amp_dtype)) if amp_dtype else contextlib.nullcontext
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.dtype == "fp16")
+    kernels = device.type == "cuda" and amp_dtype is not None      # the fused kernels take bf16 / fp16 only
     accum = cfg.grad_accum // dist.world_size
     tokens_per_step = cfg.batch_size * block * cfg.grad_accum
     peak = _peak_flops(cfg, device)
@@ -306,8 +307,7 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
             if act:
                 spec = model.attention_spec
                 for layer in act:
-                    spec = spec.with_layers([layer], stabilized_choice_spec(str(spec.choice(layer)),
-                                                                            device.type == "cuda",
+                    spec = spec.with_layers([layer], stabilized_choice_spec(str(spec.choice(layer)), kernels,
                                                                             cfg.monitor_switch_to))
                 if monitor.config.action == "rollback" and (run_dir / checkpoint.CHECKPOINT).exists():
                     state = _restore(run_dir, cfg, model, optimizer, device)
