@@ -21,13 +21,16 @@ What each run folder keeps:
   step together with the first row after it that comes back below (so ``explosion_step`` decides
   the same way on the compact rows);
 * ``probes.jsonl``: every record, with ``step``, ``n_seq``, ``seq_len``, ``delta``,
-  ``spectral`` ``q`` (per head: the ladder's failing heads) and ``q_full``/``k_full``/``v_full``/
-  ``o_full``, and ``row`` ``repeated_max_frac``, ``max_logit``, ``sink_frac`` and
-  ``sink_repeated_frac`` (the monitor's indicators and ``benchmarks/sink_frequency.py``); the
-  per-head ``k``/``v``/``o`` norms, ``pbar_one_count`` and ``probe_ms`` dropped.
+  ``spectral.q_full`` (the last record also ``spectral.q``, per head: the ladder reads the failing
+  heads off it) and ``row`` ``repeated_max_frac``, ``sink_frac``, ``sink_repeated_frac`` as
+  recorded, and ``row.max_logit`` reduced to each layer's largest value at its head (the other
+  heads null) written as its shortest float32 decimal (the probes compute it in float32: the same
+  float32 value, on the same side of every float32-representable threshold), which is what
+  ``diagnostics.monitor.largest_logits`` reads; the per-head ``k``/``v``/``o`` and whole-matrix
+  ``k_full``/``v_full``/``o_full`` norms, ``pbar_one_count`` and ``probe_ms`` dropped.
 
 Dropped: ``report.html`` and the report's PNGs (``stableflash report`` on the compact runs draws
-them again). Values are copied, not rounded: a kept line's numbers are the recorded ones.
+them again). Every other kept number is copied as recorded.
 """
 from __future__ import annotations
 
