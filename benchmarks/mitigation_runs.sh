@@ -2,7 +2,7 @@
 # The mitigation table's runs (docs/mitigations.md) and the isolation ladder on kernel-paper-e8m5,
 # started detached on one GPU (benchmarks/repro_detached.sh); collect them with
 # `bash benchmarks/repro_detached.sh wait SECONDS`. Seed 1's baseline of the earlier session
-# (docs/results/repro-kernel-paper-e8m5-H200/runs.tar.xz) is copied in as the ladder's baseline,
+# (docs/notebook/results/repro-kernel-paper-e8m5-H200/runs.tar.xz) is copied in as the ladder's baseline,
 # which run_ladder then reads instead of training it again (same configuration).
 # Usage: bash benchmarks/mitigation_runs.sh [GROUP ...]   (default: all groups)
 set -u
@@ -14,7 +14,7 @@ for g in $groups; do
   case $g in
     ladder)
       mkdir -p /tmp/detached/ladder1 /tmp/prev
-      tar xJf docs/results/repro-kernel-paper-e8m5-H200/runs.tar.xz -C /tmp/prev ./e8m5-base/seed1/baseline
+      tar xJf docs/notebook/results/repro-kernel-paper-e8m5-H200/runs.tar.xz -C /tmp/prev ./e8m5-base/seed1/baseline
       cp -r /tmp/prev/e8m5-base/seed1/baseline /tmp/detached/ladder1/baseline
       bash $d start ladder1 kernel-paper-e8m5 --ladder --seeds 1 --parallel 8 --steps 6000;;
     dpp) bash $d start m-dpp02 kernel-paper-e8m5 --seeds 0 2 --roles baseline --steps 7500 --parallel 2 \
@@ -51,7 +51,7 @@ for g in $groups; do
     # finished rungs of the first session's ladder and its fp32-forward run are copied in and reused
     ladder-rest)
       mkdir -p /tmp/detached/ladder1-all /tmp/prev
-      tar xJf docs/results/mitigations-H200-2026-11-22/runs.tar.xz -C /tmp/prev sess/ladder1 sess/l-fp32-fwd
+      tar xJf docs/notebook/results/mitigations-H200-2026-11-22/runs.tar.xz -C /tmp/prev sess/ladder1 sess/l-fp32-fwd
       for r in /tmp/prev/sess/ladder1/*/; do [ -f "$r/summary.json" ] && cp -r "$r" /tmp/detached/ladder1-all/; done
       cp -r /tmp/prev/sess/l-fp32-fwd/seed1/baseline /tmp/detached/ladder1-all/O_in_fp32_forward
       bash $d start ladder1-all kernel-paper-e8m5 --ladder --seeds 1 --parallel 3 --steps 6000;;

@@ -1,4 +1,4 @@
-"""Every run folder committed under docs/results/ (in the folders' runs.tar.xz) still loads through
+"""Every run folder committed under docs/notebook/results/ (in the folders' runs.tar.xz) still loads through
 report.load_run, its attention spec still parses, its outcome still matches the committed tables,
 and report.build_report still writes a page from a sample of them."""
 from __future__ import annotations
@@ -15,7 +15,7 @@ from stableflash.model.spec import parse_attention_spec
 from stableflash.report import build_report, explosion_step, load_run, loss_series
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "docs" / "results"
+RESULTS = ROOT / "docs" / "notebook" / "results"
 ARCHIVES = 15           # folders with a runs.tar.xz
 RUNS = 256              # run folders (holding metrics.jsonl) in them, as of issue 23's compaction
 

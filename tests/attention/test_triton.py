@@ -915,7 +915,7 @@ def test_auto_picks_triton_on_cuda(gen):
 def test_full_shapes_against_sdpa(gen, shape, stabilize):
     """At full shapes on the GPU, error against float64 compared with SDPA's own. Standard, ours and
     the paper's rule: at most 1.25× SDPA's (+ 2⁻⁹ slack). "bounded" rounds the largest P̄ of every
-    row, which costs accuracy (H200, docs/results/gpu-tests/pytest-triton-H200-2026-11-22.txt: 1.9-2.2×
+    row, which costs accuracy (H200, docs/notebook/results/gpu-tests/pytest-triton-H200-2026-11-22.txt: 1.9-2.2×
     SDPA's dQ/dK error at d = 64):
     at most 2.5× — the price of skipping the tie count, stated, not hidden."""
     b, h, n, d = shape
