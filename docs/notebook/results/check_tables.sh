@@ -15,7 +15,7 @@
 # the scripts of today no longer print as committed (written by an earlier version of the script)
 # comes out the same from the full and the compact archives.
 set -u
-repo=$(cd "$(dirname "$0")/../.." && pwd)
+repo=$(cd "$(dirname "$0")/../../.." && pwd)
 R=$repo/docs/notebook/results
 B=$repo/benchmarks
 W=${1:-$(mktemp -d)}
@@ -27,24 +27,34 @@ unpack() {   # unpack FOLDER DEST [MEMBER ...]: a results folder's runs.tar.xz i
   local folder=$1 dest=$2; shift 2
   mkdir -p "$dest" || return 1
   if [ -n "${FROM_COMMIT:-}" ]; then
-    git -C "$repo" show "$FROM_COMMIT:docs/notebook/results/$folder/runs.tar.xz" | tar xJf - -C "$dest" "$@"
+    { git -C "$repo" show "$FROM_COMMIT:docs/notebook/results/$folder/runs.tar.xz" 2>/dev/null ||
+      git -C "$repo" show "$FROM_COMMIT:docs/results/$folder/runs.tar.xz"; } | tar xJf - -C "$dest" "$@"
   else
     tar xJf "$R/$folder/runs.tar.xz" -C "$dest" "$@"
   fi
 }
 body() { grep -v -e '^#' -e '^command:' "$1"; }   # a table without its hand-written header lines
+present() {  # present NAME FILE...: every FILE exists and is not empty, else the table fails
+  local name=$1 f; shift
+  for f in "$@"; do
+    if [ ! -s "$f" ]; then echo "MISSING  $name ($f)"; failed=1; return 1; fi
+  done
+}
 check() {    # check NAME COMMITTED_FILE PRODUCED_FILE
+  present "$1" "$2" "$3" || return
   if diff <(body "$2") <(body "$3") >/dev/null; then echo "OK       $1"
   else echo "DIFFERS  $1"; diff <(body "$2") <(body "$3") | head -5; failed=1; fi
 }
 check_old() {   # check_old NAME COMMITTED PRODUCED: a table an earlier version of its script wrote
+  present "$1" "$2" "$3" || return
   if diff <(body "$2") <(body "$3") >/dev/null; then echo "OK       $1"
   else echo "CHANGED  $1 (written by an earlier monitor_sweep.py; FROM_COMMIT=43fce87 gives the same output)"; fi
 }
 committed() {   # a results file as committed; one no longer in the tree (sinks.json) as at 43fce87
-  if [ -f "$1" ]; then cat "$1"; else git -C "$repo" show "43fce87:${1#$repo/}"; fi
+  if [ -f "$1" ]; then cat "$1"; else git -C "$repo" show "43fce87:docs/results/${1#$R/}"; fi
 }
 check_json() {   # check_json NAME COMMITTED PRODUCED [SED]: JSON, run paths rewritten by SED
+  present "$1" "$3" || return
   if diff <(committed "$2") <(sed "${4:-}" "$3") >/dev/null; then echo "OK       $1"
   else echo "DIFFERS  $1"; diff <(committed "$2") <(sed "${4:-}" "$3") | head -5; failed=1; fi
 }
