@@ -17,7 +17,7 @@
 set -u
 repo=$(cd "$(dirname "$0")/../.." && pwd)
 R=$repo/docs/notebook/results
-B=$repo/benchmarks
+B=$repo/benchmarks/runs
 W=${1:-$(mktemp -d)}
 mkdir -p "$W"
 cd "$W" || exit 1
