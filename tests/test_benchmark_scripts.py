@@ -1,4 +1,5 @@
-"""CPU checks of the scripts under benchmarks/ (loaded from their paths; they are not a package)."""
+"""CPU checks of the scripts under benchmarks/tools/ and benchmarks/runs/ (loaded from their paths; they are not
+a package)."""
 import importlib.util
 import json
 import sys
@@ -9,8 +10,10 @@ import pytest
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
-def load(name: str):
-    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+def load(path: str):
+    """A script under benchmarks/ as a module; path: its folder and stem there, e.g. "runs/max_logit"."""
+    name = Path(path).name
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{path}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -26,7 +29,7 @@ SMALL, BIG = (2, 4, 512, 64), (1, 4, 2048, 64)
 
 
 def test_mitigation_costs_median_over_files(tmp_path, monkeypatch, capsys):
-    mc = load("mitigation_costs")
+    mc = load("tools/mitigation_costs")
     a = fake_bench({(SMALL, "ours-standard"): 200.0, (SMALL, "ours-stable"): 100.0, (SMALL, "ours-fp8"): 160.0,
                     (BIG, "ours-standard"): 300.0, (BIG, "ours-stable"): 250.0})
     b = fake_bench({(SMALL, "ours-standard"): 200.0, (SMALL, "ours-stable"): 200.0, (SMALL, "ours-fp8"): 100.0})
@@ -52,7 +55,7 @@ def test_mitigation_costs_median_over_files(tmp_path, monkeypatch, capsys):
 
 
 def test_mitigation_costs_one_file_keeps_its_table(tmp_path, monkeypatch, capsys):
-    mc = load("mitigation_costs")
+    mc = load("tools/mitigation_costs")
     path = tmp_path / "bench.json"
     path.write_text(json.dumps(fake_bench({(SMALL, "ours-standard"): 200.0, (SMALL, "ours-stable"): 100.0,
                                            (SMALL, "sdpa-flash"): 50.0})))
@@ -67,7 +70,7 @@ def test_mitigation_costs_keeps_a_long_providers_name_apart_from_its_cells(tmp_p
     first cell; the name column now fits the longest name, and cells are space-separated."""
     import re
 
-    mc = load("mitigation_costs")
+    mc = load("tools/mitigation_costs")
     path = tmp_path / "bench.json"
     path.write_text(json.dumps(fake_bench({(SMALL, "ours-standard"): 200.0, (SMALL, "ours-fp8-pv-norule"): 100.0,
                                            (BIG, "ours-standard"): 200.0, (BIG, "ours-fp8-pv-norule"): 160.0},
@@ -99,7 +102,7 @@ def test_detached_runs_wait_ends_when_every_run_has_stopped(tmp_path):
     threading.Thread(target=sleeper.wait, daemon=True).start()    # reaped when it ends, not left a zombie
     (root / "run1.pgid").write_text(f"{sleeper.pid}\n")
     start = time.monotonic()
-    out = subprocess.run(["bash", str(BENCHMARKS / "repro_detached.sh"), "wait", "60"], capture_output=True,
+    out = subprocess.run(["bash", str(BENCHMARKS / "runs" / "repro_detached.sh"), "wait", "60"], capture_output=True,
                          text=True, env={"PATH": "/usr/bin:/bin", "DETACHED_ROOT": str(root), "OUT": str(tmp_path)},
                          cwd=BENCHMARKS.parent, timeout=90)
     assert out.returncode == 0, out.stderr
@@ -108,7 +111,7 @@ def test_detached_runs_wait_ends_when_every_run_has_stopped(tmp_path):
 
 
 def test_max_logit_reads_each_probe_and_finds_the_first_step_past_the_edge(tmp_path, monkeypatch, capsys):
-    ml = load("max_logit")
+    ml = load("runs/max_logit")
     run = tmp_path / "runs" / "seed0" / "baseline"
     run.mkdir(parents=True)
     records = [(0, [[1.0, 0.5], [0.2, 0.9]]), (100, [[40.0, 3.0], [88.5, 2.0]]), (200, [[90.0, 95.5], [1.0, 1.0]])]
@@ -139,7 +142,7 @@ def test_max_logit_reads_each_probe_and_finds_the_first_step_past_the_edge(tmp_p
 def test_plot_loss_draws_the_runs_and_refuses_a_folder_without_metrics(tmp_path, monkeypatch):
     import argparse
 
-    pl = load("plot_loss")
+    pl = load("runs/plot_loss")
     runs = []
     for name, status, losses in (("held", "finished", [3.0, 2.0, 1.5, 1.2]), ("boom", "exploded", [3.0, 2.0, 6.0])):
         run = tmp_path / name

@@ -100,7 +100,7 @@ def test_data_prepare_text_and_errors(tmp_path, capsys):
 
 
 def test_the_benchmarked_training_step_trains(recwarn):
-    """The step `bench train` times (and benchmarks/train_profile.py profiles): the same seed builds
+    """The step `bench train` times (and benchmarks/tools/train_profile.py profiles): the same seed builds
     the same model, and the step lowers the loss on its fixed batch (CPU, tiny model, no compile)."""
     import torch
 

@@ -98,3 +98,33 @@ def test_the_design_map_names_every_module():
     missing = [p.relative_to(src).as_posix() for p in sorted(src.rglob("*.py"))
                if p.name != "__init__.py" and p.name not in design and p.stem not in design]
     assert not missing, f"docs/design.md does not name: {missing}"
+
+
+# A script path named anywhere in the project: a repository-relative path under one of these folders
+# ending in .py or .sh (commands in docs, result files' headers, scripts calling each other).
+SCRIPT_PATH = re.compile(r"(?<![\w/.-])((?:benchmarks|docs|src|tests)/[\w./-]+\.(?:py|sh))(?!\w)")
+TEXT_SUFFIXES = {".md", ".txt", ".json", ".py", ".sh"}
+
+
+def project_text_files() -> list[Path]:
+    files = [ROOT / "README.md", *(ROOT / ".ci").glob("*")]
+    for folder in ("benchmarks", "docs", "src", "tests"):
+        files += [p for p in sorted((ROOT / folder).rglob("*")) if p.suffix in TEXT_SUFFIXES and p.is_file()]
+    return files
+
+
+def test_every_script_path_named_in_the_project_exists():
+    """Every benchmarks/, docs/, src/ or tests/ path of a .py or .sh file that a doc, a result file,
+    a script or a test names exists, so that a script moved to another folder leaves no stale command."""
+    dangling = []
+    for path in project_text_files():
+        for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            dangling += [f"{path.relative_to(ROOT)}:{n}: {m}" for m in SCRIPT_PATH.findall(line)
+                         if not (ROOT / m).is_file()]
+    assert not dangling, "paths of scripts that do not exist:\n" + "\n".join(dangling)
+
+
+def test_script_path_pattern_finds_commands_and_skips_other_paths():
+    found = SCRIPT_PATH.findall("`python benchmarks/runs/loss_at.py 5000 RUNS`; (docs/notebook/experiments/"
+                                "nan_hunt.py). $B/loss_at.py /tmp/benchmarks/x.py benchmarks/results/a.json")
+    assert found == ["benchmarks/runs/loss_at.py", "docs/notebook/experiments/nan_hunt.py"]

@@ -66,11 +66,11 @@ def _outcome_rows():
 def test_outcomes_match_committed_tables(unpacked):
     """run_outcomes.py's row of every run in an outcomes.json, recomputed from the compact runs:
     steps, explosion step, warnings exactly, final and lowest loss to the table's 4 decimals."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
+    sys.path.insert(0, str(ROOT / "benchmarks" / "runs"))
     try:
         from run_outcomes import outcome
     finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+        sys.path.remove(str(ROOT / "benchmarks" / "runs"))
     rows = _outcome_rows()
     assert len(rows) == 121
     for folder, row in rows:

@@ -3,8 +3,9 @@
 # command that made a text table of docs/notebook/results/*/ and compare its output with the committed file:
 # the lines a script printed byte for byte (the hand-written "# ..." / "command: ..." lines at a
 # file's top are not the script's output and are left out of the comparison), and the JSON the same
-# command wrote where the folder holds one. Prints one line per table, OK or DIFFERS, and exits 1 if
-# any differs. About 3 minutes on 2 CPU cores.
+# command wrote where the folder holds one. Prints one line per table, OK, DIFFERS or MISSING (no
+# committed or no produced output), and exits 1 if any differs or is missing. About 3 minutes on 2 CPU
+# cores.
 #
 #     PYTHONPATH=src bash docs/notebook/results/check_tables.sh [WORK_DIR]
 #
@@ -17,49 +18,52 @@
 set -u
 repo=$(cd "$(dirname "$0")/../../.." && pwd)
 R=$repo/docs/notebook/results
-B=$repo/benchmarks
+B=$repo/benchmarks/runs
 W=${1:-$(mktemp -d)}
 mkdir -p "$W"
 cd "$W" || exit 1
 failed=0
 
+at_commit() {   # at_commit REV PATH: a file under docs/notebook/results/ as at REV, where commits before
+                # aa242de kept these folders in docs/results/
+  git -C "$repo" show "$1:$2" 2>/dev/null || git -C "$repo" show "$1:${2/#docs\/notebook\/results/docs/results}"
+}
 unpack() {   # unpack FOLDER DEST [MEMBER ...]: a results folder's runs.tar.xz into DEST
   local folder=$1 dest=$2; shift 2
   mkdir -p "$dest" || return 1
   if [ -n "${FROM_COMMIT:-}" ]; then
-    { git -C "$repo" show "$FROM_COMMIT:docs/notebook/results/$folder/runs.tar.xz" 2>/dev/null ||
-      git -C "$repo" show "$FROM_COMMIT:docs/results/$folder/runs.tar.xz"; } | tar xJf - -C "$dest" "$@"
+    at_commit "$FROM_COMMIT" "docs/notebook/results/$folder/runs.tar.xz" | tar xJf - -C "$dest" "$@"
   else
     tar xJf "$R/$folder/runs.tar.xz" -C "$dest" "$@"
   fi
 }
 body() { grep -v -e '^#' -e '^command:' "$1"; }   # a table without its hand-written header lines
-present() {  # present NAME FILE...: every FILE exists and is not empty, else the table fails
-  local name=$1 f; shift
-  for f in "$@"; do
-    if [ ! -s "$f" ]; then echo "MISSING  $name ($f)"; failed=1; return 1; fi
-  done
+missing() {   # missing NAME COMMITTED PRODUCED: true (and the table fails) if either is absent or empty
+  if [ -s "$2" ] && [ -s "$3" ]; then return 1; fi
+  echo "MISSING  $1 (committed: $2, produced: $3)"; failed=1
 }
 check() {    # check NAME COMMITTED_FILE PRODUCED_FILE
-  present "$1" "$2" "$3" || return
+  missing "$@" && return
   if diff <(body "$2") <(body "$3") >/dev/null; then echo "OK       $1"
   else echo "DIFFERS  $1"; diff <(body "$2") <(body "$3") | head -5; failed=1; fi
 }
 check_old() {   # check_old NAME COMMITTED PRODUCED: a table an earlier version of its script wrote
-  present "$1" "$2" "$3" || return
+  missing "$@" && return
   if diff <(body "$2") <(body "$3") >/dev/null; then echo "OK       $1"
   else echo "CHANGED  $1 (written by an earlier monitor_sweep.py; FROM_COMMIT=43fce87 gives the same output)"; fi
 }
 committed() {   # a results file as committed; one no longer in the tree (sinks.json) as at 43fce87
-  if [ -f "$1" ]; then cat "$1"; else git -C "$repo" show "43fce87:docs/results/${1#$R/}"; fi
+  if [ -f "$1" ]; then cat "$1"; else at_commit 43fce87 "${1#$repo/}"; fi
 }
 check_json() {   # check_json NAME COMMITTED PRODUCED [SED]: JSON, run paths rewritten by SED
-  present "$1" "$3" || return
+  if [ -z "$(committed "$2" 2>/dev/null)" ] || [ ! -s "$3" ]; then
+    echo "MISSING  $1 (committed: $2, produced: $3)"; failed=1; return
+  fi
   if diff <(committed "$2") <(sed "${4:-}" "$3") >/dev/null; then echo "OK       $1"
   else echo "DIFFERS  $1"; diff <(committed "$2") <(sed "${4:-}" "$3") | head -5; failed=1; fi
 }
 
-# --- outcomes (benchmarks/run_outcomes.py) --------------------------------------------------
+# --- outcomes (benchmarks/runs/run_outcomes.py) --------------------------------------------------
 for f in mitigations-H200-2026-11-23f mitigations-H200-2026-11-23g mitigations-H200-2026-11-23h \
          mitigations-H200-2026-11-24 mitigations-H100-2026-11-24; do
   unpack $f "$W/$f/runs"
@@ -76,7 +80,7 @@ for f in "mitigations-H200-2026-11-23b sess-c sess-d" "mitigations-H200-2026-11-
   [ -f "$R/$1/outcomes.json" ] && check_json "$1/outcomes.json" "$R/$1/outcomes.json" "$W/$1/outcomes.json"
 done
 
-# --- mean loss over 100 steps (benchmarks/loss_at.py) ----------------------------------------
+# --- mean loss over 100 steps (benchmarks/runs/loss_at.py) ----------------------------------------
 unpack mitigations-H200-2026-11-23d "$W/p23d"
 x=$W/mitigations-H200-2026-11-23f/runs
 { python "$B/loss_at.py" 4000 "$W/p23d/sess-g/m-o16-norule12" "$W/p23d/sess-g/m-o16-norule-e5m2" \
@@ -102,7 +106,7 @@ unpack cpu-fp8-2026-11-23e "$W/cpuf"; unpack cpu-fp8-2026-11-23g "$W/cpug"; unpa
 python "$B/loss_at.py" 2600 "$W/cpug/cpusw" "$W/cpuf/rp0" "$W/cpug/cpusw1" "$W/cpuf23f" > cpu23g-loss-at.txt
 check cpu-fp8-2026-11-23g/loss-at.txt "$R/cpu-fp8-2026-11-23g/loss-at.txt" cpu23g-loss-at.txt
 
-# --- attention sinks (benchmarks/sink_frequency.py) ------------------------------------------
+# --- attention sinks (benchmarks/runs/sink_frequency.py) ------------------------------------------
 (cd "$W/mitigations-H200-2026-11-23c" && python "$B/sink_frequency.py" sess-f/a-llama-fp8/seed{0,1,2}/baseline \
    --json sinks.json > sinks.txt)
 check mitigations-H200-2026-11-23c/sinks.txt "$R/mitigations-H200-2026-11-23c/sinks.txt" "$W/mitigations-H200-2026-11-23c/sinks.txt"
@@ -116,12 +120,12 @@ check_json mitigations-H200-2026-11-23h/sinks.json "$R/mitigations-H200-2026-11-
 check mitigations-H100-2026-11-24/sinks.txt "$R/mitigations-H100-2026-11-24/sinks.txt" "$W/mitigations-H100-2026-11-24/sinks.txt"
 check_json mitigations-H100-2026-11-24/sinks.json "$R/mitigations-H100-2026-11-24/sinks.json" "$W/mitigations-H100-2026-11-24/sinks.json"
 
-# --- largest logits (benchmarks/max_logit.py) --------------------------------------------------
+# --- largest logits (benchmarks/runs/max_logit.py) --------------------------------------------------
 unpack mitigations-H200-2026-11-22 "$W/pb" sess/fa2-e8m4
 python "$B/max_logit.py" "$g/x-e8m4-paper2" "$W/pb/sess/fa2-e8m4" --every 300 > paper2-max-logit.txt
 check mitigations-H200-2026-11-23g/paper2-max-logit.txt "$R/mitigations-H200-2026-11-23g/paper2-max-logit.txt" paper2-max-logit.txt
 
-# --- the monitor's thresholds replayed (benchmarks/monitor_sweep.py) ----------------------------
+# --- the monitor's thresholds replayed (benchmarks/runs/monitor_sweep.py) ----------------------------
 (cd "$W/mitigations-H200-2026-11-23c" && python "$B/monitor_sweep.py" sess-e sess-f --json monitor-sweep.json > monitor-sweep.txt)
 check_old mitigations-H200-2026-11-23c/monitor-sweep.txt "$R/mitigations-H200-2026-11-23c/monitor-sweep.txt" "$W/mitigations-H200-2026-11-23c/monitor-sweep.txt"
 check_old mitigations-H200-2026-11-23c/monitor-sweep.json "$R/mitigations-H200-2026-11-23c/monitor-sweep.json" "$W/mitigations-H200-2026-11-23c/monitor-sweep.json"

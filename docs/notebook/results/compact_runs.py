@@ -13,8 +13,8 @@ What each run folder keeps:
   it was, and the step rows with ``step``, ``loss``, ``grad_norm`` and ``val_loss`` (``lr``, ``ms``,
   ``tokens_per_s`` and ``mfu`` dropped) that are:
   every 50th step, the first and the last row, every row of the last 100 logged steps
-  (``benchmarks/run_outcomes.py``'s final loss and step count), every row in the 100 steps up to
-  each step of ``LOSS_AT_STEPS`` (``benchmarks/loss_at.py STEP``), every row with a ``val_loss``
+  (``benchmarks/runs/run_outcomes.py``'s final loss and step count), every row in the 100 steps up to
+  each step of ``LOSS_AT_STEPS`` (``benchmarks/runs/loss_at.py STEP``), every row with a ``val_loss``
   or a non-finite loss, every row that sets a new running minimum of the loss (the lowest loss and
   ``report.explosion_step``'s threshold), every row from 200 steps before the explosion step to
   200 after it, and every row above ``EXPLOSION_FACTOR`` × the running minimum up to the explosion
@@ -131,7 +131,7 @@ def compact_metrics(text: str) -> str:
 def _layer_maxima(rows):
     """``row.max_logit`` (layers × heads) with only each layer's largest finite value kept, at its
     head; the other heads' values as null. ``diagnostics.monitor.largest_logits`` (the monitor's
-    largest-logit indicator, ``benchmarks/max_logit.py``) reads the same (layer, value, head)."""
+    largest-logit indicator, ``benchmarks/runs/max_logit.py``) reads the same (layer, value, head)."""
     if not isinstance(rows, list) or not all(isinstance(heads, list) for heads in rows):
         return rows
     out = []

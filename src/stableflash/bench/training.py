@@ -51,7 +51,7 @@ class TrainBenchConfig:
 def training_step(spec: str, cfg: TrainBenchConfig, device: torch.device):
     """(step, model): one training step of ``cfg.model`` with attention ``spec`` (forward under bf16
     autocast, backward, clip, fused AdamW) on fixed random tokens, returning the loss; the model is
-    built from ``cfg.seed``. Shared with benchmarks/train_profile.py."""
+    built from ``cfg.seed``. Shared with benchmarks/tools/train_profile.py."""
     torch.manual_seed(cfg.seed)
     mcfg = model_config(cfg.model)
     model = build_model(mcfg, attention=spec).to(device)

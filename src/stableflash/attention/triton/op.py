@@ -62,7 +62,7 @@ def _fits(configs, named_args, **kwargs):
     return kept or configs[-1:]
 
 
-# candidates from benchmarks/tune_attention.py on an H200 (benchmarks/results/tune-*.json)
+# candidates from benchmarks/tools/tune_attention.py on an H200 (benchmarks/results/tune-*.json)
 FWD_CONFIGS = [_cfg(64, 64, 4, 3), _cfg(128, 64, 8, 3), _cfg(128, 128, 8, 3), _cfg(128, 64, 4, 3),
                _cfg(64, 32, 4, 2)]
 DKDV_CONFIGS = [_cfg(32, 64, 4, 3), _cfg(64, 128, 8, 3), _cfg(32, 128, 4, 3), _cfg(64, 64, 4, 3),
@@ -142,7 +142,7 @@ KEY_BLOCK_AREA = 512 * 64
 def key_block_config(block_k: int, head_dim: int) -> triton.Config:
     """The forward's tile for a chosen key block: fewer query rows as the key block grows, so that
     the scores tile stays at ≤ 8192 fp32 values (compiled for sm_90 without register failures:
-    benchmarks/compile_check.py), one pipeline stage once K and V tiles fill shared memory."""
+    benchmarks/tools/compile_check.py), one pipeline stage once K and V tiles fill shared memory."""
     if block_k not in KEY_BLOCKS or block_k * head_dim > KEY_BLOCK_AREA:
         raise ValueError(f"block_k={block_k} with head_dim={head_dim} is not a key block the kernels take; "
                          f"accepted: one of {KEY_BLOCKS} with block_k·head_dim ≤ {KEY_BLOCK_AREA}")
@@ -181,7 +181,7 @@ def _launch(tuned, raw, grid, *args, tma_tuned=None, tma: bool | None = None, fi
 # whether the forward may read K and V through tensor descriptors (Hopper's TMA); its tuner decides
 TMA = True
 # the forward's persistent grid: this many programs per SM, each walking tiles longest first over
-# every head (0: one program per tile). Off until timed on a GPU (benchmarks/tune_attention.py).
+# every head (0: one program per tile). Off until timed on a GPU (benchmarks/tools/tune_attention.py).
 PERSISTENT = 0
 
 

@@ -1,6 +1,6 @@
 """Error against float64 of the kernels' narrowing points rounded to nearest-even vs stochastically.
 
-    python benchmarks/sr_accuracy.py [--shape 1,2,96,32] [--inputs 4]
+    python benchmarks/tools/sr_accuracy.py [--shape 1,2,96,32] [--inputs 4]
 
 Without CUDA it runs the kernels in Triton's CPU interpreter (slow: keep the shape small). For
 each policy pair it prints ‖err‖/‖ref‖ of O, dQ, dK, dV averaged over fresh random inputs, and the

@@ -1,6 +1,6 @@
 """Compile every kernel switch for Hopper (sm_90) without a GPU, before device time is spent.
 
-    python benchmarks/compile_check.py
+    python benchmarks/tools/compile_check.py
 
 Triton ships ptxas, so the forward, the δ pass and both backward kernels can be compiled for
 compute capability 9.0 here. Each variant below sets the compile-time switches one policy or

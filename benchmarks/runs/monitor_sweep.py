@@ -1,6 +1,6 @@
 """How the monitor's thresholds trade lead time against false alarms, replayed on recorded runs.
 
-    python benchmarks/monitor_sweep.py RUN_OR_FOLDER ... [--json OUT.json]
+    python benchmarks/runs/monitor_sweep.py RUN_OR_FOLDER ... [--json OUT.json]
 
 Every folder below the arguments that holds probes.jsonl and metrics.jsonl is a run (duplicates,
 same metrics file content, are counted once). The monitor (``diagnostics.monitor.Monitor``) is a

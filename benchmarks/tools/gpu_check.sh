@@ -1,19 +1,19 @@
 #!/usr/bin/env bash
 # One device session: environment, kernel-vs-emulation agreement, the GPU tests of the Triton
 # kernels, then the attention benchmark.
-# Usage (repository root, on the GPU machine): bash benchmarks/gpu_check.sh [bench args...]
+# Usage (repository root, on the GPU machine): bash benchmarks/tools/gpu_check.sh [bench args...]
 # Env: SKIP_DIAG, SKIP_TESTS, SKIP_BENCH = 1 skip a part; PYTEST_K selects kernel tests; BENCH_LIMIT
 # caps the benchmark's seconds. The next session's quiet part, for example:
-#   SKIP_DIAG=1 PYTEST_K="16_bit or soft or fp8_tensor_cores" bash benchmarks/gpu_check.sh --modes fwd+bwd --providers \
-#     ours-standard ours-stable ours-o32c ours-fp8 ours-fp8-o32c ours-fp8-o16 ours-fp8-pv ours-softcap ours-dpp \
-#     sdpa-flash sdpa-cudnn
+#   SKIP_DIAG=1 PYTEST_K="16_bit or soft or fp8_tensor_cores" bash benchmarks/tools/gpu_check.sh --modes fwd+bwd \
+#     --providers ours-standard ours-stable ours-o32c ours-fp8 ours-fp8-o32c ours-fp8-o16 ours-fp8-pv ours-softcap \
+#     ours-dpp sdpa-flash sdpa-cudnn
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/env.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)" | tee -a "$OUT/env.txt"
 if [ "${SKIP_DIAG:-0}" != 1 ]; then
-  python3 benchmarks/diag_agreement.py 2>&1 | tee "$OUT/diag.txt" | tail -40
+  python3 benchmarks/tools/diag_agreement.py 2>&1 | tee "$OUT/diag.txt" | tail -40
 fi
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   if [ -n "${PYTEST_K:-}" ]; then       # only the kernel tests matching PYTEST_K (new code first)
@@ -30,5 +30,5 @@ if [ "${SKIP_BENCH:-0}" != 1 ]; then
   timeout "${BENCH_LIMIT:-420}" python3 -m stableflash.cli bench attention --out "$OUT/bench.json" "$@" \
     > "$OUT/bench.txt" 2>&1
   grep -v "it/s\]" "$OUT/bench.txt" | tail -40
-  python3 benchmarks/mitigation_costs.py "$OUT/bench.json" 2>/dev/null | tail -14
+  python3 benchmarks/tools/mitigation_costs.py "$OUT/bench.json" 2>/dev/null | tail -14
 fi

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Reproduction runs on the lent GPU, with what comes back packed under $OUT.
-#   bash benchmarks/repro_gpu.sh SECONDS PRESET [repro options ...]
+#   bash benchmarks/runs/repro_gpu.sh SECONDS PRESET [repro options ...]
 # runs `stableflash repro --preset PRESET --no-probe -q ...` for at most SECONDS, then packs every
 # run's metrics, probes, events and summaries (not the checkpoints) into $OUT/runs-PRESET.tgz and
 # prints each run's last logged loss. A run cut off by the time limit keeps the steps it logged.

@@ -5,7 +5,7 @@ nvdisasm) and counts the SASS instructions by opcode, so that the per-score cost
 read before any device time is spent: the standard loop does a max, an FMA, an exp2, an add and
 half a bf16 pack per score; what a stabilized rule adds shows up as the difference.
 
-    python benchmarks/sass_count.py [--head-dim 64] [--block-m 64] [--block-n 64] [--warps 4]
+    python benchmarks/tools/sass_count.py [--head-dim 64] [--block-m 64] [--block-n 64] [--warps 4]
                                     [--stages 3] [--tma] [--warp-specialize] [--pfmt -1] [--aligned]
                                     [--out DIR]
 
@@ -37,7 +37,7 @@ from triton.backends.compiler import GPUTarget
 
 RULES = ("standard", "paper", "ours", "bounded")
 SHOWN = ("FMNMX", "FSET", "FSETP", "FSEL", "FADD", "FFMA", "FMUL", "MUFU", "F2FP", "HGMMA", "USETMAXREG")
-FORWARD = Path(__file__).resolve().parents[1] / "src/stableflash/attention/triton/forward.py"
+FORWARD = Path(__file__).resolve().parents[2] / "src/stableflash/attention/triton/forward.py"
 
 
 def load_kernel(warp_specialize: bool):

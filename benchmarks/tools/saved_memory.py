@@ -3,7 +3,7 @@ one forward (unique storages, the inputs q, k, v left out) plus the output, per 
 each shape; on CUDA also the allocator's growth across the forward as a cross-check.
 What `delta=dO·O32` (an fp32 copy of O beside the bf16 one) or `out=fp32` costs in memory.
 
-    python benchmarks/saved_memory.py [--providers ours-stable ours-o32c ...] [--shape B,H,N,d ...]
+    python benchmarks/tools/saved_memory.py [--providers ours-stable ours-o32c ...] [--shape B,H,N,d ...]
         [--json OUT.json]
 On a machine without CUDA run it with TRITON_INTERPRET=1 and a small --shape.
 """

@@ -3,7 +3,7 @@ over the probed rows) reduced to one number per probed step. With the paper's ro
 tied row whose largest logit passes about 87 underflows ℓ to zero on a GPU (fp32's range without
 subnormals: docs/mitigations.md), so this says when a run came within reach of that edge.
 
-    python benchmarks/max_logit.py RUN_OR_ROOT [...] [--every 100] [--edge 87]
+    python benchmarks/runs/max_logit.py RUN_OR_ROOT [...] [--every 100] [--edge 87]
 
 A RUN_OR_ROOT is a run folder (holding probes.jsonl) or any folder above run folders.
 """

@@ -1,6 +1,6 @@
 """Search random attention inputs for non-finite outputs or gradients of the fused kernels.
 
-    python3 benchmarks/nan_hunt.py [TRIALS] [SPEC ...]
+    python3 docs/notebook/experiments/nan_hunt.py [TRIALS] [SPEC ...]
 
 Each trial draws q, k, v, dO at one of several score magnitudes, with some keys duplicated (rows
 with several equal maxima, the paper's case) and, in bf16 at large magnitude, many near-equal

@@ -5,7 +5,7 @@ in Llama-3.1-8B. Beside each step: the chance level, the fraction of rows whose 
 on key 0 if each row's maximum were equally likely to be any key it sees (causal rows 1..T−1 of a
 sequence of T).
 
-    python benchmarks/sink_frequency.py RUN_DIR ... [--json OUT.json]
+    python benchmarks/runs/sink_frequency.py RUN_DIR ... [--json OUT.json]
 """
 import argparse
 import json

@@ -2,7 +2,7 @@
 forward+backward time relative to a reference provider, cost = reference TFLOP/s ÷ variant's − 1,
 and the variant's ratio to SDPA's flash backend, per shape.
 
-    python benchmarks/mitigation_costs.py benchmarks/results/attention-H200-2026-11-22-mitigations.json \
+    python benchmarks/tools/mitigation_costs.py benchmarks/results/attention-H200-2026-11-22-mitigations.json \
         [--against ours-standard] [--mode fwd+bwd]
 
 Given several JSONs (repeated runs of the same benchmark), the cost is taken within each file and

@@ -4,7 +4,7 @@ final and lowest loss, the monitor's warnings (count, first step) and the layers
 with their steps. Arguments: run folders (those holding metrics.jsonl) or folders above them, which
 are searched. Prints a table; JSON rows to --json.
 
-    python benchmarks/run_outcomes.py /tmp/r/sess-c /tmp/r/sess-d --json /tmp/outcomes.json
+    python benchmarks/runs/run_outcomes.py /tmp/r/sess-c /tmp/r/sess-d --json /tmp/outcomes.json
 """
 import argparse
 import json

@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
 # Reproduction runs that outlive one device call (each call may run 10 minutes; a machine stays
 # held for up to 30 while calls follow each other closely). Three verbs:
-#   bash benchmarks/repro_detached.sh start NAME PRESET [repro options ...]
+#   bash benchmarks/runs/repro_detached.sh start NAME PRESET [repro options ...]
 #       starts `stableflash repro --preset PRESET --no-probe -q --out /tmp/detached/NAME ...` in its
 #       own process session (it keeps running after the call returns)
-#   bash benchmarks/repro_detached.sh wait SECONDS
+#   bash benchmarks/runs/repro_detached.sh wait SECONDS
 #       waits SECONDS, or less once every started run's process group has ended, then packs every
 #       run's metrics, probes and events (no checkpoints) into $OUT/detached.tgz and prints each
 #       run's last logged loss and step
-#   bash benchmarks/repro_detached.sh solo PRESET STEPS [repro options ...]
+#   bash benchmarks/runs/repro_detached.sh solo PRESET STEPS [repro options ...]
 #       stops the detached runs, then times PRESET's baseline alone for STEPS steps (ms per step)
-#   bash benchmarks/repro_detached.sh stop [NAME ...]
+#   bash benchmarks/runs/repro_detached.sh stop [NAME ...]
 #       stops the named detached runs (default: all) with their worker processes: each run is its
 #       own process group, recorded at start (a `pkill -f` pattern can match the calling shell, and
 #       misses spawn workers, whose command line does not name the run)

@@ -2,7 +2,7 @@
 (`dO·O32`), against δ from the stored O: the share of bf16 dQ, dK entries that differ from dO·O32's,
 per backend and O format (CPU: the Triton kernels run in the interpreter; small shape).
 
-    TRITON_INTERPRET=1 python benchmarks/residual_delta.py [--seed 0] [--shape 1,2,50,32]
+    TRITON_INTERPRET=1 python docs/notebook/experiments/residual_delta.py [--seed 0] [--shape 1,2,50,32]
 """
 import argparse
 

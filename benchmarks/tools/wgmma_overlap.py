@@ -1,7 +1,7 @@
 """Can a Triton flash-attention loop keep QKᵀ of the next key block in flight during this block's
 softmax (FlashAttention-3's intra-warpgroup overlap) on Hopper? Compiled for sm_90 without a GPU.
 
-    python benchmarks/wgmma_overlap.py [--block-m 128] [--warps 8]
+    python benchmarks/tools/wgmma_overlap.py [--block-m 128] [--warps 8]
 
 Two forms of the same minimal forward loop (standard row max, no masking): "plain" computes S = QKᵀ
 and then its softmax in each iteration; "prefetch" issues the next block's S before this block's

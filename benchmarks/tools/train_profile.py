@@ -2,7 +2,7 @@
 (same model, batch, compile and optimizer), run under torch.profiler, with every CUDA kernel's time
 summed per step and grouped (attention, matrix products, copies, the rest).
 
-    python benchmarks/train_profile.py [--attention SPEC ...] [--steps 5] [--out FILE.json]
+    python benchmarks/tools/train_profile.py [--attention SPEC ...] [--steps 5] [--out FILE.json]
 
 Prints, per attention, the step's wall time, its summed kernel time, each group's share and the
 largest kernels; writes the full kernel table to --out. Answers "is the gap between two attentions

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # The mitigation table's runs (docs/mitigations.md) and the isolation ladder on kernel-paper-e8m5,
-# started detached on one GPU (benchmarks/repro_detached.sh); collect them with
-# `bash benchmarks/repro_detached.sh wait SECONDS`. Seed 1's baseline of the earlier session
+# started detached on one GPU (benchmarks/runs/repro_detached.sh); collect them with
+# `bash benchmarks/runs/repro_detached.sh wait SECONDS`. Seed 1's baseline of the earlier session
 # (docs/notebook/results/repro-kernel-paper-e8m5-H200/runs.tar.xz) is copied in as the ladder's baseline,
 # which run_ladder then reads instead of training it again (same configuration).
-# Usage: bash benchmarks/mitigation_runs.sh [GROUP ...]   (default: all groups)
+# Usage: bash benchmarks/runs/mitigation_runs.sh [GROUP ...]   (default: all groups)
 set -u
-d=benchmarks/repro_detached.sh
+d=benchmarks/runs/repro_detached.sh
 E8=(acc=e8m5 row_sum=e8m5 out=e8m5)
 base="triton policy=paper ${E8[*]}"
 groups=${*:-ladder dpp sr sr-out paper2 paper4 llama llama-qk}      # the first device session's groups
@@ -138,7 +138,7 @@ for g in $groups; do
     llama-fp8-qk) bash $d start a-llama-fp8-qk kernel-fa2-fp8 --seeds 0 1 2 --roles baseline --steps 6000 \
            --parallel 3 --set model=llama-small-qknorm;;
     # the monitor on the fastest failure (e5m2, exploded at 650-730) with probes every 50 steps
-    # instead of 100: does it warn before the explosion? (benchmarks/monitor_sweep.py on the runs)
+    # instead of 100: does it warn before the explosion? (benchmarks/runs/monitor_sweep.py on the runs)
     e5m2-probe50) bash $d start fmt-e5m2-p50 kernel-fa2-fp8 --seeds 0 1 2 --roles baseline --steps 1500 --parallel 3 \
            --set "attention=triton policy=fa2 p_bar=fp8_e5m2 out=fp8_e5m2" --set probe_every=50;;
     # stabilize=True since 2026-11-23d (the guarded δ, standard row max: `delta=auto` without a rule)

@@ -1,6 +1,6 @@
 """Where the paper's rule (Algorithm 3, shift β·max on rows with tied maxima) stops being finite.
 
-    python benchmarks/paper_rule_underflow.py
+    python docs/notebook/experiments/paper_rule_underflow.py
 
 Rows whose maximum is tied (two equal keys) at a growing value, ℓ, Ō and O in e8m5 under the
 authors' emulation (the failing reproduction's arithmetic), on the emulated backend (CPU): for each

@@ -2,7 +2,7 @@
 in its colour and an x where a run did not finish (non-finite, stopped into an explosion, or
 stopped by hand: its summary does not say "finished").
 
-    python benchmarks/plot_loss.py OUT.png --run "LABEL=RUN_DIR" [--run ...] [--title T]
+    python benchmarks/runs/plot_loss.py OUT.png --run "LABEL=RUN_DIR" [--run ...] [--title T]
                                    [--ylim 0.25 12] [--xlim 0 5000] [--dashed LABEL ...]
 
 A RUN_DIR holds metrics.jsonl (a `stableflash train` or `repro` run folder). Colours follow the

@@ -1,7 +1,7 @@
 """Mean logged training loss of each run over the 100 steps up to STEP, to compare runs that ran
 for different lengths (the kernel presets' learning rate is constant after warm-up).
 
-    python benchmarks/loss_at.py STEP RUNS_DIR [RUNS_DIR ...]
+    python benchmarks/runs/loss_at.py STEP RUNS_DIR [RUNS_DIR ...]
 
 A RUNS_DIR is a `stableflash repro` output (seed*/<role>/metrics.jsonl under it).
 """

@@ -1,6 +1,6 @@
 """Speed of the emulated backend, forward and backward, on one causal bf16 attention layer: each
 policy against float64, and the time per call. Runs on CPU or GPU (whichever torch sees).
-Usage: python3 benchmarks/emulated_speed.py [B H N d]"""
+Usage: python3 benchmarks/tools/emulated_speed.py [B H N d]"""
 import sys
 import time
 
