@@ -271,3 +271,19 @@ def test_the_cli_default_runs_the_three_runs_and_names_the_acceleration(monkeypa
         "The baseline did not diverge in any of 1 seed(s): no explosion reproduced with this configuration. "
         "Accelerated: P̄ and O rounded to fp8 e5m2 (2 mantissa bits instead of bf16's 7), a stand-in for bf16, "
         "which did not fail in 8000 steps of the same run (docs/reproduction.md).")
+
+
+def test_the_accelerated_note_is_left_out_when_set_replaces_the_attention(tmp_path):
+    """The verdict's "Accelerated: …" sentence describes the preset's own attentions; a run whose
+    attention --set replaced (here the baseline in bf16) is not called accelerated."""
+    result = run_repro("cpu-fp8-tiny", tmp_path, seeds=(0,), steps=2, progress=False, roles=("baseline",),
+                       extra=("attention=emulated policy=fa2", "probe_every=0"))
+    assert result["rows"][0]["attention"] == "emulated policy=fa2"
+    assert result["verdict"] == ("The baseline did not diverge in any of 1 seed(s): no explosion reproduced with "
+                                 "this configuration.")
+    p = REPRO_PRESETS["cpu-fp8-tiny"]
+    rows = [{"role": "baseline", "seed": 0, "explosion_step": 4630, "attention": p.baseline}]
+    assert verdict(rows, p) == ("The baseline diverged in 1 of 1 seed(s) (steps 4630) (the stabilized run and the "
+                                "fp32 control were not run). Accelerated: P̄ and O rounded to fp8 e5m2 (2 mantissa "
+                                "bits instead of bf16's 7), a stand-in for bf16, which did not fail in 8000 steps of "
+                                "the same run (docs/reproduction.md).")
