@@ -219,3 +219,71 @@ def test_ladder_reuses_finished_runs_of_the_same_config_only(tmp_path):
     assert finished_run(rung, same) is None                    # another config: not this run
     with pytest.raises(ValueError, match="already holds a run"):
         run_ladder("cpu-demo", tmp_path, steps=4, progress=False)   # 4 steps: not the 3-step runs
+
+
+def test_the_default_without_a_gpu_is_the_fast_fp8_failure(monkeypatch):
+    """Without a GPU, `stableflash repro` runs cpu-fp8-tiny: an accelerated preset (labelled, with
+    what bf16 did beside it) whose stabilized run is what flash_attention(stabilize=True) computes
+    for the baseline's attention — outputs and gradients bit for bit — and whose control holds P̄,
+    Ō, ℓ and O in fp32."""
+    import torch
+    from stableflash.attention import flash_attention
+    from stableflash.attention.policy import resolve_policy
+    from stableflash.model import parse_attention_spec
+    from stableflash.repro import default_preset
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert default_preset() == "cpu-fp8-tiny"
+    p = REPRO_PRESETS["cpu-fp8-tiny"]
+    assert not p.gpu and "fp8 e5m2" in p.accelerated and p.faithful
+    choice = {role: parse_attention_spec(a).default for role, a in p.attentions().items()}
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 64, 32) * 3 for _ in range(3))        # the tiny model's heads and context
+    do = torch.randn(2, 2, 64, 32)
+
+    def run(**kw):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = flash_attention(*leaves, causal=True, **kw)
+        out.backward(do)
+        return [out.detach(), *(t.grad for t in leaves)]
+
+    stabilized = run(**choice["stabilized"].kwargs())
+    as_stabilize_true = run(**{**choice["baseline"].kwargs(), "stabilize": True})
+    baseline = run(**choice["baseline"].kwargs())
+    for a, b in zip(stabilized, as_stabilize_true):
+        assert torch.equal(a, b)
+    assert torch.equal(stabilized[0], baseline[0]) and not torch.equal(stabilized[1], baseline[1])   # δ differs
+    control = resolve_policy(choice["control"].policy, torch.float32)
+    assert (control.p_bar, control.acc, control.row_sum, control.out) == ("fp32",) * 4
+
+
+def test_the_cli_default_runs_the_three_runs_and_names_the_acceleration(monkeypatch, tmp_path, capsys):
+    """`stableflash repro` with no preset, as a user runs it (a few steps, no probe)."""
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["repro", "--no-probe", "-q", "--steps", "3", "--out", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("stableflash repro — preset cpu-fp8-tiny: a 2-layer byte-level GPT")
+    assert lines[1] == "ACCELERATED (not bf16): P̄ and O rounded to fp8 e5m2 (2 mantissa bits instead of bf16's 7)"
+    result = json.loads((tmp_path / "repro.json").read_text())
+    assert [(r["role"], r["steps"], r["same_batches_as_baseline"]) for r in result["rows"]] == [
+        ("baseline", 3, True), ("stabilized", 3, True), ("control", 3, True)]
+    assert lines[-2] == result["verdict"] == (
+        "The baseline did not diverge in any of 1 seed(s): no explosion reproduced with this configuration. "
+        "Accelerated: P̄ and O rounded to fp8 e5m2 (2 mantissa bits instead of bf16's 7), a stand-in for bf16, "
+        "which did not fail in 8000 steps of the same run (docs/reproduction.md).")
+
+
+def test_the_accelerated_note_is_left_out_when_set_replaces_the_attention(tmp_path):
+    """The verdict's "Accelerated: …" sentence describes the preset's own attentions; a run whose
+    attention --set replaced (here the baseline in bf16) is not called accelerated."""
+    result = run_repro("cpu-fp8-tiny", tmp_path, seeds=(0,), steps=2, progress=False, roles=("baseline",),
+                       extra=("attention=emulated policy=fa2", "probe_every=0"))
+    assert result["rows"][0]["attention"] == "emulated policy=fa2"
+    assert result["verdict"] == ("The baseline did not diverge in any of 1 seed(s): no explosion reproduced with "
+                                 "this configuration.")
+    p = REPRO_PRESETS["cpu-fp8-tiny"]
+    rows = [{"role": "baseline", "seed": 0, "explosion_step": 4630, "attention": p.baseline}]
+    assert verdict(rows, p) == ("The baseline diverged in 1 of 1 seed(s) (steps 4630) (the stabilized run and the "
+                                "fp32 control were not run). Accelerated: P̄ and O rounded to fp8 e5m2 (2 mantissa "
+                                "bits instead of bf16's 7), a stand-in for bf16, which did not fail in 8000 steps of "
+                                "the same run (docs/reproduction.md).")

@@ -101,13 +101,25 @@ def run_repro(preset: str | ReproPreset, out_dir: Path, seeds: tuple[int, ...] =
                 r["same_batches_as_baseline"] = same
     report = build_report(run_dirs, out_dir / "report.html")
     result = {"preset": p.name, "description": p.description, "accelerated": p.accelerated, "seeds": list(seeds),
-              "parallel": parallel, "rows": rows, "report": str(report), "verdict": verdict(rows)}
+              "parallel": parallel, "rows": rows, "report": str(report),
+              # what makes the preset fail sooner holds only for its own attentions, not for a --set attention
+              "verdict": verdict(rows, p if all(r["attention"] == p.attentions()[r["role"]] for r in rows) else None)}
     (out_dir / "repro.json").write_text(json.dumps(result, indent=2, default=str))
     return result
 
 
-def verdict(rows: list[dict]) -> str:
-    """One honest sentence on what happened."""
+def verdict(rows: list[dict], preset: ReproPreset | None = None) -> str:
+    """One honest line on what happened; for an accelerated ``preset``, what makes it fail sooner
+    than bf16 and what the same run did in bf16."""
+    return _outcome(rows) + (_accelerated_note(preset) if preset is not None and preset.accelerated else "")
+
+
+def _accelerated_note(p: ReproPreset) -> str:
+    faithful = f", which {p.faithful}" if p.faithful else ""
+    return f" Accelerated: {p.accelerated}, a stand-in for bf16{faithful} (docs/reproduction.md)."
+
+
+def _outcome(rows: list[dict]) -> str:
     base = [r for r in rows if r["role"] == "baseline"]
     exploded = [r for r in base if r["explosion_step"] is not None]
     others = [r for r in rows if r["role"] != "baseline" and r["explosion_step"] is not None]
