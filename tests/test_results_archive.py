@@ -16,8 +16,8 @@ from stableflash.report import build_report, explosion_step, load_run, loss_seri
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "notebook" / "results"
-ARCHIVES = 15           # folders with a runs.tar.xz
-RUNS = 256              # run folders (holding metrics.jsonl) in them, as of issue 23's compaction
+ARCHIVES = 16           # folders with a runs.tar.xz
+RUNS = 266              # run folders (holding metrics.jsonl) in them
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +50,7 @@ def test_every_run_loads(unpacked, run_dirs):
             for key in ("attention", "final_attention"):
                 if source.get(key):
                     parse_attention_spec(source[key])        # old spellings still parse
-    assert with_probes == 220          # runs with probe records (the rest ran with probes off)
+    assert with_probes == 230          # runs with probe records (the rest ran with probes off)
     # the one run that stopped before its first logged step (its metrics.jsonl was empty when archived)
     assert empty == ["mitigations-H200-2026-11-22/sess/m-sr-out/seed1/baseline"]
 
@@ -72,7 +72,7 @@ def test_outcomes_match_committed_tables(unpacked):
     finally:
         sys.path.remove(str(ROOT / "benchmarks" / "runs"))
     rows = _outcome_rows()
-    assert len(rows) == 121
+    assert len(rows) == 131
     for folder, row in rows:
         # the tables' run paths are relative to where the READMEs unpack the archive: "runs/..."
         # for an archive unpacked into runs/, "sess-g/..." for its own folders
