@@ -297,3 +297,19 @@ def test_stabilize_true_keeps_a_delta_source_the_policy_names(gen):
     want = _grads(q, k, v, do, stabilize=False, backend="emulated", policy=dpp)
     for a, b in zip(got, want):
         assert torch.equal(a, b)
+
+
+def test_the_docstring_documents_every_argument_and_the_result():
+    """flash_attention's docstring is its reference: every parameter under "Arguments:" with its
+    default as the signature has it, then "Returns:" and "Raises:"."""
+    import ast
+    import inspect
+    doc = sf.flash_attention.__doc__
+    args = doc[doc.index("Arguments:"):doc.index("Returns:")]
+    assert "Raises:" in doc[doc.index("Returns:"):]
+    for name, p in inspect.signature(sf.flash_attention).parameters.items():
+        assert f"\n        {name}: " in args, name
+        if p.default is not inspect.Parameter.empty:
+            entry = re.split(r"\n {8}(?=\S)", args[args.index(f"\n        {name}: "):])[1]
+            stated = re.search(r"default\s+(\S+?)[.,]?(?:\s|$)", entry)
+            assert stated and ast.literal_eval(stated.group(1)) == p.default, (name, entry[:80])

@@ -140,38 +140,79 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
                     eps: float = 1e-3, backend: str = "auto",
                     policy: PrecisionPolicy | str | None = None, block_q: int | None = None,
                     block_k: int = DEFAULT_BLOCK_K, softcap: float | None = None) -> torch.Tensor:
-    """softmax(QKᵀ·scale)·V, stabilized for low-precision training, in the layout of torch's SDPA.
+    """Attention softmax(Q·Kᵀ·scale)·V in torch SDPA's layout, stabilized for low-precision training.
 
-    q: (batch, heads, seq_q, head_dim); k, v: (batch, heads, seq_k, head_dim); one floating dtype
-    and device. ``causal`` hides key j from query i when j > i (as SDPA's ``is_causal``).
+    Why it is stabilized: in a bf16 or fp16 flash attention, a softmax row with several equal
+    maxima gets P̄ = exp(S − max) = 1 at each of them, the rounding of P̄V is then biased, and the
+    backward's δ = rowsum(dO ∘ O) carries that bias into dQ and W_Q's update until training
+    explodes (arXiv 2510.04212). With ``stabilize=True`` (the default) the forward is the standard
+    one, bit for bit, and the backward takes δ from a source consistent with its own P instead of
+    the rounded stored O; the row-maximum rules change the forward's shift instead. Both are exact
+    in real arithmetic. The runs and costs behind the default: docs/mitigations.md.
 
-    stabilize: True (the default, or "guard") → the standard row maximum, with δ = rowsum(dO ∘ O)
-    taken from a source consistent with the backward's P: where the policy's δ reads the stored O
-    (the default), it reads instead what ``policy.guarded_delta`` names for the policy's rounding —
-    for bf16/fp16 kernels O as computed, kept as the stored O plus its rounding residual in the
-    input dtype (2 more bytes per element of O for the backward); for fp8 P̄ the O of a 16-bit P̄V
-    computed beside it, kept the same way; under rounded scores or accumulators dP·P. The forward
-    is the standard one, bit for bit; where nothing is rounded before δ (float32/float64 inputs
-    with no policy) nothing changes. docs/mitigations.md has the runs and costs behind this choice.
-    The rule names change the row maximum instead: "ours" → our rule alone (covers rm = 0
-    and cannot underflow ℓ), δ as the policy says; "paper" → the paper's Algorithm 3; "bounded" →
-    our shift on every row; a rule + "+guard" ("ours+guard", …) → that rule and the guarded δ.
-    False → the standard row max, δ as the policy says. ``beta`` (> 1) and ``eps`` (≥ 0)
-    parametrise the rules. Exact in real arithmetic whatever the choice.
+    Grouped-query attention: k and v may have fewer heads than q when that number divides q's;
+    query head h then uses key/value head h // (heads_q // heads_kv).
 
-    backend: "auto" (fastest available that honours the arguments, and says which), "emulated"
-    (tiled FlashAttention-2 in PyTorch under ``policy``), "reference" (float64, returned in the
-    input dtype), "sdpa" (torch's scaled_dot_product_attention; cannot be stabilized), "triton"
-    (the fused kernels: CUDA, float16/bfloat16, head_dim 16-256; policies "fa2" and "paper").
-    policy: a PrecisionPolicy or preset name (emulated and triton only); None means what a real
-    kernel does for the input dtype. block_k: the emulated backend's key block (it sets where the
-    running maximum and accumulator are updated, hence the rounding); block_q: how many query rows
-    it processes at once (memory only; None: all). The Triton kernels choose theirs by autotuning,
-    except under the "paper" policy, where a block_k other than the default sets the forward's key
-    block (a power of two from 16 to 512, block_k·head_dim ≤ 32768), as it does the emulation's.
-    k and v may have fewer heads than q, as long as they divide q's (grouped-query attention).
-    softcap: logit soft-capping — the scores become softcap·tanh(S/softcap) before the softmax
-    (bounded by ±softcap; an architectural control, not exact softmax attention); None: off.
+    The causal mask is aligned to the top left, as SDPA's ``is_causal``: query i sees keys j ≤ i.
+    With seq_q = 2 and seq_k = 5 (1 = kept, 0 = masked):
+
+        1 0 0 0 0
+        1 1 0 0 0
+
+    Arguments:
+        q: (batch, heads_q, seq_q, head_dim), float16, bfloat16, float32 or float64.
+        k: (batch, heads_kv, seq_k, head_dim), q's dtype and device; heads_kv divides heads_q.
+        v: (batch, heads_kv, seq_k, head_dim), like k.
+        causal: bool, default False. Apply the causal mask above.
+        scale: float > 0 or None, default None (1 / sqrt(head_dim)). Multiplies Q·Kᵀ.
+        stabilize: default True.
+            True or "guard": the standard row maximum; δ from the source ``policy.guarded_delta``
+                names for the policy's rounding where the policy's δ reads the stored O — for
+                bf16/fp16 the stored O plus its rounding residual (2 more bytes per element of O
+                kept for the backward), for an fp8 P̄ the O of a 16-bit P̄V computed beside it, under
+                rounded scores or accumulators dP·P. Nothing changes where nothing is rounded
+                before δ (float32/float64 inputs with no policy).
+            False or None: the standard row maximum, δ as the policy says (plain flash attention).
+            "ours": rows whose maximum is tied (in a key block, or with earlier blocks) are shifted
+                by a bounded amount, so that no tied P̄ is 1 and ℓ cannot underflow; δ as the policy says.
+            "paper": the paper's Algorithm 3 (a tied row subtracts β·max for a positive max, 0 for a
+                negative one).
+            "bounded": the bounded shift on every row.
+            A rule + "+guard" ("ours+guard", "paper+guard", "bounded+guard"): that rule and the δ of True.
+            A ShiftRule: that rule with its own parameters, δ as the policy says.
+        beta: float > 1, default 2.0. The rules' shift factor β.
+        eps: float ≥ 0, default 1e-3. Scores within eps of the row maximum count as tied.
+        backend: default "auto".
+            "auto": the fastest backend that honours the other arguments — torch's SDPA where
+                nothing needs stabilizing, else "triton" where it can run, else "emulated" with a
+                warning.
+            "triton": the fused kernels; CUDA, float16/bfloat16, head_dim 16, 32, 64, 128 or 256;
+                policies "fa2" and "paper" and the variants
+                ``stableflash.attention.triton.launch.SUPPORT`` lists.
+            "emulated": tiled FlashAttention-2 in PyTorch under any ``policy`` (slow; any device).
+            "reference": float64, returned in q's dtype.
+            "sdpa": torch.nn.functional.scaled_dot_product_attention (cannot be stabilized where
+                stabilizing changes anything).
+        policy: a PrecisionPolicy, a preset name ("fa2", "paper", "fp32", "fp64") or None, default
+            None (what a real kernel does for q's dtype). Where each intermediate is rounded and to
+            which format; honoured by "emulated" and "triton" only.
+        block_q: int ≥ 1 or None, default None (all rows). Query rows the emulated backend
+            processes at once; memory only, the result does not depend on it.
+        block_k: int ≥ 1, default 64. The emulated backend's key block, which sets where the
+            running maximum and accumulator are updated and hence the rounding. The kernels choose
+            their own tiles, except under the "paper" policy, where a block_k other than the
+            default sets the forward's key block (a power of two from 16 to 512, block_k·head_dim
+            ≤ 32768), as in the emulation.
+        softcap: float > 0 or None, default None (off). Scores become softcap·tanh(S / softcap)
+            before the softmax: an architectural control, not exact softmax attention.
+
+    Returns:
+        O: (batch, heads_q, seq_q, head_dim) in q's dtype and on q's device, differentiable with
+        respect to q, k and v.
+
+    Raises:
+        TypeError or ValueError naming the argument, the value given and what is accepted, for any
+        input or option a backend cannot take.
     """
     _check_tensors(q, k, v)
     scale = _check_options(causal, scale, block_q, block_k)
