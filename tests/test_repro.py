@@ -29,6 +29,7 @@ def test_cpu_demo_paired_runs_share_their_batches_and_report(tmp_path):
     assert "did not diverge" in result["verdict"]
 
 
+@pytest.mark.slow
 def test_parallel_runs_match_the_sequential_ones(tmp_path):
     """--parallel runs the same trainings in worker processes: same losses, same batches, same order."""
     one = run_repro("cpu-demo", tmp_path / "seq", seeds=(0, 1), steps=6, progress=False)
@@ -179,6 +180,7 @@ def test_ladder_on_the_kernels_moves_only_what_they_cannot_run_to_the_emulation(
                                                          layer=0, heads=[31], seq_len=64) if "heads" in n)
 
 
+@pytest.mark.slow
 def test_ladder_rungs_in_parallel_match_the_sequential_ladder(tmp_path):
     from stableflash.repro.ladder import run_ladder
     one = run_ladder("cpu-demo", tmp_path / "seq", steps=3, progress=False)
