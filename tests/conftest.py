@@ -40,6 +40,14 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def readme_python_blocks() -> list[str]:
+    """The README's ```python blocks, in order (tests run them as a user would copy them)."""
+    import re
+    from pathlib import Path
+    readme = Path(__file__).resolve().parents[1] / "README.md"
+    return re.findall(r"```python\n(.+?)```", readme.read_text(), flags=re.S)
+
+
 def rel_err(actual: torch.Tensor, expected: torch.Tensor, floor: float = 0.0) -> float:
     """max |actual − expected| / max(max |expected|, floor), in float64.
 

@@ -5,6 +5,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.conftest import readme_python_blocks
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -27,7 +29,7 @@ def test_ci_runs_the_readme_test_command():
 
 @pytest.mark.filterwarnings("ignore:backend=.auto. chose")
 def test_readme_python_example_runs():
-    code = (ROOT / "README.md").read_text().split("```python\n", 1)[1].split("```", 1)[0]
+    code = readme_python_blocks()[0]
     code = code.replace("torch.randn(2, 12, 1024, 64", "torch.randn(1, 2, 40, 16")   # keep it quick
     namespace: dict = {}
     exec(compile(code, "README.md", "exec"), namespace)
@@ -41,20 +43,11 @@ HISTORY_PATTERNS = {
     "a campaign letter": re.compile(r"(?<![\w.])-?[0-3]\d[a-h]\b(?!['\"])"),
     "a run count": re.compile(r"\b\d+ of (the )?\d+ (runs|seeds|failing|configurations)\b|\ball \d+ runs\b"),
 }
-# repro/ still names its presets' measured outcomes in its docstrings; drop it from here once they
-# point at docs/reproduction.md instead.
-NOT_YET_CHECKED: tuple[str, ...] = ()
-
-
-def source_files() -> list[Path]:
-    src = ROOT / "src" / "stableflash"
-    return [p for p in sorted(src.rglob("*.py"))
-            if not p.relative_to(src).as_posix().startswith(NOT_YET_CHECKED)]
 
 
 def test_source_carries_no_dates_campaign_letters_or_run_counts():
     found = []
-    for path in source_files():
+    for path in sorted((ROOT / "src" / "stableflash").rglob("*.py")):
         for n, line in enumerate(path.read_text().splitlines(), 1):
             for what, pattern in HISTORY_PATTERNS.items():
                 if pattern.search(line):

@@ -1,17 +1,13 @@
 """transformers models run on stableflash attention: tiny random GPT-2 and Llama, no download."""
-import re
-from pathlib import Path
-
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
 
 from stableflash.integrations import hf  # noqa: E402
-from tests.conftest import DEVICE  # noqa: E402
+from tests.conftest import DEVICE, readme_python_blocks  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
-README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 @pytest.fixture
@@ -23,8 +19,7 @@ def fixed_config(monkeypatch):
 
 
 def readme_hf_example() -> str:
-    blocks = re.findall(r"```python\n(.+?)```", README.read_text(), flags=re.S)
-    found = [b for b in blocks if "attn_implementation" in b]
+    found = [b for b in readme_python_blocks() if "attn_implementation" in b]
     assert len(found) == 1, "the README should hold one Python example with attn_implementation"
     return found[0]
 
