@@ -3,6 +3,7 @@ from stableflash.attention.api import BACKENDS, flash_attention
 from stableflash.attention.dropin import StableAttention, scaled_dot_product_attention
 from stableflash.attention.policy import PRESETS, PrecisionPolicy, resolve_policy
 from stableflash.attention.shift import RULES, ShiftRule
+from stableflash.attention.stabilization import Stabilization
 
 __all__ = ["flash_attention", "scaled_dot_product_attention", "StableAttention", "BACKENDS", "PrecisionPolicy",
-           "PRESETS", "resolve_policy", "ShiftRule", "RULES"]
+           "PRESETS", "resolve_policy", "ShiftRule", "RULES", "Stabilization"]

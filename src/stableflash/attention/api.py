@@ -13,8 +13,9 @@ import torch
 import torch.nn.functional as F
 
 from stableflash.attention import emulated, reference
-from stableflash.attention.policy import PrecisionPolicy, guard_delta, resolve_policy
-from stableflash.attention.shift import ShiftRule, parse_stabilize
+from stableflash.attention.policy import PrecisionPolicy, resolve_policy
+from stableflash.attention.shift import ShiftRule
+from stableflash.attention.stabilization import Stabilization, parse_stabilize
 
 log = logging.getLogger(__name__)
 
@@ -107,22 +108,22 @@ def _triton_reason(q: torch.Tensor, k: torch.Tensor, policy: PrecisionPolicy) ->
 
 
 def _pick_auto(q: torch.Tensor, k: torch.Tensor, rule: ShiftRule, policy, resolved: PrecisionPolicy,
-               softcap: float | None = None, guarded: bool = False) -> str:
-    if not rule.stabilized and not guarded and policy is None and softcap is None:
+               softcap: float | None = None, delta_changed: bool = False) -> str:
+    if not rule.stabilized and not delta_changed and policy is None and softcap is None:
         return "sdpa"
     why_not = _triton_reason(q, k, resolved)
     if why_not is None:
         return "triton"
     reason = ("a precision policy was given" if policy is not None else
               f"the stabilized softmax (rule {rule.kind!r}) was asked for" if rule.stabilized else
-              f"δ from {resolved.delta} was asked for (stabilize=True)" if guarded else
+              f"δ from {resolved.delta} was asked for (a consistent δ)" if delta_changed else
               "soft-capped scores were asked for")
     key = f"auto-emulated:{reason}:{why_not}"
     if key not in _warned:
         _warned.add(key)
         warnings.warn(f"backend='auto' chose 'emulated' (the PyTorch tiled emulation, correct but slow) "
                       f"because {reason} and the fused Triton kernel cannot run here ({why_not}); pass "
-                      "stabilize=False to use torch SDPA", stacklevel=3)
+                      "stabilize='none' to use torch SDPA", stacklevel=3)
     return "emulated"
 
 
@@ -136,7 +137,7 @@ DEFAULT_BLOCK_K = 64           # the emulated backend's key block unless block_k
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
-                    scale: float | None = None, stabilize: bool | str | ShiftRule = True, beta: float = 2.0,
+                    scale: float | None = None, stabilize: bool | str | Stabilization = True, beta: float = 2.0,
                     eps: float = 1e-3, backend: str = "auto",
                     policy: PrecisionPolicy | str | None = None, block_q: int | None = None,
                     block_k: int = DEFAULT_BLOCK_K, softcap: float | None = None) -> torch.Tensor:
@@ -165,23 +166,29 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
         v: (batch, heads_kv, seq_k, head_dim), like k.
         causal: bool, default False. Apply the causal mask above.
         scale: float > 0 or None, default None (1 / sqrt(head_dim)). Multiplies Q·Kᵀ.
-        stabilize: default True.
-            True or "guard": the standard row maximum; δ from the source ``policy.guarded_delta``
-                names for the policy's rounding where the policy's δ reads the stored O — for
-                bf16/fp16 the stored O plus its rounding residual (2 more bytes per element of O
-                kept for the backward), for an fp8 P̄ the O of a 16-bit P̄V computed beside it, under
-                rounded scores or accumulators dP·P. Nothing changes where nothing is rounded
-                before δ (float32/float64 inputs with no policy).
-            False or None: the standard row maximum, δ as the policy says (plain flash attention).
-            "ours": rows whose maximum is tied (in a key block, or with earlier blocks) are shifted
-                by a bounded amount, so that no tied P̄ is 1 and ℓ cannot underflow; δ as the policy says.
-            "paper": the paper's Algorithm 3 (a tied row subtracts β·max for a positive max, 0 for a
-                negative one).
-            "bounded": the bounded shift on every row.
-            A rule + "+guard" ("ours+guard", "paper+guard", "bounded+guard"): that rule and the δ of True.
-            A ShiftRule: that rule with its own parameters, δ as the policy says.
-        beta: float > 1, default 2.0. The rules' shift factor β.
-        eps: float ≥ 0, default 1e-3. Scores within eps of the row maximum count as tied.
+        stabilize: a stabilization name, True, False or a Stabilization; default True, which is
+            "consistent-delta". What is stabilized: the row-maximum rule and the source of δ
+            (``stableflash.attention.stabilization`` lists the names).
+            "consistent-delta" (True): the standard row maximum; δ from the source
+                ``policy.consistent_delta_source`` names for the policy's rounding, where the policy's
+                δ reads the stored O — for bf16/fp16 the stored O plus its rounding residual (2 more
+                bytes per element of O kept for the backward), for an fp8 P̄ the O of a 16-bit P̄V
+                computed beside it, under rounded scores or accumulators dP·P. Nothing changes where
+                nothing is rounded before δ (float32/float64 inputs with no policy).
+            "none" (False or None): the standard row maximum, δ as the policy says (plain flash
+                attention).
+            "tie-shift": rows whose maximum is tied (in a key block, or with earlier blocks) are
+                shifted by a bounded amount, so that no tied P̄ is 1 and ℓ cannot underflow; δ as the
+                policy says.
+            "paper": the paper's Algorithm 3 as published (a tied row subtracts β·max for a positive
+                max, 0 for a negative one); δ as the policy says.
+            "all-shift": the tie-shift's bounded shift on every row.
+            A rule + "+consistent-delta" ("tie-shift+consistent-delta", ...): that rule and the δ of
+                "consistent-delta".
+            A Stabilization: its rule, with its own parameters, and its δ choice.
+        beta: float > 1, default 2.0. The rules' shift factor β (for a stabilization given by name).
+        eps: float ≥ 0, default 1e-3. Scores within eps of the row maximum count as tied (for a
+            stabilization given by name).
         backend: default "auto".
             "auto": the fastest backend that honours the other arguments — torch's SDPA where
                 nothing needs stabilizing, else "triton" where it can run, else "emulated" with a
@@ -217,16 +224,15 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     _check_tensors(q, k, v)
     scale = _check_options(causal, scale, block_q, block_k)
     softcap = check_softcap(softcap)
-    rule, guard = parse_stabilize(stabilize, beta, eps)
+    stab = parse_stabilize(stabilize, beta, eps)
+    rule = stab.rule
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is unknown; accepted: {', '.join(BACKENDS)}")
     resolved = resolve_policy(policy, q.dtype)          # validates the policy argument (memoized)
-    guarded = False
-    if guard:
-        unguarded, resolved = resolved, guard_delta(resolved)      # a consistent δ (memoized)
-        guarded = resolved.delta != unguarded.delta
+    as_asked, resolved = resolved, stab.policy_for(resolved)      # a consistent δ where asked (memoized)
+    delta_changed = resolved.delta != as_asked.delta
     if backend == "auto":
-        backend = _pick_auto(q, k, rule, policy, resolved, softcap, guarded)
+        backend = _pick_auto(q, k, rule, policy, resolved, softcap, delta_changed)
         if backend == "triton" and block_k != DEFAULT_BLOCK_K:
             backend = "emulated"                   # the emulation takes any key block
         log.info("flash_attention: backend='auto' picked %r", backend)
@@ -240,12 +246,12 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
             raise ValueError(f"backend='sdpa' cannot soft-cap the scores (softcap={softcap}); accepted with sdpa: "
                              "softcap=None — use backend='triton' or 'emulated'")
         if rule.stabilized:
-            raise ValueError(f"backend='sdpa' cannot apply the stabilized softmax (stabilize={stabilize!r}); "
-                             "pass stabilize=False, or use backend='triton' or 'emulated'")
-        if guarded:
-            raise ValueError(f"backend='sdpa' cannot take δ from {resolved.delta} (stabilize={stabilize!r} guards δ: "
-                             "torch's SDPA reads its stored O); pass stabilize=False, or use backend='triton' or "
-                             "'emulated'")
+            raise ValueError(f"backend='sdpa' cannot apply the row-maximum rule of stabilize={stabilize!r}; "
+                             "pass stabilize='none', or use backend='triton' or 'emulated'")
+        if delta_changed:
+            raise ValueError(f"backend='sdpa' cannot take δ from {resolved.delta} (stabilize={stabilize!r} asks for "
+                             "a consistent δ, and torch's SDPA reads its stored O); pass stabilize='none', or use "
+                             "backend='triton' or 'emulated'")
         return F.scaled_dot_product_attention(q, _expand_kv(q, k), _expand_kv(q, v), is_causal=causal,
                                               scale=scale_val)
     if backend == "reference":

@@ -1,7 +1,7 @@
 """Drop-in replacements for ``torch.nn.functional.scaled_dot_product_attention``.
 
 ``scaled_dot_product_attention(q, k, v, is_causal=True)`` takes SDPA's arguments and returns what
-SDPA returns, computed by ``flash_attention`` with its default stabilization (δ guarded). What the fused kernels
+SDPA returns, computed by ``flash_attention`` with its default stabilization ("consistent-delta"). What the fused kernels
 cannot do (an explicit ``attn_mask``, dropout) raises a ValueError instead of silently doing
 something else.
 """
@@ -11,13 +11,13 @@ import torch
 from torch import nn
 
 from stableflash.attention.api import BACKENDS, flash_attention
-from stableflash.attention.shift import ShiftRule
+from stableflash.attention.stabilization import Stabilization, parse_stabilize
 
 
 def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                                  attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
                                  is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False, *,
-                                 stabilize: bool | str = True, beta: float = 2.0, eps: float = 1e-3,
+                                 stabilize: bool | str | Stabilization = True, beta: float = 2.0, eps: float = 1e-3,
                                  backend: str = "auto") -> torch.Tensor:
     """SDPA's signature (plus the stabilization keywords), computed by ``flash_attention``."""
     if attn_mask is not None:
@@ -35,10 +35,10 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
 class StableAttention(nn.Module):
     """Module form: ``StableAttention()(q, k, v, is_causal=True)``; options fixed at construction."""
 
-    def __init__(self, *, stabilize: bool | str = True, beta: float = 2.0, eps: float = 1e-3,
+    def __init__(self, *, stabilize: bool | str | Stabilization = True, beta: float = 2.0, eps: float = 1e-3,
                  backend: str = "auto"):
         super().__init__()
-        ShiftRule.from_arg(stabilize, beta, eps)          # a bad option fails here, not at the first call
+        parse_stabilize(stabilize, beta, eps)          # a bad option fails here, not at the first call
         if backend not in BACKENDS:
             raise ValueError(f"backend={backend!r} is unknown; accepted: {', '.join(BACKENDS)}")
         self.options = dict(stabilize=stabilize, beta=beta, eps=eps, backend=backend)

@@ -129,7 +129,7 @@ def emulated_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causa
     ``softcap``: scores soft-capped to softcap·tanh(S/softcap) before the softmax."""
     B, H, n_q, d = q.shape
     n_k = k.shape[2]
-    policy = resolve_delta(policy)                       # δ source "auto": the one guarded_delta names
+    policy = resolve_delta(policy)                       # δ source "consistent": the one consistent_delta_source names
     dtype, dev = policy.compute_dtype, q.device
     r = _Rounders(policy, H, dev)
     rule = rule.capped_for(policy.point("p_bar")[0].min_normal)   # tied entries' P̄ stays normal in P̄'s format

@@ -15,7 +15,7 @@ the GPU, or fp64 for exactness checks).
 | out      | O as stored (and used for δ = rowsum(dO∘O))       | low  | low   | fp32 |
 | bwd      | P and dS before the backward matmuls              | low  | low   | fp32 |
 | v_bar    | V for P̄V, where narrower than ``inputs`` (fp8: FP8 attention) | fp32 | fp32 | fp32 |
-| delta    | δ source: "dO·O", "dO·O32", "dO·(O+R)", "dO·O16", "dO·(O16+R)", "dP·P", "recompute_fp32", "auto" | dO·O | dO·O | dO·O |
+| delta    | δ source: "dO·O", "dO·O32", "dO·(O+R)", "dO·O16", "dO·(O16+R)", "dP·P", "recompute_fp32", "consistent" | dO·O | dO·O | dO·O |
 | hp_heads | heads whose p_bar, v_bar, acc, row_sum, out use compute | () | () | () |
 
 δ sources: "dO·O" reads O as stored (``out``); "dO·O32" reads O as computed, Ō/ℓ before the
@@ -27,9 +27,11 @@ inputs are (bf16 or fp16, not ``p_bar``), Ō, ℓ and O unrounded in ``compute``
 in the forward; for a ``p_bar`` narrower than the inputs, such as fp8); "dO·(O16+R)" keeps that O
 as dO·(O+R) keeps O as computed: as the residual of the O store in the inputs' format, which δ adds
 to the stored O (2 bytes per element instead of 4); "dP·P" sums dP ∘ P with
-dP = dO·Vᵀ (a pass over the keys); "recompute_fp32" recomputes O = PV in fp32. "auto" is the
-source that held on every failing configuration measured with the policy's kind of rounding
-(``guarded_delta``; docs/mitigations.md): what ``flash_attention(stabilize=True)`` applies.
+dP = dO·Vᵀ (a pass over the keys); "recompute_fp32" recomputes O = PV in fp32. "consistent" is the
+source consistent with the backward's P for the policy's kind of rounding: the one that held on
+every failing configuration measured with that rounding (``consistent_delta_source``;
+docs/mitigations.md), what ``flash_attention``'s default stabilization applies ("auto" is its
+earlier spelling, still read from stored runs).
 
 ``low`` is bf16 unless the preset is built for another format (fp16 inputs, or an explicit
 ``PrecisionPolicy.preset("paper", low="fp16")``).
@@ -44,14 +46,15 @@ import torch
 from stableflash.numerics import ROUNDING_MODES, FloatFormat, get_format
 
 PRESETS = ("fa2", "paper", "fp32", "fp64")
-DELTA_SOURCES = ("dO·O", "dO·O32", "dO·(O+R)", "dO·O16", "dO·(O16+R)", "dP·P", "recompute_fp32", "auto")
+DELTA_SOURCES = ("dO·O", "dO·O32", "dO·(O+R)", "dO·O16", "dO·(O16+R)", "dP·P", "recompute_fp32", "consistent")
 O16_SOURCES = ("dO·O16", "dO·(O16+R)")     # the δ sources that need the 16-bit product beside the policy's
 _DELTA_ALIASES = {"dO·O": "dO·O", "dO*O": "dO·O", "do_o": "dO·O", "dO·O32": "dO·O32", "dO*O32": "dO·O32",
                   "do_o32": "dO·O32", "dO·(O+R)": "dO·(O+R)", "dO*(O+R)": "dO·(O+R)", "do_o_r": "dO·(O+R)",
                   "dO·O16": "dO·O16", "dO*O16": "dO·O16", "do_o16": "dO·O16",
                   "dO·(O16+R)": "dO·(O16+R)", "dO*(O16+R)": "dO·(O16+R)", "do_o16_r": "dO·(O16+R)",
                   "dP·P": "dP·P", "dP*P": "dP·P",
-                  "dp_p": "dP·P", "recompute_fp32": "recompute_fp32", "recompute": "recompute_fp32", "auto": "auto"}
+                  "dp_p": "dP·P", "recompute_fp32": "recompute_fp32", "recompute": "recompute_fp32",
+                  "consistent": "consistent", "auto": "consistent"}
 ROUNDING_POINTS = ("inputs", "scores", "p_bar", "acc", "row_sum", "out", "bwd", "v_bar")
 COMPUTE_FORMATS = ("fp32", "fp64")
 
@@ -192,7 +195,7 @@ def resolve_policy(policy: "PrecisionPolicy | str | None", dtype: torch.dtype) -
                     f"{', '.join(PRESETS)}")
 
 
-def guarded_delta(policy: PrecisionPolicy) -> str:
+def consistent_delta_source(policy: PrecisionPolicy) -> str:
     """The δ source that keeps δ = rowsum(dO ∘ O) consistent with the backward's P under ``policy``'s
     rounding: the cheapest one that held on every seed of the failing configurations of its kind
     (docs/mitigations.md):
@@ -218,14 +221,16 @@ def guarded_delta(policy: PrecisionPolicy) -> str:
 
 
 def resolve_delta(policy: PrecisionPolicy) -> PrecisionPolicy:
-    """``policy`` with δ source "auto" replaced by ``guarded_delta(policy)`` (the same name kept)."""
-    return guard_delta(policy) if policy.delta == "auto" else policy
+    """``policy`` with δ source "consistent" replaced by ``consistent_delta_source(policy)`` (the same
+    name kept)."""
+    return with_consistent_delta(policy) if policy.delta == "consistent" else policy
 
 
 @memoize
-def guard_delta(policy: PrecisionPolicy) -> PrecisionPolicy:
-    """What ``flash_attention(stabilize=True)`` runs: ``policy`` with δ from ``guarded_delta`` where
-    it reads the stored O ("dO·O", the default) or says "auto"; another named source is kept."""
-    if policy.delta not in ("dO·O", "auto"):
+def with_consistent_delta(policy: PrecisionPolicy) -> PrecisionPolicy:
+    """``policy`` with δ from ``consistent_delta_source`` where it reads the stored O ("dO·O", the
+    default) or says "consistent"; another named source is kept. What the stabilizations with a
+    consistent δ (``flash_attention``'s default) run."""
+    if policy.delta not in ("dO·O", "consistent"):
         return policy
-    return replace(policy, delta=guarded_delta(policy))
+    return replace(policy, delta=consistent_delta_source(policy))

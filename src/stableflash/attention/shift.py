@@ -19,7 +19,7 @@ every backend calls `next_shift`, so they all apply the same arithmetic:
     underflows, ℓ becomes 0 and O = 0/0 = NaN (the authors advise lowering β by hand). It also
     misses maxima that are equal but fall in different key blocks.
 
-``ours``
+``tie-shift``
     Same detection, plus a tie between this block's maximum and the maximum of earlier blocks.
     Where a tie is found, m = rm + d with d = (β − 1)·|rm| folded into [min_shift, max_shift],
     for any sign of rm including 0:
@@ -34,8 +34,8 @@ every backend calls `next_shift`, so they all apply the same arithmetic:
 
     Between the clamps it is the paper's rule for rm > 0 (m = β·rm), and for rm < 0 with β = 2.
 
-``bounded``
-    Our shift without the tie test: every block applies m = rm + d with the same folded d. No
+``all-shift``
+    The tie-shift's bounded shift without the tie test: every block applies m = rm + d with the same folded d. No
     P̄ is ever 1, and because d is bounded, the unconditional shift cannot underflow ℓ (the reason
     the paper gives for shifting only tied rows). It costs nothing per score — the tie count is
     the only per-entry work the other stabilized rules add to a fused kernel — at the price of
@@ -48,7 +48,10 @@ from dataclasses import dataclass, replace
 
 import torch
 
-RULES = ("standard", "paper", "ours", "bounded")
+RULES = ("standard", "paper", "tie-shift", "all-shift")
+# the rules' earlier names, still read from stored run folders and result files
+LEGACY_RULES = {"ours": "tie-shift", "bounded": "all-shift"}
+BOUNDED_RULES = ("tie-shift", "all-shift")      # the rules whose shift is folded into [min_shift, max_shift]
 
 LN_2 = math.log(2.0)
 LN_8_7 = math.log(8.0 / 7.0)
@@ -60,7 +63,7 @@ DEFAULT_MAX_SHIFT = LN_8_7 + 12.0 * math.log(2.0)
 class ShiftRule:
     """A row-maximum rule: ``kind`` in ``RULES`` and its parameters (validated on creation)."""
 
-    kind: str = "ours"
+    kind: str = "standard"
     beta: float = 2.0
     eps: float = 1e-3
     min_shift: float = DEFAULT_MIN_SHIFT
@@ -68,7 +71,8 @@ class ShiftRule:
 
     def __post_init__(self) -> None:
         if self.kind not in RULES:
-            raise ValueError(f"ShiftRule kind={self.kind!r} is not a rule; accepted: {', '.join(RULES)}")
+            renamed = f" ({self.kind!r} is the earlier name of {LEGACY_RULES[self.kind]!r})" if self.kind in LEGACY_RULES else ""
+            raise ValueError(f"ShiftRule kind={self.kind!r} is not a rule{renamed}; accepted: {', '.join(RULES)}")
         if not (isinstance(self.beta, (int, float)) and math.isfinite(self.beta) and self.beta > 1):
             raise ValueError(f"beta={self.beta!r} is invalid; accepted: a finite number > 1 (the paper uses 2 to 8)")
         if not (isinstance(self.eps, (int, float)) and math.isfinite(self.eps) and self.eps >= 0):
@@ -82,58 +86,21 @@ class ShiftRule:
     def stabilized(self) -> bool:
         return self.kind != "standard"
 
-    @classmethod
-    def from_arg(cls, stabilize: bool | str | "ShiftRule", beta: float = 2.0, eps: float = 1e-3) -> "ShiftRule":
-        """The row-maximum rule named by ``flash_attention``'s ``stabilize`` argument (validated as a
-        whole: ``parse_stabilize``). True and "guard" use the standard row maximum: what they
-        change is δ's source, which ``flash_attention`` applies."""
-        return parse_stabilize(stabilize, beta, eps)[0]
-
     def capped_for(self, min_normal: float) -> "ShiftRule":
         """This rule with max_shift lowered so that exp(−max_shift) stays ≥ ``min_normal``.
 
         For formats with a narrow exponent range (fp8 e4m3: min normal 2⁻⁶) the default cap would
-        push the tied entries' P̄ into the subnormals. Only "ours" and "bounded" fold their shift
+        push the tied entries' P̄ into the subnormals. Only "tie-shift" and "all-shift" fold their shift
         into [min_shift, max_shift]; any other rule comes back unchanged. Every backend applies it
         with P̄'s format.
         """
-        if self.kind not in ("ours", "bounded"):
+        if self.kind not in BOUNDED_RULES:
             return self
         k = max(0, math.floor(math.log2(7.0 / (8.0 * min_normal))))  # 7/8·2⁻ᵏ ≥ min_normal
         cap = LN_8_7 + k * math.log(2.0)
         if cap >= self.max_shift:
             return self
         return replace(self, max_shift=max(cap, self.min_shift))
-
-
-GUARD = "guard"
-GUARDED = tuple(f"{r}+{GUARD}" for r in RULES if r != "standard")   # "ours+guard", ...
-
-
-def parse_stabilize(stabilize: bool | str | ShiftRule | None, beta: float = 2.0,
-                    eps: float = 1e-3) -> tuple[ShiftRule, bool]:
-    """``flash_attention``'s ``stabilize`` argument as (row-maximum rule, whether δ is guarded).
-
-    - True or "guard" → the standard row maximum, δ guarded: ``policy.guard_delta`` takes δ from
-      the source that held for the policy's kind of rounding (the default; docs/mitigations.md);
-    - "ours+guard" (any rule + "+guard") → that rule and the guarded δ;
-    - a rule name ("ours", "paper", "bounded") or a ShiftRule → that rule alone, δ as the policy says;
-    - False or None → the standard row maximum, δ as the policy says.
-    """
-    if isinstance(stabilize, ShiftRule):
-        return stabilize, False
-    if stabilize is True or stabilize == GUARD:
-        return ShiftRule("standard", beta, eps), True
-    if stabilize is False or stabilize is None:
-        return ShiftRule("standard", beta, eps), False
-    if isinstance(stabilize, str) and stabilize in RULES:
-        return ShiftRule(stabilize, beta, eps), False
-    if isinstance(stabilize, str) and stabilize in GUARDED:
-        return ShiftRule(stabilize.split("+")[0], beta, eps), True
-    raise ValueError(f"stabilize={stabilize!r} is invalid; accepted: True or {GUARD!r} (δ from a source "
-                     "consistent with the backward's P, standard row maximum), False (standard), a ShiftRule, "
-                     f"a rule name ({', '.join(repr(r) for r in RULES)}), or a rule with the guard "
-                     f"({', '.join(repr(r) for r in GUARDED)})")
 
 
 def next_shift(s: torch.Tensor, m_prev: torch.Tensor, r_prev: torch.Tensor,
@@ -155,9 +122,9 @@ def next_shift(s: torch.Tensor, m_prev: torch.Tensor, r_prev: torch.Tensor,
             m = torch.where(ties & (rm > 0), rule.beta * rm, m)
             m = torch.where(ties & (rm < 0), torch.zeros_like(rm), m)
         else:
-            if rule.kind == "ours":
+            if rule.kind == "tie-shift":
                 ties = ties | (valid & torch.isfinite(r_prev) & ((rm - r_prev).abs() <= rule.eps))
-            else:                                                         # bounded: every row
+            else:                                                         # all-shift: every row
                 ties = valid
             d = _fold((rule.beta - 1.0) * rm.abs(), rule.min_shift, rule.max_shift)
             m = torch.where(ties, rm + d, m)
@@ -173,12 +140,12 @@ def bound_rounded_shift(m_new: torch.Tensor, m_prev: torch.Tensor, r_new: torch.
     step is ≥ 64, and at 16 512 the only bf16 value above rm is rm + 128, which puts every P̄ of the
     row at exp(−128) = 0: ℓ = 0 and O = 0/0 (seen in training once the attention logits had grown
     that large). Where the rounded shift exceeds ``limit`` (the largest shift at which the row
-    maximum's P̄ is still a normal number of the P̄ format: 87.3 for bf16), the rules "ours" and
-    "bounded" fall back to the standard shift max(m_prev, r_new), which the format holds exactly.
+    maximum's P̄ is still a normal number of the P̄ format: 87.3 for bf16), the rules "tie-shift" and
+    "all-shift" fall back to the standard shift max(m_prev, r_new), which the format holds exactly.
     Overshoots below ``limit`` (a bf16 step at ordinary logits) are harmless and kept. "paper" is
     left as the authors wrote it.
     """
-    if rule.kind not in ("ours", "bounded"):
+    if rule.kind not in BOUNDED_RULES:
         return m_new
     return torch.where(m_new - r_new > limit, torch.maximum(m_prev, r_new), m_new)
 

@@ -25,12 +25,12 @@ import torch
 from stableflash.attention import reference
 from stableflash.attention.emulated import emulated_forward
 from stableflash.attention.policy import PrecisionPolicy
-from stableflash.attention.shift import ShiftRule
+from stableflash.attention.shift import RULES, ShiftRule
 from stableflash.numerics import get_format, round_to, ulp
 
 INPUTS = ("tied", "tied-split", "control")
 POLICIES = ("paper", "fa2")
-RULE_KINDS = ("standard", "paper", "ours", "bounded")
+RULE_KINDS = RULES
 
 
 @dataclass(frozen=True)

@@ -17,13 +17,13 @@ from __future__ import annotations
 import torch
 
 from stableflash.attention.api import BACKENDS, flash_attention
-from stableflash.attention.shift import ShiftRule
+from stableflash.attention.stabilization import Stabilization, parse_stabilize
 
 
-def make_attention_function(*, stabilize: bool | str = True, beta: float = 2.0, eps: float = 1e-3,
+def make_attention_function(*, stabilize: bool | str | Stabilization = True, beta: float = 2.0, eps: float = 1e-3,
                             backend: str = "auto"):
     """An attention function with transformers' calling convention."""
-    ShiftRule.from_arg(stabilize, beta, eps)
+    parse_stabilize(stabilize, beta, eps)
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is unknown; accepted: {', '.join(BACKENDS)}")
 

@@ -87,7 +87,7 @@ def kernel_mode(policy: PrecisionPolicy, dtype: torch.dtype) -> KernelMode:
     and O in fp32. The kernels hand O back in the input dtype (as the emulated backend does); where
     the policy's O is fp32 (``out=fp32`` or fp32 heads) and δ comes from dO·O, the forward keeps
     that O in fp32 for δ (delta code KEEP_O32). fp16 inputs: the "fa2" preset and δ sources only."""
-    policy = resolve_delta(policy)                   # δ source "auto": the one guarded_delta names
+    policy = resolve_delta(policy)                   # δ source "consistent": the one consistent_delta_source names
     low = "fp16" if dtype == torch.float16 else "bf16"
     for name, emu, narrowable in (("fa2", False, ("out",)), ("paper", True, ("acc", "row_sum", "out"))):
         preset = replace(PrecisionPolicy.preset(name, low), name="custom")

@@ -43,7 +43,7 @@ ACC_NARROW, ROW_NARROW, O_NARROW, PBAR32 = 1, 2, 4, 8
 PFMT_SHIFT = 8      # flags >> 8: 1 + the format code P̄ is rounded to before P̄V (0: the input dtype)
 NARROW_ALL = ACC_NARROW | ROW_NARROW | O_NARROW
 HP_HEAD_LIMIT = 30  # hp_heads on the kernels: head indices 0-30 (a bit mask in one int32)
-RULE_CODES = {"standard": 0, "paper": 1, "ours": 2, "bounded": 3}
+RULE_CODES = {"standard": 0, "paper": 1, "tie-shift": 2, "all-shift": 3}
 
 
 def interpreting() -> bool:
