@@ -1,4 +1,4 @@
-"""The benchmark's providers of our kernels compute attention (run through the Triton interpreter
+"""The benchmark's providers of stableflash's kernels compute attention (run through the Triton interpreter
 without a GPU), including the δ-source variants that docs/mitigations.md times."""
 import pytest
 import torch
@@ -6,16 +6,16 @@ import torch
 pytest.importorskip("triton")
 
 from stableflash.attention import reference  # noqa: E402
-from stableflash.bench.attention import PROVIDERS, provider_fn  # noqa: E402
+from stableflash.bench.attention import VARIANTS, provider_fn  # noqa: E402
 
 
-@pytest.mark.parametrize("name", [p for p in PROVIDERS if p.startswith("ours")])
+@pytest.mark.parametrize("name", list(VARIANTS))
 def test_our_providers_match_float64_with_gradients(name):
     gen = torch.Generator().manual_seed(0)
     shape = (1, 2, 40, 16)
     q, k, v, do = (torch.randn(*shape, generator=gen).bfloat16() for _ in range(4))
     q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
-    want = reference.attention(q64, k64, v64, causal=True, softcap=30.0 if name == "ours-softcap" else None)
+    want = reference.attention(q64, k64, v64, causal=True, softcap=30.0 if name == "stableflash-tie-shift-softcap" else None)
     want.backward(do.double())
     device = "cuda" if torch.cuda.is_available() else "cpu"         # CPU: the Triton interpreter
     q, k, v, do = (t.to(device) for t in (q, k, v, do))
@@ -41,8 +41,8 @@ def test_timed_rows_reach_the_caller_one_by_one_and_a_failure_is_its_rows_error(
     from stableflash.bench.attention import flops, time_jobs
 
     shape = (2, 4, 256, 64)
-    jobs = [(shape, "fwd", "ours-stable"), (shape, "fwd", "flex"), (shape, "fwd+bwd", "ours-stable")]
-    times = {"ours-stable": 2.0}
+    jobs = [(shape, "fwd", "stableflash"), (shape, "fwd", "flex"), (shape, "fwd+bwd", "stableflash")]
+    times = {"stableflash": 2.0}
 
     def timer(shape, mode, name):
         if name == "flex":
@@ -69,10 +69,10 @@ def test_a_row_records_the_tuners_choices_it_made():
     shape = (2, 4, 256, 64)
 
     def timer(shape, mode, name):
-        if name == "ours-stable":
+        if name == "stableflash":
             state["fwd"].setdefault("(256, 256, 64, True, 1)", "BLOCK_M: 128, BLOCK_N: 64")
             state["dq"].setdefault("(256, 256, 64, True)", "BLOCK_M: 64, BLOCK_N: 64")
-        if name == "ours-standard":
+        if name == "stableflash-none":
             state["fwd"].setdefault("(256, 256, 64, True, 0)", "BLOCK_M: 64, BLOCK_N: 64")
             state["dq"].setdefault("(256, 256, 64, True)", "BLOCK_M: 128, BLOCK_N: 32")   # tuned already
         return 1.0
@@ -80,8 +80,8 @@ def test_a_row_records_the_tuners_choices_it_made():
     def choices():
         return {k: dict(v) for k, v in state.items()}
 
-    jobs = [(shape, "fwd+bwd", "ours-stable"), (shape, "fwd+bwd", "ours-standard"), (shape, "fwd+bwd", "sdpa-flash"),
-            (shape, "fwd+bwd", "ours-stable")]
+    jobs = [(shape, "fwd+bwd", "stableflash"), (shape, "fwd+bwd", "stableflash-none"), (shape, "fwd+bwd", "sdpa-flash"),
+            (shape, "fwd+bwd", "stableflash")]
     def timings(names):
         return {n: {"BLOCK_M: 64, BLOCK_N: 64": [0.5, 0.4, 0.6]} for n in names}
 
@@ -155,8 +155,8 @@ def test_each_timing_times_the_call_it_names(monkeypatch, timing, bench, mode):
     monkeypatch.setattr(triton.testing, other, lambda *a, **k: pytest.fail(f"{other} used for {timing}"))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     gen = torch.Generator(device=device).manual_seed(0)
-    cfg = BenchConfig(shapes=((1, 2, 40, 16),), providers=("ours-standard",), modes=(mode,), timing=timing)
-    assert time_one("ours-standard", (1, 2, 40, 16), mode, cfg, torch.bfloat16, device, gen) == 1.25
+    cfg = BenchConfig(shapes=((1, 2, 40, 16),), providers=("stableflash-none",), modes=(mode,), timing=timing)
+    assert time_one("stableflash-none", (1, 2, 40, 16), mode, cfg, torch.bfloat16, device, gen) == 1.25
     assert ran == [(bench, 2 if mode == "fwd+bwd" else 0, True)]
 
 
@@ -169,7 +169,7 @@ def test_graph_timing_measures_the_gpus_time_on_the_gpu():
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     shape = (2, 4, 256, 64)
-    for name in ("ours-standard", "sdpa-flash"):
+    for name in ("stableflash-none", "sdpa-flash"):
         ms = {t: time_one(name, shape, "fwd+bwd", BenchConfig(shapes=(shape,), providers=(name,), timing=t),
                           torch.bfloat16, torch.device("cuda"), gen) for t in ("events", "graph")}
         assert 0 < ms["graph"] <= 1.2 * ms["events"], (name, ms)

@@ -130,7 +130,7 @@ def test_the_training_bench_table_shows_peak_memory():
     result = {"config": asdict(TrainBenchConfig()), "env": {"gpu": "GPU", "torch": "t", "triton": "tr"},
               "rows": [{"attention": "sdpa", "ms_per_step": 34.1, "tokens_per_s": 480340.0, "mfu": 0.415,
                         "peak_mib": 20480.4},
-                       {"attention": "triton rule=ours delta=auto", "ms_per_step": 35.0, "tokens_per_s": 468729.0,
+                       {"attention": "triton stabilize=tie-shift+consistent-delta", "ms_per_step": 35.0, "tokens_per_s": 468729.0,
                         "mfu": 0.405, "ratio_to_first": 0.976, "peak_mib": 21000.0}]}
     lines = format_table(result).splitlines()
     assert lines[1].split()[-2:] == ["peak", "MiB"]

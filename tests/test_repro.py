@@ -15,16 +15,17 @@ def test_cpu_demo_paired_runs_share_their_batches_and_report(tmp_path):
     assert roles == ["baseline", "stabilized", "control"]
     assert all(r["same_batches_as_baseline"] and r["steps"] == 12 for r in result["rows"])
     attn = {r["role"]: r["attention"] for r in result["rows"]}
-    assert attn["stabilized"].endswith("delta=auto") and "out=fp32" in attn["control"]
-    # the table says which δ source delta=auto ran (the preset's rounding picks it)
-    from stableflash.attention.policy import guarded_delta
+    assert attn["stabilized"].endswith("stabilize=consistent-delta") and "stabilize=none" in attn["baseline"]
+    assert "out=fp32" in attn["control"] and "stabilize=none" in attn["control"]
+    # the table says which δ source the consistent δ ran (the preset's rounding picks it)
+    from stableflash.attention.policy import consistent_delta_source
     from stableflash.model.spec import parse_attention_spec
     from stableflash.repro.run import format_table
-    source = guarded_delta(parse_attention_spec(attn["stabilized"]).default.policy)
-    assert {r["role"]: r["delta_auto"] for r in result["rows"]} == {"baseline": [], "stabilized": [source],
-                                                                     "control": []}
+    source = consistent_delta_source(parse_attention_spec(attn["stabilized"]).default.policy)
+    assert {r["role"]: r["consistent_delta"] for r in result["rows"]} == {"baseline": [], "stabilized": [source],
+                                                                           "control": []}
     stabilized_line = next(line for line in format_table(result).splitlines() if " stabilized " in line)
-    assert stabilized_line.endswith(f"delta=auto (δ: {source})")
+    assert stabilized_line.endswith(f"{attn['stabilized']} (δ: {source})")
     assert (tmp_path / "report.html").exists() and json.loads((tmp_path / "repro.json").read_text())["preset"] == "cpu-demo"
     assert "did not diverge" in result["verdict"]
 
@@ -53,7 +54,7 @@ def test_roles_select_the_runs(tmp_path):
 def test_a_set_attention_is_what_the_rows_name(tmp_path):
     # the mitigation runs replace the baseline's attention with --set attention=...: the table must
     # name the attention that ran, not the role's
-    spec = "emulated policy=paper acc=e8m5 row_sum=e8m5 out=e8m5 rule=paper beta=4"
+    spec = "emulated policy=paper acc=e8m5 row_sum=e8m5 out=e8m5 stabilize=paper beta=4"
     result = run_repro("cpu-demo", tmp_path, seeds=(0,), steps=2, progress=False, roles=("baseline",),
                        extra=(f"attention={spec}",))
     ran = json.loads((tmp_path / "seed0" / "baseline" / "config.json").read_text())["attention"]
@@ -100,7 +101,7 @@ def test_every_preset_builds_its_three_runs(name):
     for role, attention in p.attentions().items():
         cfg = make_config(p.train_preset, overrides=[*p.overrides, f"attention={attention}"])
         choices[role] = parse_attention_spec(cfg.attention).default
-    from stableflash.attention.policy import guarded_delta, resolve_policy
+    from stableflash.attention.policy import consistent_delta_source, resolve_policy
     from stableflash.numerics import get_format
     import torch
     pol = resolve_policy(choices["control"].policy, torch.bfloat16)
@@ -109,13 +110,14 @@ def test_every_preset_builds_its_three_runs(name):
         assert pol.p_bar == "bf16" and pol.delta == "recompute_fp32"
     else:
         assert pol.p_bar == "fp32"
-    assert choices["stabilized"].rule == "standard" and choices["baseline"].rule == "standard"
+    assert choices["stabilized"].stabilize == "consistent-delta" and choices["baseline"].stabilize == "none"
+    assert choices["control"].stabilize == "none"
     base = resolve_policy(choices["baseline"].policy, torch.bfloat16)
-    stab = resolve_policy(choices["stabilized"].policy, torch.bfloat16)
-    assert stab == base.replace(delta=guarded_delta(base), name=stab.name)
+    stab = choices["stabilized"].stabilization.policy_for(resolve_policy(choices["stabilized"].policy, torch.bfloat16))
+    assert stab == base.replace(delta=consistent_delta_source(base), name=stab.name)
     want = "dP·P" if base.scores != "fp32" or base.acc != "fp32" else "dO·(O16+R)" if base.p_bar.startswith("fp8") \
         else "dO·(O+R)"
-    assert guarded_delta(base) == want
+    assert consistent_delta_source(base) == want
     assert pol.scores == resolve_policy(choices["baseline"].policy, torch.bfloat16).scores
     narrowest = min(get_format(getattr(base, f)).man_bits for f in ("p_bar", "acc", "row_sum", "out"))
     assert (p.accelerated is not None) == (narrowest < 7)

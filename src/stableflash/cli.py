@@ -51,6 +51,14 @@ def _shape(text: str) -> tuple[int, int, int, int]:
     return tuple(int(p) for p in parts)
 
 
+def _provider(text: str) -> str:
+    from stableflash.bench.attention import provider_name
+    try:
+        return provider_name(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _cmd_bench_attention(args: argparse.Namespace) -> int:
     from stableflash.bench.attention import BenchConfig, format_table, run_bench
 
@@ -301,8 +309,8 @@ def build_parser() -> argparse.ArgumentParser:
         "repro",
         help="the reproduction: baseline vs stabilized vs fp32-control training on one batch order, and a report",
         description="Run the kernel-level probe, then for each seed train the preset's baseline attention, the "
-                    "same stabilized as flash_attention(stabilize=True) stabilizes it (delta=auto: δ from a source "
-                    "consistent with the backward's P, chosen for the preset's rounding), and a control "
+                    "same stabilized as flash_attention's default stabilizes it (stabilize=consistent-delta: δ from a "
+                    "source consistent with the backward's P, chosen for the preset's rounding), and a control "
                     "with O in fp32, on the same batch order; "
                     "print whether each run exploded (and when the monitor warned), and write an HTML report. "
                     + _default_help(REPRO_PRESETS[CPU_DEFAULT], REPRO_PRESETS[GPU_DEFAULT]) + " Presets: " + ", ".join(
@@ -347,13 +355,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="time our Triton kernels against SDPA (flash, cuDNN, efficient) and FlexAttention",
         description="Check every provider against float64, then time forward and forward+backward "
                     "(median of triton.testing.do_bench, or of its CUDA-graph form with --timing graph) "
-                    "for our kernel (stabilized, standard, paper's rule) and torch's peers in the same "
+                    "for stableflash's kernels (stabilized, unstabilized, other stabilizations) and torch's peers in the same "
                     "run; print TFLOP/s and ratios; write JSON.",
     )
     p.add_argument("--shape", type=_shape, action="append",
                    help="B,H,N,d (repeatable; default: 32,12,1024,64 8,16,4096,64 4,16,8192,128)")
     from stableflash.bench.attention import PROVIDERS, TIMINGS
-    p.add_argument("--providers", nargs="+", choices=PROVIDERS, help="subset of providers (default: all)")
+    p.add_argument("--providers", nargs="+", type=_provider, metavar="PROVIDER",
+                   help=f"subset of providers (default: all): {', '.join(PROVIDERS)}")
     p.add_argument("--modes", nargs="+", choices=("fwd", "fwd+bwd"), default=["fwd", "fwd+bwd"])
     p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
     p.add_argument("--no-causal", action="store_true", help="non-causal attention (default: causal)")
@@ -373,10 +382,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "attention spec in the same run, on random tokens already on the GPU; print "
                     "tokens/s, MFU and the ratio to the first spec; write JSON.",
     )
+    from stableflash.bench.training import DEFAULT_ATTENTIONS
     p.add_argument("--model", default="gpt2-small", help="model preset (default: gpt2-small)")
     p.add_argument("--attention", action="append",
-                   help="attention spec (repeatable; default: sdpa, triton rule=ours, triton, emulated policy=fa2, "
-                        "emulated policy=paper)")
+                   help=f"attention spec (repeatable; default: {', '.join(DEFAULT_ATTENTIONS)})")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--no-compile", action="store_true")

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import stableflash as sf
-from stableflash.attention import PrecisionPolicy, reference
+from stableflash.attention import PrecisionPolicy, ShiftRule, reference
 from stableflash.attention.policy import resolve_policy
 from tests.conftest import qkv, rel_err
 
@@ -47,9 +47,9 @@ def test_auto_says_when_it_falls_back_to_the_emulation(gen, monkeypatch):
     monkeypatch.setattr(api, "_warned", set())
     q, k, v = qkv(gen, 1, 2, 20, 16)
     with pytest.warns(UserWarning, match="chose 'emulated'.*because the stabilized softmax"):
-        out = sf.flash_attention(q, k, v, stabilize="ours")
+        out = sf.flash_attention(q, k, v, stabilize="tie-shift")
     assert rel_err(out, reference.attention(q, k, v)) <= 1e-5
-    with pytest.warns(UserWarning, match=r"chose 'emulated'.*because δ from dO·\(O\+R\) was asked for \(stabilize=True\)"):
+    with pytest.warns(UserWarning, match=r"chose 'emulated'.*because δ from dO·\(O\+R\) was asked for \(a consistent δ\)"):
         sf.flash_attention(q.bfloat16(), k.bfloat16(), v.bfloat16())      # the default guards bf16's δ
 
 
@@ -120,7 +120,7 @@ BAD_OPTIONS = [
     ({"policy": "bf16-ish"}, ValueError, r"policy='bf16-ish' is not a preset; accepted: fa2, paper, fp32, fp64"),
     ({"policy": 3}, TypeError, r"policy=3 is invalid"),
     ({"backend": "cuda"}, ValueError, r"backend='cuda' is unknown; accepted: auto, triton, emulated"),
-    ({"backend": "sdpa", "stabilize": "ours"}, ValueError, r"backend='sdpa' cannot apply the stabilized softmax"),
+    ({"backend": "sdpa", "stabilize": "tie-shift"}, ValueError, r"backend='sdpa' cannot apply the row-maximum rule of stabilize='tie-shift'; pass stabilize='none'"),
     ({"backend": "sdpa", "stabilize": False, "policy": "fa2"}, ValueError, r"honoured only by backend='emulated'"),
     ({"backend": "reference", "policy": "paper"}, ValueError, r"honoured only by backend='emulated'"),
     ({"backend": "triton", "stabilize": "fancy"}, ValueError, r"stabilize='fancy' is invalid"),
@@ -152,7 +152,7 @@ BAD_POLICIES = [
     ({"acc": "fp64"}, ValueError, r"acc='fp64' is wider than compute='fp32'"),
     ({"delta": "dO.O"}, ValueError,
      r"delta='dO.O' is invalid; accepted: dO·O, dO·O32, dO·\(O\+R\), dO·O16, dO·\(O16\+R\), dP·P, recompute_fp32, "
-     r"auto$"),
+     r"consistent$"),
     ({"hp_heads": (-1,)}, ValueError, r"hp_heads=\(-1,\) is invalid"),
     ({"compute": "fp16"}, ValueError, r"compute='fp16' is invalid; accepted: fp32, fp64"),
     ({"scores": 16}, TypeError, r"scores=16 is not a string"),
@@ -217,13 +217,13 @@ GUARDED = [                     # the policy's rounding → the δ source stabil
 
 
 @pytest.mark.parametrize("policy, want", GUARDED, ids=lambda x: getattr(x, "describe", lambda: x)())
-def test_guarded_delta_follows_the_policys_rounding(policy, want):
-    from stableflash.attention.policy import guard_delta, guarded_delta
-    assert guarded_delta(policy) == want
-    assert guard_delta(policy).delta == want
+def test_consistent_delta_source_follows_the_policys_rounding(policy, want):
+    from stableflash.attention.policy import with_consistent_delta, consistent_delta_source
+    assert consistent_delta_source(policy) == want
+    assert with_consistent_delta(policy).delta == want
     assert resolve_policy(policy.replace(delta="auto"), torch.bfloat16).delta == want
     chosen = policy.replace(delta="dP·P")                        # a named source is kept
-    assert guard_delta(chosen) == chosen
+    assert with_consistent_delta(chosen) == chosen
 
 
 def _grads(q, k, v, do, **kw):
@@ -251,39 +251,57 @@ def test_stabilize_true_is_the_standard_max_with_delta_from_o_plus_its_residual(
             assert near <= far / 20, (name, near, far)           # δ's O is O as computed, nearly
     for a, r in zip(got, reference.forward_backward(q, k, v, do, causal=True)):
         assert rel_err(a, r) <= 2e-2                             # bf16: 8 significant bits
-    assert torch.equal(sf.flash_attention(q, k, v, causal=True, stabilize="guard", backend="emulated"), got[0])
+    assert torch.equal(sf.flash_attention(q, k, v, causal=True, stabilize="consistent-delta", backend="emulated"), got[0])
 
 
 def test_a_rule_with_the_guard(gen):
-    """stabilize="ours+guard": our row-maximum rule's O, bit for bit, and the guard's δ source."""
+    """stabilize="tie-shift+consistent-delta": our row-maximum rule's O, bit for bit, and the guard's δ source."""
     q, k, v, do = (torch.randn(1, 2, 48, 32, generator=gen).to(torch.bfloat16) for _ in range(4))
     fa2 = PrecisionPolicy.preset("fa2")
-    got = _grads(q, k, v, do, stabilize="ours+guard", backend="emulated")
-    want = _grads(q, k, v, do, stabilize="ours", backend="emulated", policy=fa2.replace(delta="dO·(O+R)"))
+    got = _grads(q, k, v, do, stabilize="tie-shift+consistent-delta", backend="emulated")
+    want = _grads(q, k, v, do, stabilize="tie-shift", backend="emulated", policy=fa2.replace(delta="dO·(O+R)"))
     for a, b in zip(got, want):
         assert torch.equal(a, b)
     standard = sf.flash_attention(q, k, v, causal=True, stabilize=True, backend="emulated")
     assert not torch.equal(got[0], standard)                     # the rule changes O's rounding
 
 
-def test_stabilize_parses_to_a_rule_and_a_guard():
-    from stableflash.attention.shift import parse_stabilize
-    cases = {True: ("standard", True), "guard": ("standard", True), False: ("standard", False),
-             None: ("standard", False), "ours": ("ours", False), "paper+guard": ("paper", True),
-             "ours+guard": ("ours", True), "bounded+guard": ("bounded", True)}
-    for arg, (kind, guard) in cases.items():
-        rule, guarded = parse_stabilize(arg, beta=3.0)
-        assert (rule.kind, guarded, rule.beta) == (kind, guard, 3.0), arg
-    for bad in ("standard+guard", "guard+ours", "ours+", "yes"):
-        with pytest.raises(ValueError, match=rf"stabilize={re.escape(repr(bad))} is invalid; accepted: True or 'guard'"):
+def test_stabilize_names_a_rule_and_a_delta_choice():
+    from stableflash.attention.stabilization import NAMES, PRESETS, Stabilization, parse_stabilize
+    cases = {True: ("standard", True), "consistent-delta": ("standard", True), False: ("standard", False),
+             None: ("standard", False), "none": ("standard", False), "tie-shift": ("tie-shift", False),
+             "paper": ("paper", False), "all-shift": ("all-shift", False),
+             "paper+consistent-delta": ("paper", True), "tie-shift+consistent-delta": ("tie-shift", True),
+             "all-shift+consistent-delta": ("all-shift", True)}
+    assert set(PRESETS) <= set(NAMES) and set(cases) - {True, False, None} == set(NAMES)
+    for arg, (kind, consistent) in cases.items():
+        stab = parse_stabilize(arg, beta=3.0)
+        assert (stab.rule.kind, stab.consistent_delta, stab.rule.beta) == (kind, consistent, 3.0), arg
+        assert parse_stabilize(stab.name, beta=3.0) == stab          # the name builds it back
+    custom = Stabilization(ShiftRule("paper", beta=4.0), consistent_delta=False)
+    assert parse_stabilize(custom, beta=9.0) is custom and custom.name == "paper"
+    for bad in ("standard+consistent-delta", "consistent-delta+tie-shift", "tie-shift+", "yes", 1):
+        with pytest.raises(ValueError, match=rf"stabilize={re.escape(repr(bad))} is invalid; accepted: True \(the "
+                                             r"default, 'consistent-delta'\), False \('none'\), a Stabilization"):
             parse_stabilize(bad)
+
+
+@pytest.mark.parametrize("old, new", [("guard", "consistent-delta"), ("ours", "tie-shift"), ("bounded", "all-shift"),
+                                      ("ours+guard", "tie-shift+consistent-delta"), ("standard", "none")])
+def test_an_earlier_stabilize_spelling_is_refused_with_its_current_name(gen, old, new):
+    q, k, v = (torch.randn(1, 2, 16, 8, generator=gen) for _ in range(3))
+    with pytest.raises(ValueError, match=rf"stabilize={re.escape(repr(old))} is invalid \({re.escape(repr(old))} is "
+                                         rf"the earlier name of {re.escape(repr(new))}\)"):
+        sf.flash_attention(q, k, v, stabilize=old)
+    with pytest.raises(ValueError, match="earlier name"):
+        sf.attention.StableAttention(stabilize=old)
 
 
 def test_the_guard_keeps_sdpa_only_where_it_changes_nothing(gen):
     """The guard changes δ for bf16 inputs, which SDPA cannot do (a clear error); for fp32 inputs δ
     from the stored O is exact already, so SDPA still serves stabilize=True."""
     q, k, v = (torch.randn(1, 2, 16, 8, generator=gen) for _ in range(3))
-    with pytest.raises(ValueError, match=r"backend='sdpa' cannot take δ from dO·\(O\+R\) \(stabilize=True guards δ"):
+    with pytest.raises(ValueError, match=r"backend='sdpa' cannot take δ from dO·\(O\+R\) \(stabilize=True asks for a consistent δ"):
         sf.flash_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), stabilize=True, backend="sdpa")
     got = sf.flash_attention(q, k, v, causal=True, stabilize=True, backend="sdpa")
     want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)

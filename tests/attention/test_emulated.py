@@ -99,7 +99,7 @@ def test_query_blocking_changes_nothing(gen, policy):
     """Each row's arithmetic depends only on the key blocks: outputs identical bit for bit."""
     q, k, v = qkv(gen, 1, 2, 80, 32, dtype=torch.bfloat16)
     pol = PrecisionPolicy.preset(policy)
-    outs = [emulated_forward(q, k, v, causal=True, scale=0.2, policy=pol, rule=ShiftRule("ours"),
+    outs = [emulated_forward(q, k, v, causal=True, scale=0.2, policy=pol, rule=ShiftRule("tie-shift"),
                              block_q=bq, block_k=16) for bq in (7, 16, 80)]
     for o in outs[1:]:
         assert torch.equal(o.out, outs[0].out) and torch.equal(o.lse, outs[0].lse)
@@ -159,11 +159,11 @@ def test_backward_functions_agree_with_autograd_wrapper(gen):
     q, k, v = qkv(gen, 1, 2, 40, 16)
     do = torch.randn(1, 2, 40, 16, generator=gen)
     pol = PrecisionPolicy.preset("fa2")
-    res = emulated_forward(q, k, v, causal=True, scale=0.25, policy=pol, rule=ShiftRule("ours"),
+    res = emulated_forward(q, k, v, causal=True, scale=0.25, policy=pol, rule=ShiftRule("tie-shift"),
                            block_q=16, block_k=16)
     direct = emulated_backward(q, k, v, res.out, res.lse, do, causal=True, scale=0.25, policy=pol,
                                block_q=16, block_k=16)
-    via = run(q, k, v, do, causal=True, scale=0.25, policy=pol, stabilize="ours", block_q=16, block_k=16)[1:]
+    via = run(q, k, v, do, causal=True, scale=0.25, policy=pol, stabilize="tie-shift", block_q=16, block_k=16)[1:]
     for a, b in zip(direct, via):
         assert torch.equal(a, b)
 
@@ -205,7 +205,7 @@ def huge_tied_logits(dtype=torch.bfloat16, n=40, d=16):
     return q.to(dtype), k.to(dtype), v.to(dtype)
 
 
-@pytest.mark.parametrize("stabilize", [True, "bounded"])
+@pytest.mark.parametrize("stabilize", [True, "all-shift"])
 def test_bounded_rules_stay_finite_when_bf16_scores_cannot_hold_the_shift(stabilize):
     """With bf16 scores the shift is rounded up into bf16; at 16 512 the next bf16 value is 128 higher
     and every P̄ would underflow (ℓ = 0, O = NaN). The bounded rules fall back to the standard shift
@@ -223,7 +223,7 @@ def test_bound_rounded_shift_only_touches_the_bounded_rules():
     from stableflash.attention.shift import bound_rounded_shift
     m, prev, r = torch.tensor([16640.0, 10.5]), torch.tensor([16000.0, 9.0]), torch.tensor([16512.0, 10.0])
     bf16_limit = 126 * math.log(2.0)                 # exp(−limit) is bf16's smallest normal number
-    for kind in ("ours", "bounded"):
+    for kind in ("tie-shift", "all-shift"):
         assert bound_rounded_shift(m, prev, r, ShiftRule(kind), bf16_limit).tolist() == [16512.0, 10.5]
         assert bound_rounded_shift(m, prev, r, ShiftRule(kind), 0.25).tolist() == [16512.0, 10.0]
     for kind in ("paper", "standard"):

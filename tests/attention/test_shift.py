@@ -47,7 +47,7 @@ def test_our_rule_makes_tied_pbar_less_than_one(gen, rm):
     """In every row with repeated maxima, max P̄ < 1 under our rule, also after rounding to bf16."""
     q, k, v = tied_inputs(gen, rm)
     s = reference.scores(q, k, scale=1.0)
-    m = row_shift(s, ShiftRule("ours"))
+    m = row_shift(s, ShiftRule("tie-shift"))
     p_bar = torch.exp(s - m.unsqueeze(-1))
     assert p_bar.amax() < 1.0
     assert round_to(p_bar.float(), "bf16").amax() < 1.0
@@ -70,7 +70,7 @@ def test_paper_rule_underflows_and_ours_does_not(gen, rm, beta):
     q, k, v = (t.float() for t in tied_inputs(gen, rm))
     expected = reference.attention(q, k, v, scale=1.0)
     paper = flash_attention(q, k, v, scale=1.0, stabilize="paper", beta=beta, backend="emulated", policy="fp32")
-    ours = flash_attention(q, k, v, scale=1.0, stabilize="ours", beta=beta, backend="emulated", policy="fp32")
+    ours = flash_attention(q, k, v, scale=1.0, stabilize="tie-shift", beta=beta, backend="emulated", policy="fp32")
     assert torch.isnan(paper).any()
     assert rel_err(ours, expected) <= 1e-5
 
@@ -80,7 +80,7 @@ def test_paper_rule_loses_precision_in_subnormals_and_ours_does_not(gen):
     q, k, v = (t.float() for t in tied_inputs(gen, 100.0, spread=0.5))
     expected = reference.attention(q, k, v, scale=1.0)
     paper = flash_attention(q, k, v, scale=1.0, stabilize="paper", backend="emulated", policy="fp32")
-    ours = flash_attention(q, k, v, scale=1.0, stabilize="ours", backend="emulated", policy="fp32")
+    ours = flash_attention(q, k, v, scale=1.0, stabilize="tie-shift", backend="emulated", policy="fp32")
     assert rel_err(paper, expected) > 1e-2
     assert rel_err(ours, expected) <= 1e-5
 
@@ -93,7 +93,7 @@ def test_ties_split_across_key_blocks(gen):
                                      block_q=32, block_k=32).pbar_ones for kind in RULES}
     assert (counts["standard"] == 2).all()
     assert (counts["paper"] == 2).all()          # each block sees one maximum: rs = 1, no shift
-    assert (counts["ours"] == 0).all()
+    assert (counts["tie-shift"] == 0).all()
     within = emulated_forward(q, k, v, causal=False, scale=1.0, policy=bf16, rule=ShiftRule("paper"),
                               block_q=32, block_k=96).pbar_ones
     assert (within == 0).all()                   # one block: the paper's rule catches them
@@ -116,7 +116,7 @@ def test_paper_rule_matches_algorithm_3_by_hand():
                      dtype=torch.float64)
     m = row_shift(s, ShiftRule("paper", beta=3.0, eps=1e-3))
     assert m.tolist() == [6.0, 0.0, 1.5, 0.0]
-    ours = row_shift(s, ShiftRule("ours", beta=3.0, eps=1e-3))
+    ours = row_shift(s, ShiftRule("tie-shift", beta=3.0, eps=1e-3))
     assert ours[0].item() == 6.0                  # = β·rm between the clamps
     assert ours[1].item() == pytest.approx(-1.0 + 2.0)
     assert ours[2].item() == 1.5                  # unique maximum: unchanged
@@ -132,6 +132,6 @@ def test_rule_rejects_bad_parameters(kwargs, match):
 
 
 def test_capped_rule_keeps_pbar_normal_in_fp8():
-    rule = ShiftRule("ours").capped_for(2.0 ** -6)   # fp8 e4m3's smallest normal
+    rule = ShiftRule("tie-shift").capped_for(2.0 ** -6)   # fp8 e4m3's smallest normal
     assert math.exp(-rule.max_shift) >= 2.0 ** -6
-    assert rule.max_shift < ShiftRule("ours").max_shift
+    assert rule.max_shift < ShiftRule("tie-shift").max_shift

@@ -64,7 +64,7 @@ CASES = [  # (b, h, h_kv, n_q, n_k, d)
 
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("stabilize", [False, "paper", True, "bounded"])
+@pytest.mark.parametrize("stabilize", [False, "paper", True, "all-shift"])
 def test_forward_and_gradients_match_float64(gen, case, causal, stabilize):
     b, h, h_kv, n_q, n_k, d = case
     q, k, v, do = make(gen, b, h, n_q, d, n_k, h_kv)
@@ -99,7 +99,7 @@ O_FRAC = 0.01 if DEVICE == "cpu" else 0.05    # outputs: almost every element bi
 
 
 @pytest.mark.parametrize("policy", ["fa2", "paper"])
-@pytest.mark.parametrize("stabilize", [False, "paper", True, "bounded"])
+@pytest.mark.parametrize("stabilize", [False, "paper", True, "all-shift"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_kernel_agrees_with_the_emulated_policy(gen, policy, stabilize, causal):
     """Each precision switch of the kernel reproduces the emulated backend's policy."""
@@ -309,7 +309,7 @@ def test_stochastic_rounding_in_the_kernel(gen, policy):
     away), and the gradients' error is no more than a stochastic rounding's larger variance explains
     (2× its variance: √2 in RMS, measured 1.2-1.4× at 1×2×96×32 over 4 inputs; bound 2×)."""
     q, k, v, do = make(gen, 1, 2, 64, 32)
-    kw = dict(causal=True, stabilize="ours+guard", policy=policy, backend="triton")
+    kw = dict(causal=True, stabilize="tie-shift+consistent-delta", policy=policy, backend="triton")
     nearest = policy.replace(**{f: getattr(policy, f).split(":")[0] for f in ("acc", "row_sum", "out")})
     torch.manual_seed(0)
     a = run(q, k, v, do, **kw)
@@ -322,11 +322,11 @@ def test_stochastic_rounding_in_the_kernel(gen, policy):
         assert torch.equal(x, y)
     assert not torch.equal(a[0], c[0])
     want = reference.forward_backward(q, k, v, do, causal=True)
-    rne = run(q, k, v, do, causal=True, stabilize="ours+guard", policy=nearest, backend="triton")
+    rne = run(q, k, v, do, causal=True, stabilize="tie-shift+consistent-delta", policy=nearest, backend="triton")
     for name, got, ref, base in zip(("dQ", "dK", "dV"), a[1:], want[1:], rne[1:]):
         assert rel_err(got, ref) <= 2.0 * rel_err(base, ref) + 1e-3, name
     if policy.name == "fa2":          # one rounding of O: the mean of many calls tends to the fp32 O
-        exact = run(q, k, v, do, causal=True, stabilize="ours+guard", backend="triton",
+        exact = run(q, k, v, do, causal=True, stabilize="tie-shift+consistent-delta", backend="triton",
                     policy=policy.replace(out="fp32", delta="dP·P"))[0].float()
         mean = torch.stack([run(q, k, v, do, **kw)[0].float() for _ in range(24)]).mean(0)
         assert (mean - exact).abs().mean() < 0.5 * (rne[0].float() - exact).abs().mean()
@@ -357,7 +357,7 @@ def test_fp32_o_kept_for_delta_agrees_with_the_emulated_policy(gen, policy):
     is not. The gradients must be nearer the emulation of this policy than of the same policy with
     O stored in bf16 (δ from the bf16 O): that is what tells an fp32 δ from a bf16 one."""
     q, k, v, do = make(gen, 2, 2, 70, 32)
-    kw = dict(causal=True, stabilize="ours")
+    kw = dict(causal=True, stabilize="tie-shift")
     emu = dict(backend="emulated", block_q=32, block_k=triton_op.key_block(32), **kw)
     fused = run(q, k, v, do, backend="triton", policy=policy, **kw)
     emulated = run(q, k, v, do, policy=policy, **emu)
@@ -384,7 +384,7 @@ def test_per_head_fp32_and_fp32_p_bar_agree_with_the_emulated_policy(gen, policy
     O, and δ from that fp32 O), and P̄V with P̄ in fp32. Each agrees with the emulated policy, and
     the fp32 head really is wider: its O is not representable in the others' format."""
     q, k, v, do = make(gen, 2, 2, 70, 32)
-    kw = dict(causal=True, stabilize="ours")
+    kw = dict(causal=True, stabilize="tie-shift")
     fused = run(q, k, v, do, backend="triton", policy=policy, **kw)
     emulated = run(q, k, v, do, backend="emulated", policy=policy, block_q=32,
                    block_k=triton_op.key_block(32), **kw)
@@ -419,7 +419,7 @@ def test_fp16_and_fp8_points_agree_with_the_emulated_policy(gen, policy):
     """P̄ and O (and ℓ, Ō under "paper") in fp16, fp8 e5m2 or e4m3 on the kernels: they round
     where the emulated backend rounds, to the same values; an fp8 O is representable in fp8."""
     q, k, v, do = make(gen, 2, 2, 70, 32)
-    kw = dict(causal=True, stabilize="ours", policy=policy)
+    kw = dict(causal=True, stabilize="tie-shift", policy=policy)
     fused = run(q, k, v, do, backend="triton", **kw)
     emulated = run(q, k, v, do, backend="emulated", block_q=32, block_k=triton_op.key_block(32), **kw)
     narrowest = min(policy.point(f)[0].man_bits for f in ("p_bar", "acc", "row_sum", "out"))
@@ -431,12 +431,12 @@ def test_fp16_and_fp8_points_agree_with_the_emulated_policy(gen, policy):
     if out.man_bits < 7:
         assert torch.equal(fused[0].float(), round_to(fused[0].float(), out))
     if policy.p_bar != "bf16":       # the rounding of P̄ shows: not what the bf16 policy computes
-        plain = run(q, k, v, do, backend="triton", causal=True, stabilize="ours",
+        plain = run(q, k, v, do, backend="triton", causal=True, stabilize="tie-shift",
                     policy=policy.replace(p_bar="bf16"))
         assert not torch.equal(fused[1], plain[1])
 
 
-@pytest.mark.parametrize("rule", ["ours", "bounded"])
+@pytest.mark.parametrize("rule", ["tie-shift", "all-shift"])
 def test_our_shift_keeps_tied_rows_alive_in_fp8_on_the_kernels(gen, rule):
     """Rows whose maximum (10, far above e4m3's range for P̄ = e^−(β−1)·max) is tied: our rule caps
     its shift so that the tied entries' P̄ stays a normal e4m3 number, on the kernels as in the
@@ -468,7 +468,7 @@ def test_soft_capped_scores_agree_with_the_emulation_and_float64(gen, policy, ca
     changes the result (scores scaled up so that it bites)."""
     q, k, v, do = make(gen, 2, 2, 70, 32)
     q = q * 3.0
-    kw = dict(causal=causal, stabilize="ours+guard", policy=policy, softcap=5.0)
+    kw = dict(causal=causal, stabilize="tie-shift+consistent-delta", policy=policy, softcap=5.0)
     fused = run(q, k, v, do, backend="triton", **kw)
     emulated = run(q, k, v, do, backend="emulated", block_q=32, block_k=triton_op.key_block(32), **kw)
     for name, a, b in zip(("O", "dQ", "dK", "dV"), fused, emulated):
@@ -477,7 +477,7 @@ def test_soft_capped_scores_agree_with_the_emulation_and_float64(gen, policy, ca
     q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
     want = sf.attention.reference.attention(q64, k64, v64, causal=causal, softcap=5.0)
     grads = torch.autograd.grad(want, (q64, k64, v64), do.double())
-    uncapped = run(q, k, v, do, backend="triton", causal=causal, stabilize="ours+guard", policy=policy)
+    uncapped = run(q, k, v, do, backend="triton", causal=causal, stabilize="tie-shift+consistent-delta", policy=policy)
     for a, w, u in zip(fused, (want, *grads), uncapped):
         err = rel_err(a, w)
         assert err < 0.05, err                          # bf16 inputs; "paper" rounds S and ℓ, Ō too
@@ -501,7 +501,7 @@ def test_delta_from_o_as_computed(gen, policy, backend):
     format, and the gradients are those of the same policy with O stored in fp32 (δ from that fp32
     O) — exactly, as nothing else in the backward depends on the stored O."""
     q, k, v, do = make(gen, 1, 2, 50, 32)
-    kw = dict(causal=True, stabilize="ours", backend=backend)
+    kw = dict(causal=True, stabilize="tie-shift", backend=backend)
     if backend == "emulated":
         kw.update(block_q=32, block_k=triton_op.key_block(32))
     got = run(q, k, v, do, policy=policy.replace(delta="dO·O32"), **kw)
@@ -522,7 +522,7 @@ def test_delta_from_the_16_bit_product(gen, p_bar, backend):
     δ from O as computed (the backward recomputes P itself; only δ reads the forward's O)."""
     q, k, v, do = make(gen, 1, 2, 50, 32)
     policy = PrecisionPolicy.preset("fa2").replace(p_bar=p_bar)
-    kw = dict(causal=True, stabilize="ours", backend=backend)
+    kw = dict(causal=True, stabilize="tie-shift", backend=backend)
     if backend == "emulated":
         kw.update(block_q=32, block_k=triton_op.key_block(32))
     got = run(q, k, v, do, policy=policy.replace(delta="dO·O16"), **kw)
@@ -610,14 +610,14 @@ def test_p_bar_v_on_the_fp8_tensor_cores_agrees_with_the_emulation(gen, fmt):
     result differs from P̄ alone in fp8."""
     q, k, v, do = make(gen, 2, 2, 70, 32)
     policy = PrecisionPolicy.preset("fa2").replace(p_bar=fmt, v_bar=fmt)
-    kw = dict(causal=True, stabilize="ours+guard", policy=policy)
+    kw = dict(causal=True, stabilize="tie-shift+consistent-delta", policy=policy)
     fused = run(q, k, v, do, backend="triton", **kw)
     emulated = run(q, k, v, do, backend="emulated", block_q=32, block_k=triton_op.key_block(32), **kw)
     assert_fp8_product_agrees(fused[0], emulated[0], reference.attention(q, k, v, causal=True))
     for name, a, b in zip(("dQ", "dK", "dV"), fused[1:], emulated[1:]):
         ok, msg = agree(a, b, 2.0)
         assert ok, (name, msg)
-    p_only = run(q, k, v, do, backend="triton", causal=True, stabilize="ours+guard", policy=policy.replace(v_bar="fp32"))
+    p_only = run(q, k, v, do, backend="triton", causal=True, stabilize="tie-shift+consistent-delta", policy=policy.replace(v_bar="fp32"))
     assert not torch.equal(fused[0], p_only[0])
 
 
@@ -734,7 +734,7 @@ def test_repeated_maxima(gen, rm):
     do = torch.randn(1, 2, n, d, generator=gen)
     q, k, v, do = (t.bfloat16().to(DEVICE) for t in (q, k, v, do))
     want = reference.forward_backward(q, k, v, do, scale=1.0)
-    for stabilize in (False, "paper", True, "bounded"):
+    for stabilize in (False, "paper", True, "all-shift"):
         fused = run(q, k, v, do, scale=1.0, stabilize=stabilize, backend="triton")
         emulated = run(q, k, v, do, scale=1.0, stabilize=stabilize, backend="emulated", block_q=32,
                        block_k=triton_op.key_block(16))
@@ -777,7 +777,7 @@ def test_persistent_grid_gives_the_same_results(gen, programs_per_sm, policy, mo
     computes each tile as the one-program-per-tile grid does: bit for bit, ragged and grouped too
     (40 rows: two query blocks of the interpreter's 32, the last ragged, so the tiles differ in length)."""
     q, k, v, do = make(gen, 2, 4, 40, 32, h_kv=2)
-    kw = dict(causal=True, stabilize="ours+guard", policy=policy, backend="triton")
+    kw = dict(causal=True, stabilize="tie-shift+consistent-delta", policy=policy, backend="triton")
     want = run(q, k, v, do, **kw)
     monkeypatch.setattr(triton_op, "PERSISTENT", programs_per_sm)
     got = run(q, k, v, do, **kw)
@@ -911,10 +911,10 @@ def test_auto_picks_triton_on_cuda(gen):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(2, 12, 1024, 64), (1, 16, 4096, 64), (1, 8, 2048, 128), (2, 4, 1000, 256)])
-@pytest.mark.parametrize("stabilize", [False, True, "paper", "bounded"])
+@pytest.mark.parametrize("stabilize", [False, True, "paper", "all-shift"])
 def test_full_shapes_against_sdpa(gen, shape, stabilize):
     """At full shapes on the GPU, error against float64 compared with SDPA's own. Standard, ours and
-    the paper's rule: at most 1.25× SDPA's (+ 2⁻⁹ slack). "bounded" rounds the largest P̄ of every
+    the paper's rule: at most 1.25× SDPA's (+ 2⁻⁹ slack). "all-shift" rounds the largest P̄ of every
     row, which costs accuracy (H200, docs/notebook/results/gpu-tests/pytest-triton-H200-2026-11-22.txt: 1.9-2.2×
     SDPA's dQ/dK error at d = 64):
     at most 2.5× — the price of skipping the tie count, stated, not hidden."""
@@ -923,7 +923,7 @@ def test_full_shapes_against_sdpa(gen, shape, stabilize):
     want = reference.forward_backward(q, k, v, do, causal=True)
     ours = run(q, k, v, do, causal=True, stabilize=stabilize, backend="triton")
     theirs = run(q, k, v, do, causal=True, stabilize=False, backend="sdpa")
-    factor = 2.5 if stabilize == "bounded" else 1.25
+    factor = 2.5 if stabilize == "all-shift" else 1.25
     for name, a, s, w in zip(("O", "dQ", "dK", "dV"), ours, theirs, want):
         e_ours, e_sdpa = rel_err(a, w), rel_err(s, w)
         assert e_ours <= factor * e_sdpa + 2 ** -9, (name, e_ours, e_sdpa)
@@ -936,7 +936,7 @@ def test_chosen_key_blocks_at_full_shapes(gen, block, d):
     context 512): against the emulation with the same block."""
     q, k, v, do = make(gen, 2, 6, 512, d)
     pol = PrecisionPolicy.preset("paper").replace(acc="e8m5", row_sum="e8m5", out="e8m5")
-    kw = dict(causal=True, stabilize="ours+guard", policy=pol, block_k=block)
+    kw = dict(causal=True, stabilize="tie-shift+consistent-delta", policy=pol, block_k=block)
     fused = run(q, k, v, do, backend="triton", **kw)
     emulated = run(q, k, v, do, backend="emulated", block_q=64, **kw)
     for name, a, b in zip(("O", "dQ", "dK", "dV"), fused, emulated):
@@ -944,7 +944,7 @@ def test_chosen_key_blocks_at_full_shapes(gen, block, d):
         assert ok, (name, block, d, msg)
 
 
-@pytest.mark.parametrize("stabilize", ["ours+guard", "bounded"])
+@pytest.mark.parametrize("stabilize", ["tie-shift+consistent-delta", "all-shift"])
 def test_bounded_rules_stay_finite_at_huge_bf16_logits(stabilize):
     """The "paper" emulation rounds the shift up into bf16; at logits of 16 512 that would underflow
     every P̄ of the row (a NaN seen in training). The kernel falls back as the emulation does."""
@@ -962,7 +962,7 @@ def test_bounded_rules_stay_finite_at_huge_bf16_logits(stabilize):
 
 def test_stabilize_true_reads_delta_from_o_plus_its_residual(gen):
     """The drop-in's default on the kernels: the standard kernel's O, bit for bit, and δ from the
-    stored O plus its bf16 residual (policy.guarded_delta for a bf16 kernel); "ours+guard" adds our
+    stored O plus its bf16 residual (policy.consistent_delta_source for a bf16 kernel); "tie-shift+consistent-delta" adds our
     rule to the same δ."""
     q, k, v, do = make(gen, 1, 2, 50, 32)
     fa2 = PrecisionPolicy.preset("fa2")
@@ -977,8 +977,8 @@ def test_stabilize_true_reads_delta_from_o_plus_its_residual(gen):
     ref = reference.forward_backward(q, k, v, do, causal=True)
     for name, a, r in zip(("O", "dQ", "dK", "dV"), got, ref):
         assert rel_err(a, r) <= BOUNDS[torch.bfloat16][name], name
-    both = run(q, k, v, do, causal=True, stabilize="ours+guard", backend="triton")
-    rule = run(q, k, v, do, causal=True, stabilize="ours", backend="triton", policy=fa2.replace(delta="dO·(O+R)"))
+    both = run(q, k, v, do, causal=True, stabilize="tie-shift+consistent-delta", backend="triton")
+    rule = run(q, k, v, do, causal=True, stabilize="tie-shift", backend="triton", policy=fa2.replace(delta="dO·(O+R)"))
     for name, a, b in zip(("O", "dQ", "dK", "dV"), both, rule):
         assert torch.equal(a, b), name
 
@@ -993,7 +993,7 @@ def test_delta_from_o_plus_its_residual(gen, policy, backend):
     the share of bf16 gradient entries that differ from dO·O32's (a norm would only see the
     gradients' own bf16 rounding)."""
     q, k, v, do = make(gen, 1, 2, 50, 32)
-    kw = dict(causal=True, stabilize="ours", backend=backend)
+    kw = dict(causal=True, stabilize="tie-shift", backend=backend)
     if backend == "emulated":
         kw.update(block_q=32, block_k=triton_op.key_block(32))
     got = run(q, k, v, do, policy=policy.replace(delta="dO·(O+R)"), **kw)
@@ -1034,7 +1034,7 @@ def test_the_o_residual_halves_what_the_backward_keeps(gen):
         from stableflash.bench.attention import saved_for_backward
         leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
         o, kept = saved_for_backward(lambda q, k, v: sf.flash_attention(
-            q, k, v, causal=True, stabilize="ours", backend="triton", policy=policy), *leaves)
+            q, k, v, causal=True, stabilize="tie-shift", backend="triton", policy=policy), *leaves)
         return kept - 4 * o.shape[2] * o.shape[1] * o.shape[0]            # less the fp32 LSE
     n = q.numel()
     assert extra_bytes(fa2.replace(delta="dO·O32")) == 4 * n

@@ -43,9 +43,9 @@ def test_high_precision_policies_have_no_delta_error(gen, policy, dtype, causal)
 def test_delta_errors_match_a_direct_computation(gen):
     q, k, v, do = inputs(gen, n=40)
     pol = PrecisionPolicy.preset("paper")
-    e = delta_errors(q, k, v, do, policy="paper", rule="ours", block=16)
+    e = delta_errors(q, k, v, do, policy="paper", rule="tie-shift", block=16)
     qr, kr, vr, dor = (round_to(t, "bf16") for t in (q, k, v, do))
-    out = emulated_forward(qr, kr, vr, causal=True, scale=16 ** -0.5, policy=pol, rule=ShiftRule("ours"),
+    out = emulated_forward(qr, kr, vr, causal=True, scale=16 ** -0.5, policy=pol, rule=ShiftRule("tie-shift"),
                            block_q=16, block_k=16).out
     o_hp = reference.attention(qr, kr, vr, causal=True)
     torch.testing.assert_close(e["output_error"], out.double() - o_hp, rtol=0, atol=0)
@@ -220,7 +220,7 @@ def test_obar_error_of_tied_keys_is_negative_under_the_paper_policy(gen):
     assert obar_running_error(q, k, v, policy="fp32", scale=1.0, block=1).abs().max().item() < 1e-6
 
 
-@pytest.mark.parametrize("policy,rule,block", [("paper", "standard", 1), ("paper", "ours", 4), ("fa2", "paper", 3)])
+@pytest.mark.parametrize("policy,rule,block", [("paper", "standard", 1), ("paper", "tie-shift", 4), ("fa2", "paper", 3)])
 def test_obar_running_error_follows_the_kernel(gen, policy, rule, block):
     d, n = 8, 21
     q, k, v = torch.randn(d, generator=gen) * 2, torch.randn(n, d, generator=gen), torch.randn(n, d, generator=gen)

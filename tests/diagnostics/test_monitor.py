@@ -4,6 +4,7 @@ import math
 import pytest
 
 from stableflash.diagnostics.monitor import DEFAULT_SWITCH, Monitor, MonitorConfig, stabilized_choice_spec
+from stableflash.model.spec import parse_attention_spec
 from stableflash.train.config import TrainConfig
 
 
@@ -99,25 +100,28 @@ def test_healthy_noisy_run_raises_no_false_alarm():
 
 
 @pytest.mark.parametrize("current,cuda,want", [
-    ("sdpa", True, "triton delta=auto"), ("sdpa", False, "emulated policy=fa2 delta=auto"),
-    ("emulated policy=paper", False, "emulated policy=paper delta=auto"),
-    ("emulated rule=paper policy=paper", True, "emulated rule=paper policy=paper delta=auto"),
-    ("triton", True, "triton delta=auto")])
+    ("sdpa", True, "triton"), ("sdpa", False, "emulated policy=fa2"),
+    ("emulated stabilize=none policy=paper", False, "emulated policy=paper"),
+    ("emulated stabilize=paper policy=paper", True, "emulated stabilize=paper+consistent-delta policy=paper"),
+    ("triton stabilize=tie-shift", True, "triton stabilize=tie-shift+consistent-delta")])
 def test_stabilized_choice(current, cuda, want):
-    assert stabilized_choice_spec(current, cuda) == want
+    """The default switch target adds flash_attention's consistent δ to the layer's own rule."""
+    got = stabilized_choice_spec(current, cuda)
+    assert parse_attention_spec(got) == parse_attention_spec(want)
+    assert parse_attention_spec(got).default.stabilization.consistent_delta
 
 
 def test_training_switches_to_the_monitors_default_target():
     """The training config spells the default switch target out (it imports no torch): it must stay
     the monitor's."""
-    assert TrainConfig().monitor_switch_to == DEFAULT_SWITCH == "delta=auto"
+    assert TrainConfig().monitor_switch_to == DEFAULT_SWITCH == "delta=consistent"
 
 
 @pytest.mark.parametrize("current,cuda,switch_to,want", [
     ("triton policy=paper acc=e8m5 row_sum=e8m5 out=e8m5", True, "delta=dP*P",
      "triton policy=paper acc=e8m5 row_sum=e8m5 out=e8m5 delta=dP*P"),
-    ("triton rule=ours delta=dO*O", True, "delta=dP*P rule=paper beta=4", "triton delta=dP*P rule=paper beta=4"),
-    ("sdpa", False, "delta=dP*P", "emulated policy=fa2 delta=dP*P")])
+    ("triton stabilize=tie-shift delta=dO*O", True, "delta=dP*P stabilize=paper beta=4", "triton delta=dP*P stabilize=paper beta=4"),
+    ("sdpa", False, "delta=dP*P", "emulated stabilize=none policy=fa2 delta=dP*P")])
 def test_switch_target_replaces_only_the_keys_it_names(current, cuda, switch_to, want):
     assert stabilized_choice_spec(current, cuda, switch_to) == want
 

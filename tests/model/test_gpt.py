@@ -157,13 +157,13 @@ def test_per_layer_routing(gen, monkeypatch):
 
 def test_set_attention():
     model = tiny()
-    model.set_attention("sdpa; 1: triton rule=ours")
-    assert model.attention_layers()[1].choice == AttentionChoice("triton", rule="ours")
+    model.set_attention("sdpa; 1: triton stabilize=tie-shift")
+    assert model.attention_layers()[1].choice == AttentionChoice("triton", stabilize="tie-shift")
     assert model.attention_layers()[0].choice == AttentionChoice("sdpa")
-    assert model.attention_spec == parse_attention_spec("sdpa; 1: triton rule=ours")
-    new = model.attention_spec.with_layers([0], AttentionChoice("emulated", rule="ours"))
+    assert model.attention_spec == parse_attention_spec("sdpa; 1: triton stabilize=tie-shift")
+    new = model.attention_spec.with_layers([0], AttentionChoice("emulated", stabilize="tie-shift"))
     model.set_attention(new)
-    assert model.attention_layers()[0].choice.rule == "ours"
+    assert model.attention_layers()[0].choice.stabilize == "tie-shift"
     for bad, token in (("sdpa; 2: emulated", "layer 2"), ("emulated hp_heads=2", "hp_heads=2")):
         with pytest.raises(ValueError, match=token):
             model.set_attention(bad)
@@ -206,16 +206,16 @@ def test_dropout_only_in_training(gen):
 
 
 def test_triton_backend(gen, monkeypatch):
-    """The fused kernels (on CPU: Triton's interpreter) in a bf16 model, rule 'ours': forward and backward
+    """The fused kernels (on CPU: Triton's interpreter) in a bf16 model, rule 'tie-shift': forward and backward
     finite, logits within bf16 tolerance (1e-2, norm-relative) of the emulated backend (same fa2 policy)."""
     pytest.importorskip("triton")
     from stableflash.attention.triton import op as triton_op
     monkeypatch.setattr(triton_op, "AUTOTUNE", False)
-    model = tiny("triton rule=ours", dtype=torch.bfloat16, seed=3).to(DEVICE)
+    model = tiny("triton stabilize=tie-shift", dtype=torch.bfloat16, seed=3).to(DEVICE)
     idx, targets = tokens(gen, 2, 40).to(DEVICE), tokens(gen, 2, 40).to(DEVICE)
     logits, grads = forward_backward(model, idx, targets)
     assert all(torch.isfinite(g).all() and g.abs().sum() > 0 for g in grads.values())
-    model.set_attention("emulated rule=ours policy=fa2")
+    model.set_attention("emulated stabilize=tie-shift policy=fa2")
     want, want_grads = forward_backward(model, idx, targets)
     assert ((logits.float() - want.float()).norm() / want.float().norm()).item() < 1e-2
     g, w = grads["transformer.h.0.attn.c_attn.weight"].float(), want_grads["transformer.h.0.attn.c_attn.weight"].float()

@@ -3,18 +3,19 @@ import importlib.util
 
 import pytest
 
-from stableflash.attention import PrecisionPolicy
+from stableflash.attention import PrecisionPolicy, ShiftRule, Stabilization
+from stableflash.attention.stabilization import parse_stabilize
 from stableflash.model import AttentionChoice, AttentionSpec, parse_attention_spec
 
 EXAMPLES = [
     "sdpa",
-    "triton rule=ours",
+    "triton stabilize=tie-shift",
     "sdpa; 2: emulated policy=paper",
     "emulated policy=paper; 2: emulated policy=paper hp_heads=1,7,8",
-    "*: emulated policy=paper rule=paper beta=4; 0-1,5: sdpa",
+    "*: emulated policy=paper stabilize=paper beta=4; 0-1,5: sdpa",
     "2: emulated policy=paper acc=fp32 delta=dP*P",
-    "triton rule=ours policy=fa2 out=e8m4 delta=dO*O32",
-    "emulated low=fp16 p_bar=bf16:stochastic block=16; 3-4: reference; 1: triton rule=bounded eps=1e-05",
+    "triton stabilize=tie-shift policy=fa2 out=e8m4 delta=dO*O32",
+    "emulated low=fp16 p_bar=bf16:stochastic block=16; 3-4: reference; 1: triton stabilize=all-shift eps=1e-05",
 ]
 
 
@@ -22,8 +23,20 @@ def test_single_backend():
     spec = parse_attention_spec("sdpa")
     assert spec.default == AttentionChoice("sdpa") and spec.overrides == ()
     assert spec.choice(0) == spec.choice(11) == AttentionChoice()
-    c = parse_attention_spec("triton rule=ours").choice(3)
-    assert (c.backend, c.rule, c.beta, c.eps, c.policy, c.block) == ("triton", "ours", 2.0, 1e-3, None, 64)
+    c = parse_attention_spec("triton stabilize=tie-shift").choice(3)
+    assert (c.backend, c.stabilize, c.beta, c.eps, c.policy, c.block) == ("triton", "tie-shift", 2.0, 1e-3, None, 64)
+    assert c.stabilization == Stabilization(ShiftRule("tie-shift"), consistent_delta=False)
+
+
+def test_a_bare_backend_is_stabilized_as_flash_attention_is():
+    """``triton`` means what ``flash_attention(backend="triton")`` means: the default stabilization;
+    unstabilized is asked for by name; sdpa cannot be stabilized and is "none"."""
+    for backend in ("triton", "emulated", "reference"):
+        c = parse_attention_spec(backend).default
+        assert c.stabilize == "consistent-delta" and c.kwargs()["stabilize"] == parse_stabilize(True), backend
+        assert parse_attention_spec(f"{backend} stabilize=none").default.kwargs()["stabilize"] == parse_stabilize(False)
+    assert parse_attention_spec("sdpa").default.stabilize == "none"
+    assert parse_attention_spec("sdpa stabilize=none") == parse_attention_spec("sdpa")
 
 
 def test_layer_override_keeps_preset_name():
@@ -42,8 +55,8 @@ def test_hp_heads_override():
 
 
 def test_star_default_and_layer_list():
-    spec = parse_attention_spec("*: emulated policy=paper rule=paper beta=4; 0-1,5: sdpa")
-    stab = AttentionChoice("emulated", rule="paper", beta=4.0, policy="paper")
+    spec = parse_attention_spec("*: emulated policy=paper stabilize=paper beta=4; 0-1,5: sdpa")
+    stab = AttentionChoice("emulated", stabilize="paper", beta=4.0, policy="paper")
     assert spec.default == stab
     assert [spec.choice(i) for i in range(7)] == [AttentionChoice()] * 2 + [stab] * 3 + [AttentionChoice(), stab]
 
@@ -75,11 +88,10 @@ def test_later_entries_win():
 
 
 def test_kwargs():
-    kw = parse_attention_spec("emulated rule=paper beta=4 policy=paper block=16").default.kwargs()
-    assert kw == {"backend": "emulated", "stabilize": "paper", "beta": 4.0, "eps": 1e-3, "policy": "paper",
-                  "block_k": 16}
-    assert AttentionChoice().kwargs() == {"backend": "sdpa", "stabilize": False, "beta": 2.0, "eps": 1e-3,
-                                          "policy": None}
+    kw = parse_attention_spec("emulated stabilize=paper beta=4 policy=paper block=16").default.kwargs()
+    assert kw == {"backend": "emulated", "stabilize": Stabilization(ShiftRule("paper", beta=4.0), False),
+                  "policy": "paper", "block_k": 16}
+    assert AttentionChoice().kwargs() == {"backend": "sdpa", "stabilize": parse_stabilize("none"), "policy": None}
     if importlib.util.find_spec("triton"):       # the kernels take a key block under "paper"
         assert parse_attention_spec("triton policy=paper block=512").default.kwargs()["block_k"] == 512
 
@@ -92,8 +104,8 @@ def test_round_trip(text):
 
 
 def test_str_is_compact():
-    assert str(parse_attention_spec("*: emulated policy=paper rule=paper beta=4; 0-1,5: sdpa")) == \
-        "emulated rule=paper beta=4 policy=paper; 0-1,5: sdpa"
+    assert str(parse_attention_spec("*: emulated policy=paper stabilize=paper beta=4; 0-1,5: sdpa")) == \
+        "emulated stabilize=paper beta=4 policy=paper; 0-1,5: sdpa"
     assert str(parse_attention_spec("2: emulated policy=paper acc=fp32 delta=dP*P")) == \
         "sdpa; 2: emulated policy=paper acc=fp32 delta=dP·P"
 
@@ -116,14 +128,17 @@ def test_round_trip_of_built_policies():
     ("flash", "flash"),                                        # unknown backend
     ("sdpa; 2: fast", "fast"),
     ("emulated colour=red", "colour"),                         # unknown key
-    ("triton rule=maximal", "maximal"),                        # bad rule
-    ("sdpa rule=ours", "ours"),                                # sdpa cannot stabilize
+    ("triton stabilize=maximal", "maximal"),                   # bad stabilization
+    ("triton rule=tie-shift", "rule"),                         # a key of the earlier grammar
+    ("triton stabilize=ours", "ours"),                         # a name of the earlier grammar
+    ("sdpa stabilize=tie-shift", "tie-shift"),                 # sdpa cannot stabilize
+    ("sdpa", None),
     ("reference policy=paper", "policy"),                      # reference takes no policy
     ("sdpa acc=fp32", "policy"),
     ("-1: emulated", "-1"),                                    # negative layer
     ("2-1: emulated", "2-1"),
     ("x: emulated", "x"),
-    ("emulated rule=ours rule=paper", "rule"),                 # duplicate key
+    ("emulated stabilize=tie-shift stabilize=paper", "stabilize"),            # duplicate key
     ("emulated beta=big", "big"),
     ("emulated beta=0.5", "beta"),
     ("emulated policy=fa3", "fa3"),
@@ -139,6 +154,9 @@ def test_round_trip_of_built_policies():
     ("", "empty"),
 ])
 def test_bad_specs_name_the_token(text, token):
+    if token is None:
+        parse_attention_spec(text)
+        return
     with pytest.raises(ValueError) as err:
         parse_attention_spec(text)
     assert token in str(err.value)
@@ -146,8 +164,10 @@ def test_bad_specs_name_the_token(text, token):
 
 
 def test_choice_validation():
-    with pytest.raises(ValueError, match="sdpa.*ours"):
-        AttentionChoice("sdpa", rule="ours")
+    with pytest.raises(ValueError, match="sdpa.*tie-shift"):
+        AttentionChoice("sdpa", stabilize="tie-shift")
+    with pytest.raises(ValueError, match="sdpa.*consistent-delta"):
+        AttentionChoice("sdpa", stabilize="consistent-delta")
     with pytest.raises(ValueError, match="reference.*paper"):
         AttentionChoice("reference", policy="paper")
     with pytest.raises(ValueError, match="auto"):
@@ -169,39 +189,68 @@ def test_check_against_model_shape():
 
 def test_with_layers():
     spec = parse_attention_spec("sdpa; 0: reference")
-    stab = AttentionChoice("triton", rule="ours")
+    stab = AttentionChoice("triton", stabilize="tie-shift")
     new = spec.with_layers([1, 3], stab)
     assert [new.choice(i) for i in range(4)] == [AttentionChoice("reference"), stab, AttentionChoice(), stab]
     assert spec.choice(1) == AttentionChoice()                       # the original is unchanged
-    assert new == parse_attention_spec("sdpa; 0: reference; 1,3: triton rule=ours")
+    assert new == parse_attention_spec("sdpa; 0: reference; 1,3: triton stabilize=tie-shift")
     assert spec.with_layers(2, "emulated policy=paper").choice(2).policy == "paper"
     assert new.with_layers([1, 3], AttentionChoice()) == spec         # back to the default: no override left
     with pytest.raises(ValueError, match="-2"):
         spec.with_layers([-2], stab)
 
 
-def test_delta_auto_names_the_guard_in_a_spec():
-    """``delta=auto`` round-trips through the spec text and resolves, where a backend reads it, to
-    the δ source flash_attention(stabilize=True) adds for the policy's rounding."""
+def test_a_consistent_delta_has_one_spelling_in_a_spec():
+    """``delta=consistent`` (and its earlier spelling ``delta=auto``) is the stabilization's
+    ``+consistent-delta``, written that way, and resolves where a backend reads it to the δ source
+    ``consistent_delta_source`` names for the policy's rounding."""
     import torch
 
     from stableflash.attention.policy import resolve_policy
-    from stableflash.model.spec import parse_attention_spec
-    for text, want in (("triton rule=ours delta=auto", "dO·(O+R)"),
-                       ("triton rule=ours policy=fa2 p_bar=fp8_e4m3 out=fp8_e4m3 delta=auto", "dO·(O16+R)"),
-                       ("emulated rule=ours policy=paper acc=e8m5 row_sum=e8m5 out=e8m5 delta=auto", "dP·P")):
+    for text, want in (("triton stabilize=tie-shift delta=consistent", "dO·(O+R)"),
+                       ("triton stabilize=tie-shift policy=fa2 p_bar=fp8_e4m3 out=fp8_e4m3 delta=auto", "dO·(O16+R)"),
+                       ("emulated stabilize=tie-shift policy=paper acc=e8m5 row_sum=e8m5 out=e8m5 delta=consistent",
+                        "dP·P")):
         spec = parse_attention_spec(text)
-        assert "delta=auto" in str(spec) and parse_attention_spec(str(spec)) == spec
-        assert resolve_policy(spec.default.kwargs()["policy"], torch.bfloat16).delta == want
+        assert "stabilize=tie-shift+consistent-delta" in str(spec) and " delta=" not in str(spec)
+        assert parse_attention_spec(str(spec)) == spec
+        kw = spec.default.kwargs()
+        assert kw["stabilize"].policy_for(resolve_policy(kw["policy"], torch.bfloat16)).delta == want
+    assert parse_attention_spec("triton delta=consistent") == parse_attention_spec("triton")
+    assert parse_attention_spec("triton stabilize=none delta=auto") == parse_attention_spec("triton")
 
 
-def test_guard_sources_say_what_delta_auto_runs():
-    from stableflash.model.spec import parse_attention_spec
-    spec = parse_attention_spec("triton policy=fa2 p_bar=fp8_e4m3 out=fp8_e4m3; "
-                                "1: triton policy=fa2 p_bar=fp8_e4m3 out=fp8_e4m3 delta=auto; "
-                                "2: triton policy=fa2 out=e8m4 delta=auto; 3: emulated policy=paper delta=auto; "
-                                "4: triton policy=fa2 out=e8m4 rule=ours delta=auto")
-    assert spec.guard_sources() == ["dO·(O16+R)", "dO·(O+R)", "dP·P"]
-    assert parse_attention_spec("triton delta=auto").guard_sources() == ["dO·(O+R)"]
-    for text in ("sdpa", "triton rule=ours", "triton policy=fa2 out=e8m4 delta=dP*P", "emulated policy=paper"):
-        assert parse_attention_spec(text).guard_sources() == [], text
+def test_consistent_delta_sources_say_what_the_consistent_delta_runs():
+    spec = parse_attention_spec("triton stabilize=none policy=fa2 p_bar=fp8_e4m3 out=fp8_e4m3; "
+                                "1: triton policy=fa2 p_bar=fp8_e4m3 out=fp8_e4m3; "
+                                "2: triton policy=fa2 out=e8m4; 3: emulated policy=paper; "
+                                "4: triton policy=fa2 out=e8m4 stabilize=tie-shift+consistent-delta")
+    assert spec.consistent_delta_sources() == ["dO·(O16+R)", "dO·(O+R)", "dP·P"]
+    assert parse_attention_spec("triton").consistent_delta_sources() == ["dO·(O+R)"]
+    assert parse_attention_spec("emulated policy=fp32").consistent_delta_sources() == ["dO·O"]
+    for text in ("sdpa", "triton stabilize=tie-shift", "triton policy=fa2 out=e8m4 delta=dP*P",
+                 "emulated stabilize=none policy=paper"):
+        assert parse_attention_spec(text).consistent_delta_sources() == [], text
+
+
+@pytest.mark.parametrize("old, new", [
+    ("triton", "triton stabilize=none"),
+    ("triton rule=ours", "triton stabilize=tie-shift"),
+    ("triton delta=auto", "triton"),
+    ("triton rule=ours delta=auto", "triton stabilize=tie-shift+consistent-delta"),
+    ("emulated policy=paper rule=bounded beta=4", "emulated stabilize=all-shift beta=4 policy=paper"),
+    ("sdpa; 2: emulated policy=paper acc=fp32 delta=dP*P", "sdpa; 2: emulated stabilize=none policy=paper acc=fp32 delta=dP·P"),
+    ("*: emulated policy=paper rule=paper; 0-1,5: sdpa", "emulated stabilize=paper policy=paper; 0-1,5: sdpa"),
+    ("triton stabilize=none", "triton stabilize=none"),                  # already of this grammar
+])
+def test_a_stored_spec_of_the_earlier_grammar_keeps_its_meaning(old, new):
+    from stableflash.model.spec import upgrade_stored_spec
+    assert parse_attention_spec(upgrade_stored_spec(old)) == parse_attention_spec(new)
+
+
+@pytest.mark.parametrize("old, new", [("delta=auto", "delta=consistent"), ("rule=ours", "stabilize=tie-shift"),
+                                      ("rule=ours delta=auto", "stabilize=tie-shift delta=consistent"),
+                                      ("rule=paper beta=4", "stabilize=paper beta=4"), ("delta=dP*P", "delta=dP*P")])
+def test_a_stored_switch_of_the_earlier_grammar_keeps_its_meaning(old, new):
+    from stableflash.model.spec import upgrade_stored_settings
+    assert upgrade_stored_settings(old) == new

@@ -403,16 +403,16 @@ def test_runs_of_several_seeds_get_distinct_names_and_figures(tmp_path):
     report names them with their seed folder and draws one figure per run."""
     dirs = [write_run(tmp_path / f"seed{s}", role, "exploding" if role == "baseline" else "stable",
                       attention="triton policy=paper acc=e8m5 row_sum=e8m5 out=e8m5"
-                      + (" rule=ours" if role == "stabilized" else ""))
+                      + (" stabilize=tie-shift" if role == "stabilized" else ""))
             for s in (0, 1) for role in ("baseline", "stabilized")]
     out = build_report(dirs, tmp_path / "out" / "report.html")
     names = [r["name"] for r in json.loads(out.with_suffix(".json").read_text())["runs"]]
     assert names == ["seed0/baseline", "seed0/stabilized", "seed1/baseline", "seed1/stabilized"]
     figures = sorted(p.name for p in (out.parent / "report_files").glob("fig-spectral-*.png"))
     assert figures == [f"fig-spectral-seed{s}-{r}.png" for s in (0, 1) for r in ("baseline", "stabilized")]
-    # the legend keeps the end of a long attention spec, where the runs differ (rule=ours)
+    # the legend keeps the end of a long attention spec, where the runs differ (stabilize=tie-shift)
     labels = [t.get_text() for t in plots.loss_curves([load_run(d) for d in dirs]).legends[0].get_texts()]
-    assert any(label.startswith("stabilized (triton") and "rule=ours)" in label for label in labels)
+    assert any(label.startswith("stabilized (triton") and "stabilize=tie-shift)" in label for label in labels)
 
 
 def test_unique_names_are_kept_and_heatmap_numbers_stay_short(two_runs):
@@ -428,7 +428,7 @@ def test_many_long_legend_entries_stay_inside_the_figure(tmp_path):
     runs = []
     for s in range(9):
         path = write_run(tmp_path, f"run-with-a-long-name-{s}", "stable",
-                         attention=f"triton policy=paper acc=e8m5 row_sum=e8m5 out=e8m5 rule=ours beta={s + 2}")
+                         attention=f"triton policy=paper acc=e8m5 row_sum=e8m5 out=e8m5 stabilize=tie-shift beta={s + 2}")
         runs.append(load_run(path))
     fig = plots.loss_curves(runs)
     fig.canvas.draw()

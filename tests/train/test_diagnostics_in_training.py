@@ -41,7 +41,7 @@ def test_monitor_switch_moves_flagged_layers_to_stabilized_attention(data_dir, t
     assert warnings and {w["layer"] for w in warnings} == {0, 1} and all("loss" in e for e in events)
     assert [a["action"] for a in actions] == ["switch"] and actions[0]["layers"] == [0, 1]
     assert summary["status"] == "finished" and summary["steps"] == 20
-    assert summary["final_attention"] == "sdpa; 0-1: emulated policy=fa2 delta=auto"
+    assert summary["final_attention"] == "sdpa; 0-1: emulated policy=fa2"      # the default stabilization
 
 
 def test_monitor_switch_to_another_mitigation(data_dir, tmp_path):
@@ -62,12 +62,14 @@ def test_monitor_scope_all_switches_every_layer(data_dir, tmp_path):
     summary = train(cfg, tmp_path / "r", progress=False)
     actions = [r for r in read_metrics(tmp_path / "r" / "metrics.jsonl") if r.get("event") == "monitor_action"]
     assert len(actions) == 1 and actions[0]["layers"] == [0, 1]
-    assert summary["final_attention"] == "sdpa; 0-1: emulated policy=fa2 delta=auto"
+    assert summary["final_attention"] == "sdpa; 0-1: emulated policy=fa2"      # the default stabilization
 
 
 def test_bad_switch_target_fails_before_training(data_dir, tmp_path):
-    with pytest.raises(ValueError, match="monitor_switch_to='rule=nonsense' is invalid: .*rule='nonsense'"):
-        make_config("tiny", overrides=[f"data={data_dir}", "monitor_switch_to=rule=nonsense"])
+    with pytest.raises(ValueError, match="monitor_switch_to='stabilize=nonsense' is invalid: .*stabilize='nonsense'"):
+        make_config("tiny", overrides=[f"data={data_dir}", "monitor_switch_to=stabilize=nonsense"])
+    with pytest.raises(ValueError, match="monitor_switch_to='rule=ours' is invalid: .*key 'rule' is now 'stabilize'"):
+        make_config("tiny", overrides=[f"data={data_dir}", "monitor_switch_to=rule=ours"])
 
 
 def test_monitor_rollback_restores_the_checkpoint_then_continues_stabilized(data_dir, tmp_path):
@@ -78,12 +80,12 @@ def test_monitor_rollback_restores_the_checkpoint_then_continues_stabilized(data
     assert len(rollback) == 1 and rollback[0]["step"] == 7 and rollback[0]["to_step"] == 5
     steps = [r["step"] for r in rows if "event" not in r]
     assert steps == list(range(0, 8)) + list(range(5, 20))      # steps 5..7 run again after the rollback
-    assert summary["status"] == "finished" and "delta=auto" in summary["final_attention"]
+    assert summary["status"] == "finished" and summary["final_attention"].endswith("emulated policy=fa2")
 
 
 def test_report_of_training_runs(data_dir, tmp_path, capsys):
     run(data_dir, tmp_path / "a", "probe_every=5", "delta_layers=1")
-    run(data_dir, tmp_path / "b", "probe_every=5", "attention=emulated policy=fa2 rule=ours")
+    run(data_dir, tmp_path / "b", "probe_every=5", "attention=emulated policy=fa2 stabilize=tie-shift")
     assert main(["report", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "rep.html")]) == 0
     html = (tmp_path / "rep.html").read_text()
     for fig in ("fig-loss", "fig-grad-norm", "fig-spectral-a", "fig-repeated-max-b", "fig-delta", "fig-monitor"):

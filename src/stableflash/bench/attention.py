@@ -1,4 +1,4 @@
-"""Attention speed: our Triton kernels (stabilized and not) against torch's peers, same run.
+"""Attention speed: stableflash's Triton kernels (stabilized and not) against torch's peers, same run.
 
 Correctness first: every provider is compared with float64 on fresh random inputs at a small
 size before anything is timed. Times are medians of ``triton.testing.do_bench`` ("events": each
@@ -23,71 +23,84 @@ from stableflash.attention.policy import resolve_policy
 
 DEFAULT_SHAPES = ((32, 12, 1024, 64), (8, 16, 4096, 64), (4, 16, 8192, 128))
 class Variant(NamedTuple):
-    """One of our kernel's benchmarked variants: the ``stabilize`` argument, the policy preset its
-    policy starts from (None: the dtype's default), the policy fields it changes ("{low}" is the
-    input dtype's name), and other ``flash_attention`` arguments."""
-    stabilize: bool | str
+    """One of stableflash's benchmarked kernel variants: the stabilization (a name of
+    ``attention.stabilization.NAMES``), the policy preset its policy starts from (None: the dtype's
+    default), the policy fields it changes ("{low}" is the input dtype's name), and other
+    ``flash_attention`` arguments. Named ``stableflash[-STABILIZATION][-VARIANT]``, the
+    stabilization left out where it is the default."""
+    stabilize: str
     preset: str | None = None
     changes: dict = {}
     extra: dict = {}
 
 
 _E8M5 = {"acc": "e8m5", "row_sum": "e8m5", "out": "e8m5"}
-OURS = {
-    # stabilize=True: the standard row max and the guarded δ (policy.guarded_delta; bf16/fp16 inputs:
-    # δ from O plus its rounding residual, dO·(O+R))
-    "ours-stable": Variant(True),
-    # our row-maximum rule alone, δ from the stored O (stabilize="ours")
-    "ours-rule": Variant("ours"),
-    # our rule and the guarded δ (stabilize="ours+guard")
-    "ours-rule-guard": Variant("ours+guard"),
-    "ours-bounded": Variant("bounded"),
-    "ours-standard": Variant(False),
-    "ours-paper-rule": Variant("paper"),
-    # the mitigations of docs/mitigations.md: δ from dP·P or from an fp32 recompute of O (one more
-    # pass over the keys); O stored with stochastic rounding
-    "ours-dpp": Variant("ours", "fa2", {"delta": "dP·P"}),
-    "ours-recompute": Variant("ours", "fa2", {"delta": "recompute_fp32"}),
-    "ours-sr-out": Variant("ours", "fa2", {"out": "{low}:stochastic"}),
-    # O kept in fp32 by the forward for δ = rowsum(dO ∘ O) (one fp32 store; the model still gets bf16)
-    "ours-o32": Variant("ours", "fa2", {"out": "fp32"}),
-    # δ from O as computed: the forward keeps an fp32 copy of O beside the bf16 one it returns
-    "ours-o32c": Variant("ours", "fa2", {"delta": "dO·O32"}),
-    # δ from O as stored plus its rounding residual, kept in bf16 (2 bytes per element, not 4)
-    "ours-o32r": Variant("ours", "fa2", {"delta": "dO·(O+R)"}),
-    # δ from O as computed, kept in fp32, with the standard row max (ours-stable keeps O as computed as
-    # the stored O plus a residual in the input dtype instead); benchmarks/results/ files use this name
-    "ours-o32c-norule": Variant(False, "fa2", {"delta": "dO·O32"}),
+_FP8 = {"p_bar": "fp8_e4m3", "out": "fp8_e4m3"}
+_FP8_PV = {"p_bar": "fp8_e4m3", "v_bar": "fp8_e4m3"}
+VARIANTS = {
+    # what the product runs (flash_attention's default, "consistent-delta"): the standard row max and
+    # δ from a source consistent with the backward's P (bf16/fp16 inputs: O plus its rounding residual)
+    "stableflash": Variant("consistent-delta"),
+    "stableflash-none": Variant("none"),
+    "stableflash-tie-shift": Variant("tie-shift"),
+    "stableflash-tie-shift+consistent-delta": Variant("tie-shift+consistent-delta"),
+    "stableflash-all-shift": Variant("all-shift"),
+    "stableflash-paper": Variant("paper"),
+    # the mitigations of docs/mitigations.md with the tie-shift rule: δ from dP·P or from an fp32
+    # recompute of O (one more pass over the keys); O stored with stochastic rounding; O kept in fp32
+    # by the forward for δ (one fp32 store); δ from O as computed (an fp32 copy beside the stored O);
+    # δ from the stored O plus its rounding residual (2 bytes per element, not 4)
+    "stableflash-tie-shift-dpp": Variant("tie-shift", "fa2", {"delta": "dP·P"}),
+    "stableflash-tie-shift-recompute": Variant("tie-shift", "fa2", {"delta": "recompute_fp32"}),
+    "stableflash-tie-shift-sr-out": Variant("tie-shift", "fa2", {"out": "{low}:stochastic"}),
+    "stableflash-tie-shift-o32": Variant("tie-shift", "fa2", {"out": "fp32"}),
+    "stableflash-tie-shift-o32c": Variant("tie-shift", "fa2", {"delta": "dO·O32"}),
+    "stableflash-tie-shift-o32r": Variant("tie-shift", "fa2", {"delta": "dO·(O+R)"}),
+    # δ from O as computed, kept in fp32, with the standard row max (the default keeps it as the stored
+    # O plus a residual in the input dtype instead)
+    "stableflash-none-o32c": Variant("none", "fa2", {"delta": "dO·O32"}),
     # the accelerated reproduction's arithmetic (ℓ, Ō, O in e8m5 under the "paper" emulation), with
-    # those three rounded to nearest-even and stochastically: what its mitigation costs there
-    "ours-e8m5": Variant(False, "paper", _E8M5),
-    "ours-e8m5-sr": Variant(False, "paper", {k: f"{v}:stochastic" for k, v in _E8M5.items()}),
-    "ours-e8m5-o32": Variant(False, "paper", {**_E8M5, "out": "fp32"}),
-    # the FP8 regime's arithmetic (P̄ and O rounded to e4m3, fa2), and logit soft-capping at 30
-    "ours-fp8": Variant("ours", "fa2", {"p_bar": "fp8_e4m3", "out": "fp8_e4m3"}),
-    # the same with δ from O as computed (an fp32 copy before the e4m3 store: one more fp32 store)
-    "ours-fp8-o32c": Variant("ours", "fa2", {"p_bar": "fp8_e4m3", "out": "fp8_e4m3", "delta": "dO·O32"}),
-    # fp8 P̄ with the O of a bf16 P̄V computed beside it for δ (one more product in the forward)
-    "ours-fp8-o16": Variant("ours", "fa2", {"p_bar": "fp8_e4m3", "out": "fp8_e4m3", "delta": "dO·O16"}),
-    # the fp8 rounding with the standard row max (the baseline of the next variant)
-    "ours-fp8-norule": Variant(False, "fa2", {"p_bar": "fp8_e4m3", "out": "fp8_e4m3"}),
-    # the same with the O store rounded stochastically (seeded Philox bits per element)
-    "ours-fp8-sr-norule": Variant(False, "fa2", {"p_bar": "fp8_e4m3", "out": "fp8_e4m3:stochastic"}),
-    # the same with δ from the 16-bit product: what stabilize=True runs for fp8 P̄ and O
-    "ours-fp8-o16-norule": Variant(False, "fa2", {"p_bar": "fp8_e4m3", "out": "fp8_e4m3", "delta": "dO·O16"}),
-    # the same O kept as the residual of the e4m3 store, in bf16 (2 bytes per element, not 4)
-    "ours-fp8-o16r-norule": Variant(False, "fa2", {"p_bar": "fp8_e4m3", "out": "fp8_e4m3", "delta": "dO·(O16+R)"}),
-    # O plus its residual without our rule: the bf16 guard's half-memory alternative
-    "ours-o32r-norule": Variant(False, "fa2", {"delta": "dO·(O+R)"}),
-    # FP8 attention's product: P̄ and V in e4m3 on the fp8 tensor cores (O in bf16)
-    "ours-fp8-pv": Variant("ours", "fa2", {"p_bar": "fp8_e4m3", "v_bar": "fp8_e4m3"}),
-    # the same with the standard row max (the baseline of the next), and with the guard stabilize=True
-    # applies to it: δ from the 16-bit product's O kept as the store's residual
-    "ours-fp8-pv-norule": Variant(False, "fa2", {"p_bar": "fp8_e4m3", "v_bar": "fp8_e4m3"}),
-    "ours-fp8-pv-guard": Variant(False, "fa2", {"p_bar": "fp8_e4m3", "v_bar": "fp8_e4m3", "delta": "dO·(O16+R)"}),
-    "ours-softcap": Variant("ours", extra={"softcap": 30.0}),
+    # those three rounded to nearest-even and stochastically, and with O in fp32
+    "stableflash-none-e8m5": Variant("none", "paper", _E8M5),
+    "stableflash-none-e8m5-sr": Variant("none", "paper", {k: f"{v}:stochastic" for k, v in _E8M5.items()}),
+    "stableflash-none-e8m5-o32": Variant("none", "paper", {**_E8M5, "out": "fp32"}),
+    # the FP8 regime's arithmetic (P̄ and O rounded to e4m3, fa2): with the tie-shift rule, alone and
+    # with δ from O as computed or from a bf16 P̄V computed beside the fp8 one (one more product)
+    "stableflash-tie-shift-fp8": Variant("tie-shift", "fa2", _FP8),
+    "stableflash-tie-shift-fp8-o32c": Variant("tie-shift", "fa2", {**_FP8, "delta": "dO·O32"}),
+    "stableflash-tie-shift-fp8-o16": Variant("tie-shift", "fa2", {**_FP8, "delta": "dO·O16"}),
+    # the same unstabilized, with the O store rounded stochastically, with the 16-bit product's O kept
+    # in fp32 for δ, and stabilized by default (that O kept as the residual of the e4m3 store)
+    "stableflash-none-fp8": Variant("none", "fa2", _FP8),
+    "stableflash-none-fp8-sr": Variant("none", "fa2", {"p_bar": "fp8_e4m3", "out": "fp8_e4m3:stochastic"}),
+    "stableflash-none-fp8-o16": Variant("none", "fa2", {**_FP8, "delta": "dO·O16"}),
+    "stableflash-fp8": Variant("consistent-delta", "fa2", _FP8),
+    # FP8 attention's product: P̄ and V in e4m3 on the fp8 tensor cores (O in bf16), with the
+    # tie-shift rule, unstabilized, and stabilized by default
+    "stableflash-tie-shift-fp8-pv": Variant("tie-shift", "fa2", _FP8_PV),
+    "stableflash-none-fp8-pv": Variant("none", "fa2", _FP8_PV),
+    "stableflash-fp8-pv": Variant("consistent-delta", "fa2", _FP8_PV),
+    "stableflash-tie-shift-softcap": Variant("tie-shift", extra={"softcap": 30.0}),
 }
-PROVIDERS = (*OURS, "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex")
+# the earlier provider names, found in stored result files and the commands beside them, with the
+# variant each ran ("ours-fp8-o16r-norule" and "ours-o32r-norule" named the default's δ explicitly)
+LEGACY_PROVIDERS = {
+    "ours-stable": "stableflash", "ours-standard": "stableflash-none", "ours-rule": "stableflash-tie-shift",
+    "ours-rule-guard": "stableflash-tie-shift+consistent-delta", "ours-bounded": "stableflash-all-shift",
+    "ours-paper-rule": "stableflash-paper", "ours-dpp": "stableflash-tie-shift-dpp",
+    "ours-recompute": "stableflash-tie-shift-recompute", "ours-sr-out": "stableflash-tie-shift-sr-out",
+    "ours-o32": "stableflash-tie-shift-o32", "ours-o32c": "stableflash-tie-shift-o32c",
+    "ours-o32r": "stableflash-tie-shift-o32r", "ours-o32c-norule": "stableflash-none-o32c",
+    "ours-e8m5": "stableflash-none-e8m5", "ours-e8m5-sr": "stableflash-none-e8m5-sr",
+    "ours-e8m5-o32": "stableflash-none-e8m5-o32", "ours-fp8": "stableflash-tie-shift-fp8",
+    "ours-fp8-o32c": "stableflash-tie-shift-fp8-o32c", "ours-fp8-o16": "stableflash-tie-shift-fp8-o16",
+    "ours-fp8-norule": "stableflash-none-fp8", "ours-fp8-sr-norule": "stableflash-none-fp8-sr",
+    "ours-fp8-o16-norule": "stableflash-none-fp8-o16", "ours-fp8-o16r-norule": "stableflash-fp8",
+    "ours-o32r-norule": "stableflash", "ours-fp8-pv": "stableflash-tie-shift-fp8-pv",
+    "ours-fp8-pv-norule": "stableflash-none-fp8-pv", "ours-fp8-pv-guard": "stableflash-fp8-pv",
+    "ours-softcap": "stableflash-tie-shift-softcap",
+}
+PROVIDERS = (*VARIANTS, "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex")
 PEERS = ("sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex")
 TIMINGS = ("events", "graph")
 
@@ -105,9 +118,7 @@ class BenchConfig:
     timing: str = "events"
 
     def __post_init__(self) -> None:
-        bad = [p for p in self.providers if p not in PROVIDERS]
-        if bad:
-            raise ValueError(f"providers={bad} unknown; accepted: {', '.join(PROVIDERS)}")
+        self.providers = tuple(provider_name(p) for p in self.providers)
         if self.dtype not in ("bf16", "fp16"):
             raise ValueError(f"dtype={self.dtype!r} is invalid; accepted: bf16, fp16")
         for s in self.shapes:
@@ -118,6 +129,15 @@ class BenchConfig:
             raise ValueError(f"modes={bad_modes} invalid; accepted: fwd, fwd+bwd")
         if self.timing not in TIMINGS:
             raise ValueError(f"timing={self.timing!r} is invalid; accepted: {', '.join(TIMINGS)}")
+
+
+def provider_name(name: str) -> str:
+    """A provider's current name (an earlier one from ``LEGACY_PROVIDERS`` mapped to it); ValueError
+    naming the value and the accepted names for anything else."""
+    name = LEGACY_PROVIDERS.get(name, name)
+    if name not in PROVIDERS:
+        raise ValueError(f"provider {name!r} is unknown; accepted: {', '.join(PROVIDERS)}")
+    return name
 
 
 def _sdpa(backend) -> Callable:
@@ -145,10 +165,10 @@ def _flex(shape, causal, device) -> Callable:
 def provider_fn(name: str, shape, causal: bool, device) -> Callable:
     from torch.nn.attention import SDPBackend
 
-    if name.startswith("ours"):
-        variant = OURS[name]
+    if name in VARIANTS:
+        variant = VARIANTS[name]
 
-        def ours(q, k, v, causal):
+        def stableflash(q, k, v, causal):
             policy = None
             if variant.preset is not None:
                 low = "fp16" if q.dtype == torch.float16 else "bf16"
@@ -156,7 +176,7 @@ def provider_fn(name: str, shape, causal: bool, device) -> Callable:
                     **{f: val.format(low=low) for f, val in variant.changes.items()})
             return flash_attention(q, k, v, causal=causal, stabilize=variant.stabilize, backend="triton",
                                    policy=policy, **variant.extra)
-        return ours
+        return stableflash
     if name == "flex":
         return _flex(shape, causal, device)
     return _sdpa({"sdpa-flash": SDPBackend.FLASH_ATTENTION, "sdpa-cudnn": SDPBackend.CUDNN_ATTENTION,
@@ -301,16 +321,16 @@ def time_jobs(jobs, timer: Callable, result: dict, causal: bool, on_row: Callabl
 
 
 def ratios(rows: list[dict]) -> list[dict]:
-    """ours-* TFLOP/s divided by each peer's, per shape and mode."""
+    """Each stableflash variant's TFLOP/s divided by each peer's, per shape and mode."""
     by = {(tuple(r["shape"]), r["mode"], r["provider"]): r.get("tflops") for r in rows}
     out = []
     for (shape, mode, name), t in by.items():
-        if not name.startswith("ours") or t is None:
+        if name not in VARIANTS or t is None:
             continue
         for peer in PEERS:
             pt = by.get((shape, mode, peer))
             if pt:
-                out.append({"shape": list(shape), "mode": mode, "ours": name, "peer": peer, "ratio": t / pt})
+                out.append({"shape": list(shape), "mode": mode, "provider": name, "peer": peer, "ratio": t / pt})
     return out
 
 
@@ -346,7 +366,7 @@ def format_table(result: dict) -> str:
                 r = by.get((shape, mode, p), {})
                 cells.append(f"{r['tflops']:.0f}" if "tflops" in r else "err")
             peers = [by[(shape, mode, p)]["tflops"] for p in PEERS if "tflops" in by.get((shape, mode, p), {})]
-            ours = by.get((shape, mode, "ours-stable"), {}).get("tflops")
+            ours = by.get((shape, mode, "stableflash"), {}).get("tflops")
             best = f"{ours / max(peers):.2f}×" if ours and peers else "-"
             flash = by.get((shape, mode, "sdpa-flash"), {}).get("tflops")
             vs_flash = f"{ours / flash:.2f}×" if ours and flash else "-"

@@ -20,7 +20,10 @@ from stableflash.files import write_text_atomic
 from stableflash.model import build_model, model_config, parse_attention_spec
 
 log = logging.getLogger(__name__)
-DEFAULT_ATTENTIONS = ("sdpa", "triton rule=ours", "triton", "emulated policy=fa2", "emulated policy=paper")
+# torch's default SDPA, what the product runs (the fused kernels with the default stabilization), the
+# same kernels unstabilized and with the tie-shift rule, and the emulations of the two policies
+DEFAULT_ATTENTIONS = ("sdpa", "triton", "triton stabilize=none", "triton stabilize=tie-shift",
+                      "emulated stabilize=none policy=fa2", "emulated stabilize=none policy=paper")
 # torch.compile's modes; "reduce-overhead" replays the step's kernels as CUDA graphs, which removes
 # the CPU's launch work (Python launchers included) from the step
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")

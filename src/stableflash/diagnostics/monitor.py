@@ -181,22 +181,24 @@ class Monitor:
                 "value": value, "threshold": limit, "message": message}
 
 
-DEFAULT_SWITCH = "delta=auto"         # the δ source stabilize=True adds (policy.guarded_delta)
+DEFAULT_SWITCH = "delta=consistent"   # the consistent δ of flash_attention's default, added to the layer's rule
 
 
 def stabilized_choice_spec(current_choice_text: str, kernels: bool, switch_to: str = DEFAULT_SWITCH) -> str:
     """The attention a flagged layer switches to: the same backend and policy with ``switch_to``'s
-    key=value settings in place of its own (default: "delta=auto", the δ source stabilize=True adds
-    for the policy's rounding), or, for SDPA (which can be neither stabilized nor re-precisioned),
-    the fused kernel where ``kernels`` says it can run (CUDA, attention in bf16 or fp16) and the fa2
-    emulation elsewhere, with those settings. ``switch_to``
-    "delta=dP*P" takes δ from dP·P whatever the policy, "rule=ours" our row-maximum rule (which did
-    not hold alone on any failing configuration; docs/mitigations.md)."""
+    key=value settings in place of its own (default: "delta=consistent", the δ of flash_attention's
+    default stabilization — from the source consistent with the backward's P for the policy's
+    rounding — added to the layer's row-maximum rule), or, for SDPA (which can be neither stabilized nor re-precisioned), the fused kernel
+    where ``kernels`` says it can run (CUDA, attention in bf16 or fp16) and the fa2 emulation
+    elsewhere, with those settings. ``switch_to`` "delta=dP*P" takes δ from dP·P whatever the
+    policy, "stabilize=tie-shift" the tie-shift row-maximum rule alone (which did not hold alone on
+    any failing configuration; docs/mitigations.md)."""
     settings = switch_to.split()
     bad = [s for s in settings if "=" not in s or not s.split("=", 1)[0] or not s.split("=", 1)[1]]
     if bad or not settings:
         raise ValueError(f"monitor_switch_to={switch_to!r} is invalid; accepted: space-separated key=value "
-                         "attention settings, e.g. 'rule=ours' or 'delta=dP*P' or 'rule=paper beta=4'")
+                         "attention settings, e.g. 'delta=consistent' or 'delta=dP*P' or "
+                         "'stabilize=paper beta=4'")
     if current_choice_text.split()[0] == "sdpa":
-        current_choice_text = "triton" if kernels else "emulated policy=fa2"
+        current_choice_text = "triton stabilize=none" if kernels else "emulated stabilize=none policy=fa2"
     return with_settings(current_choice_text, switch_to)

@@ -3,27 +3,37 @@
 A spec is a list of entries separated by ``;``. Each entry is ``[LAYERS:] BACKEND [key=value ...]``:
 
     sdpa                                             every layer: torch SDPA
-    triton rule=ours                                 every layer: fused kernels, our stabilized max
-    sdpa; 2: emulated policy=paper                   layer 2 emulated under the paper's policy
-    *: emulated policy=paper rule=paper beta=4; 0-1,5: sdpa
+    triton                                           every layer: fused kernels, stabilized as
+                                                     flash_attention(backend="triton") is
+    triton stabilize=none                            the same kernels, not stabilized
+    sdpa; 2: emulated policy=paper stabilize=none    layer 2 emulated under the paper's policy
+    *: emulated policy=paper stabilize=paper beta=4; 0-1,5: sdpa
     2: emulated policy=paper acc=fp32 delta=dP*P     (no default entry: the others use sdpa)
 
 LAYERS is ``*``, a layer index, an inclusive range ``2-5``, or a comma list of those. An entry
 without LAYERS (or with ``*``) sets the default for every layer; entries apply in order, so a later
 entry overrides an earlier one for the layers it names (a later default resets them all).
 
-Keys: ``rule`` (standard, paper, ours, bounded), ``beta``, ``eps``, ``block`` (key block of the
-emulated backend, and of the triton kernels under the "paper" policy), ``policy`` (a preset: fa2,
-paper, fp32, fp64), ``low`` (the preset's low format), and the PrecisionPolicy fields ``inputs``,
-``scores``, ``p_bar``, ``acc``, ``row_sum``, ``out``, ``bwd``, ``delta``, ``hp_heads`` (e.g.
-``1,7,8``), ``compute``. ``delta=auto`` is the δ source ``flash_attention(stabilize=True)`` takes
-(``policy.guarded_delta``): ``triton delta=auto`` is what the drop-in runs, ``triton rule=ours
-delta=auto`` its ``stabilize="ours+guard"``. ``policy=paper`` alone
+Keys: ``stabilize`` (a stabilization name: none, consistent-delta, paper, tie-shift, all-shift, or a
+rule + ``+consistent-delta``; ``stableflash.attention.stabilization``), ``beta``, ``eps`` (the
+rule's parameters), ``block`` (key block of the emulated backend, and of the triton kernels under
+the "paper" policy), ``policy`` (a preset: fa2, paper, fp32, fp64), ``low`` (the preset's low
+format), and the PrecisionPolicy fields ``inputs``, ``scores``, ``p_bar``, ``acc``, ``row_sum``,
+``out``, ``bwd``, ``v_bar``, ``delta``, ``hp_heads`` (e.g. ``1,7,8``), ``compute``.
+
+``stabilize`` means what ``flash_attention``'s argument means, with the same default: triton,
+emulated and reference entries are stabilized with "consistent-delta" unless they say otherwise;
+sdpa cannot be stabilized and takes only ``stabilize=none``. ``delta=consistent`` is the same as
+adding ``+consistent-delta`` to the stabilization, and is written that way. ``policy=paper`` alone
 stays the preset *name*, which ``flash_attention`` builds for the input dtype (fp16 inputs get
 ``low=fp16``); with ``low`` or any field the policy is built here, as
 ``PrecisionPolicy.preset(policy or "fa2", low or "bf16").replace(**fields)``, so an fp16 model
 that wants overrides should say ``low=fp16``. (fp32 and fp64 have no low format: a policy equal
 to one of them is kept as its name.)
+
+Run folders written before this grammar (``config_version`` 1) spelled stabilization with the keys
+``rule`` (standard, paper, ours, bounded) and ``delta=auto``, and a bare triton or emulated entry
+was not stabilized; ``upgrade_stored_spec`` rewrites such text in this grammar, with its meaning.
 """
 from __future__ import annotations
 
@@ -32,14 +42,32 @@ import re
 from dataclasses import dataclass, field, fields
 from typing import Iterable
 
-from stableflash.attention.policy import PRESETS, ROUNDING_POINTS, PrecisionPolicy, resolve_delta
-from stableflash.attention.shift import RULES, ShiftRule
+from stableflash.attention.policy import PRESETS, ROUNDING_POINTS, PrecisionPolicy, resolve_policy
+from stableflash.attention.shift import LEGACY_RULES
+from stableflash.attention.stabilization import (CONSISTENT_DELTA, NONE, Stabilization, from_stored,
+                                                 parse_stabilize)
 from stableflash.numerics import get_format
 
 BACKENDS = ("sdpa", "triton", "emulated", "reference")
 DEFAULT_BLOCK = 64
 POLICY_FIELDS = (*ROUNDING_POINTS, "delta", "hp_heads", "compute")
-KEYS = ("rule", "beta", "eps", "block", "policy", "low", *POLICY_FIELDS)
+KEYS = ("stabilize", "beta", "eps", "block", "policy", "low", *POLICY_FIELDS)
+# the keys of the earlier grammar, with what replaced them
+RENAMED_KEYS = {"rule": "stabilize"}
+
+
+def with_consistent_delta_name(name: str) -> str:
+    """A stabilization name with the consistent δ added ("none" → "consistent-delta", "paper" →
+    "paper+consistent-delta"); a name that has it already comes back as it is."""
+    if name in (NONE, CONSISTENT_DELTA):
+        return CONSISTENT_DELTA
+    return name if name.endswith(f"+{CONSISTENT_DELTA}") else f"{name}+{CONSISTENT_DELTA}"
+
+
+def default_stabilization(backend: str) -> str:
+    """What an entry of ``backend`` runs without a ``stabilize`` key: what ``flash_attention``'s
+    default does ("consistent-delta"), except for sdpa, which cannot be stabilized ("none")."""
+    return NONE if backend == "sdpa" else CONSISTENT_DELTA
 
 
 def _listing(names: Iterable[str]) -> str:
@@ -62,16 +90,19 @@ def _check_kernel_block(block: int, policy: PrecisionPolicy | str | None) -> Non
 
 @dataclass(frozen=True)
 class AttentionChoice:
-    """One layer's attention: backend, row-maximum rule and its parameters, precision policy.
+    """One layer's attention: backend, stabilization (a name, with the rule's beta and eps), policy.
 
-    ``policy`` is None (what a real kernel does for the input dtype), a preset name, or a
-    PrecisionPolicy; only the emulated and triton backends take one. ``block`` is the emulated
-    backend's key block (block_k; its query rows all go at once), and the triton forward's under
-    the "paper" policy (a power of two, 16-512). Validated on construction.
+    ``stabilize`` is a stabilization name (``stableflash.attention.stabilization.NAMES``) or None,
+    the backend's default (``default_stabilization``). ``policy`` is None (what a real kernel does
+    for the input dtype), a preset name, or a PrecisionPolicy; only the emulated and triton backends
+    take one. ``block`` is the emulated backend's key block (block_k; its query rows all go at
+    once), and the triton forward's under the "paper" policy (a power of two, 16-512). Validated and
+    put in one canonical form on construction (a policy δ of "consistent" becomes the
+    stabilization's ``+consistent-delta``), so that equal choices compare equal.
     """
 
     backend: str = "sdpa"
-    rule: str = "standard"
+    stabilize: str | None = None
     beta: float = 2.0
     eps: float = 1e-3
     policy: PrecisionPolicy | str | None = None
@@ -80,14 +111,13 @@ class AttentionChoice:
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ValueError(f"backend={self.backend!r} is unknown; accepted: {_listing(BACKENDS)}")
-        if self.rule not in RULES:
-            raise ValueError(f"rule={self.rule!r} is unknown; accepted: {_listing(RULES)}")
         for name in ("beta", "eps"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise TypeError(f"{name}={value!r} is not a number; accepted: a finite float")
             object.__setattr__(self, name, float(value))
-        ShiftRule(self.rule, self.beta, self.eps)                 # validates beta > 1 and eps >= 0
+        stab = parse_stabilize(default_stabilization(self.backend) if self.stabilize is None else self.stabilize,
+                               self.beta, self.eps)               # validates the name, beta > 1 and eps >= 0
         if isinstance(self.block, bool) or not isinstance(self.block, int) or self.block < 1:
             raise ValueError(f"block={self.block!r} is invalid; accepted: a positive int")
         if self.block != DEFAULT_BLOCK and self.backend not in ("emulated", "triton"):
@@ -103,10 +133,14 @@ class AttentionChoice:
             raise ValueError(f"backend={self.backend!r} cannot take policy={_policy_label(self.policy)}: "
                              "sdpa rounds as torch does and reference computes in float64; accepted: a policy "
                              "only with backend 'emulated' or 'triton'")
-        if self.backend == "sdpa" and self.rule != "standard":
-            raise ValueError(f"backend='sdpa' cannot apply rule={self.rule!r}: torch's SDPA always subtracts "
-                             "the standard row maximum; accepted with sdpa: rule=standard (use triton or "
-                             "emulated for a stabilized rule)")
+        if isinstance(self.policy, PrecisionPolicy) and self.policy.delta == "consistent":
+            stab = Stabilization(stab.rule, consistent_delta=True)       # one spelling of a consistent δ
+            object.__setattr__(self, "policy", self.policy.replace(delta="dO·O", name=self.policy.name))
+        if self.backend == "sdpa" and stab.name != NONE:
+            raise ValueError(f"backend='sdpa' cannot be stabilized (stabilize={stab.name!r}): torch's SDPA "
+                             "subtracts the standard row maximum and reads its stored O for δ; accepted with "
+                             "sdpa: stabilize=none (use triton or emulated to stabilize)")
+        object.__setattr__(self, "stabilize", stab.name)
         if self.block != DEFAULT_BLOCK and self.backend == "triton":
             _check_kernel_block(self.block, self.policy)
         if isinstance(self.policy, PrecisionPolicy):              # one canonical form, so str() round-trips
@@ -114,23 +148,34 @@ class AttentionChoice:
             exact = base in ("fp32", "fp64") and not changes     # the same whatever the input dtype
             object.__setattr__(self, "policy", base if exact else _build_policy(base, low, changes))
 
+    @property
+    def stabilization(self) -> Stabilization:
+        """The Stabilization this choice runs (its name with beta and eps)."""
+        return parse_stabilize(self.stabilize, self.beta, self.eps)
+
     def kwargs(self) -> dict:
         """Keyword arguments for ``stableflash.attention.flash_attention`` (the caller adds ``causal``)."""
-        kw = {"backend": self.backend, "stabilize": False if self.rule == "standard" else self.rule,
-              "beta": self.beta, "eps": self.eps, "policy": self.policy}
+        kw = {"backend": self.backend, "stabilize": self.stabilization, "policy": self.policy}
         if self.backend == "emulated" or self.block != DEFAULT_BLOCK:
             kw.update(block_k=self.block)
         return kw
 
     @property
-    def stabilized(self) -> bool:
-        """True when the rule is not the standard row maximum."""
-        return self.rule != "standard"
+    def changes_shift(self) -> bool:
+        """True when the row-maximum rule is not the standard one."""
+        return self.stabilization.changes_shift
+
+    def delta_source(self, dtype=None) -> str:
+        """The δ source this choice runs for inputs of ``dtype`` (default bfloat16), a consistent δ
+        resolved to the source it names."""
+        import torch
+        policy = resolve_policy(self.policy, torch.bfloat16 if dtype is None else dtype)
+        return self.stabilization.policy_for(policy).delta
 
     def __str__(self) -> str:
         parts = [self.backend]
-        if self.rule != "standard":
-            parts.append(f"rule={self.rule}")
+        if self.stabilize != default_stabilization(self.backend):
+            parts.append(f"stabilize={self.stabilize}")
         if self.beta != 2.0:
             parts.append(f"beta={_number(self.beta)}")
         if self.eps != 1e-3:
@@ -204,13 +249,16 @@ class AttentionSpec:
                     raise ValueError(f"attention spec entry {str(c)!r} has hp_heads={','.join(map(str, bad))} "
                                      f"but the model has n_head={n_head}; accepted: heads 0 to {n_head - 1}")
 
-    def guard_sources(self) -> list[str]:
-        """What ``delta=auto`` runs: the δ sources ``policy.guarded_delta`` picks for the choices
-        that ask for it, default first, each once; empty when no choice asks."""
+    def consistent_delta_sources(self, dtype=None) -> list[str]:
+        """The δ sources that the choices with a consistent δ run for inputs of ``dtype`` (default
+        bfloat16), default first, each once; empty when no choice asks for one (a choice whose policy
+        names its own δ source keeps that source, and is not counted)."""
+        import torch
         sources: list[str] = []
         for c in (self.default, *(c for _, c in self.overrides)):
-            if isinstance(c.policy, PrecisionPolicy) and c.policy.delta == "auto":
-                source = resolve_delta(c.policy).delta
+            own = resolve_policy(c.policy, torch.bfloat16 if dtype is None else dtype).delta
+            if c.stabilization.consistent_delta and c.backend != "sdpa" and own == "dO·O":
+                source = c.delta_source(dtype)
                 if source not in sources:
                     sources.append(source)
         return sources
@@ -313,14 +361,22 @@ def _parse_choice(body: str, entry: str) -> AttentionChoice:
         if not eq:
             raise ValueError(f"attention spec entry {entry!r}: {token!r} is not key=value; accepted keys: "
                              f"{_listing(KEYS)}")
+        if key in RENAMED_KEYS:
+            raise ValueError(f"attention spec entry {entry!r}: key {key!r} is now {RENAMED_KEYS[key]!r} "
+                             f"(e.g. 'stabilize=tie-shift'; upgrade_stored_spec rewrites text of the earlier "
+                             f"grammar); accepted: {_listing(KEYS)}")
         if key not in KEYS:
             raise ValueError(f"attention spec entry {entry!r}: unknown key {key!r}; accepted: {_listing(KEYS)}")
         if key in values:
             raise ValueError(f"attention spec entry {entry!r}: key {key!r} is given twice; accepted: each key "
                              "at most once per entry")
         values[key] = value
+    stabilize = values.get("stabilize")
+    if values.get("delta") in ("consistent", "auto"):            # a consistent δ: said by the stabilization
+        del values["delta"]
+        stabilize = with_consistent_delta_name(stabilize or default_stabilization(backend))
     try:
-        return AttentionChoice(backend, rule=values.get("rule", "standard"),
+        return AttentionChoice(backend, stabilize=stabilize,
                                beta=_float(values, "beta", 2.0), eps=_float(values, "eps", 1e-3),
                                policy=_policy(values), block=_int(values, "block", DEFAULT_BLOCK))
     except (TypeError, ValueError) as exc:
@@ -432,3 +488,60 @@ def _layer_ranges(layers: list[int]) -> str:
         else:
             runs.append([layer, layer])
     return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+# ---- the earlier grammar (run folders of config_version 1) ------------------------------------
+
+def _upgrade_words(words: list[str]) -> list[str]:
+    """key=value words of the earlier grammar with ``rule=`` and ``delta=auto`` as one
+    ``stabilize=`` word (always written, "none" included); other words as they are."""
+    rule, consistent, kept = "standard", False, []
+    for word in words:
+        key, _, value = word.partition("=")
+        if key == "rule":
+            rule = LEGACY_RULES.get(value, value)
+        elif key == "delta" and value in ("auto", "consistent"):
+            consistent = True
+        else:
+            kept.append(word)
+    name = from_stored(rule) if rule != "standard" else NONE
+    if consistent:
+        name = with_consistent_delta_name(name)
+    return [f"stabilize={name}", *kept]
+
+
+def upgrade_stored_spec(text: str) -> str:
+    """Attention spec text of the earlier grammar, in which a triton, emulated or reference entry
+    without ``rule=`` or ``delta=auto`` was not stabilized, rewritten in this grammar with the same
+    meaning: every such entry gets an explicit ``stabilize=`` (``rule=ours delta=auto`` →
+    ``stabilize=tie-shift+consistent-delta``, a bare ``triton`` → ``triton stabilize=none``).
+    Text that already says ``stabilize=`` somewhere is taken to be of this grammar, and text that is
+    not a spec (an entry without a known backend: a label) is returned as it is."""
+    if not isinstance(text, str) or "stabilize=" in text:
+        return text
+    entries = []
+    for entry in filter(None, (e.strip() for e in text.split(";"))):
+        head, sep, rest = entry.partition(":")
+        prefix, body = (f"{head.strip()}: ", rest) if sep and "=" not in head else ("", entry)
+        backend, *words = body.split() or [""]
+        if backend not in BACKENDS:
+            return text
+        entries.append(prefix + " ".join([backend, *(words if backend == "sdpa" else _upgrade_words(words))]))
+    return "; ".join(entries)
+
+
+def upgrade_stored_settings(settings: str) -> str:
+    """A monitor switch's key=value settings of the earlier grammar in this one: ``delta=auto`` →
+    ``delta=consistent`` (the consistent δ added to the layer's own rule), ``rule=ours`` →
+    ``stabilize=tie-shift`` (that rule alone); other words as they are."""
+    if not isinstance(settings, str):
+        return settings
+    words = []
+    for word in settings.split():
+        key, _, value = word.partition("=")
+        if key == "rule":
+            word = f"stabilize={from_stored(LEGACY_RULES.get(value, value)) if value != 'standard' else NONE}"
+        elif word == "delta=auto":
+            word = "delta=consistent"
+        words.append(word)
+    return " ".join(words)

@@ -108,6 +108,21 @@ def _read_jsonl(path: Path, required: tuple[str, ...]) -> tuple[list[dict], int]
     return records, skipped
 
 
+def _upgrade_stored(run: Run) -> None:
+    """A run folder written in the earlier attention-spec grammar (no ``config_version`` in its
+    config.json or summary.json) with its specs rewritten in the current one, meaning kept."""
+    from stableflash.model.spec import upgrade_stored_spec
+    from stableflash.train.config import upgrade_stored
+    legacy = not any(isinstance(d, dict) and "config_version" in d for d in (run.config, run.summary))
+    if not legacy:
+        return
+    if isinstance(run.config, dict):
+        run.config = upgrade_stored(run.config)
+    if isinstance(run.summary, dict):
+        run.summary = {k: upgrade_stored_spec(v) if k in ("attention", "final_attention") else v
+                       for k, v in run.summary.items()}
+
+
 def _read_json(path: Path, run: Run) -> dict | None:
     if not path.is_file():
         run.missing.append(path.name)
@@ -151,6 +166,7 @@ def load_run(path: Path | str) -> Run:
         run.missing.append("probes.jsonl")
     run.config = _read_json(path / "config.json", run)
     run.summary = _read_json(path / "summary.json", run)
+    _upgrade_stored(run)
     return run
 
 

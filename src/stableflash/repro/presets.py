@@ -1,10 +1,10 @@
 """Reproduction presets: a training configuration and the three attentions it compares.
 
 Each preset names a baseline (the low-precision attention expected to fail), the same attention
-stabilized as ``flash_attention(stabilize=True)`` stabilizes it (``delta=auto``: the standard row
-maximum, δ from the source ``policy.guarded_delta`` picks for the baseline's rounding; it held on
-every seed of every accelerated kernel preset, where our row-maximum rule alone did not:
-docs/mitigations.md), and a high-precision control in which O is computed in fp32
+stabilized as ``flash_attention``'s default stabilizes it (``stabilize=consistent-delta``: the
+standard row maximum, δ from the source ``policy.consistent_delta_source`` names for the baseline's
+rounding; it held on every seed of every accelerated kernel preset, where the tie-shift rule alone
+did not: docs/mitigations.md), and a high-precision control in which O is computed in fp32
 (P̄, Ō, ℓ and O in fp32 on the emulated backend; Ō, ℓ and O on the fused kernels, whose P̄V product
 takes P̄ in bf16; the scores stay as in the baseline). Presets whose output format has
 fewer mantissa bits than bf16 are *accelerated* stand-ins, labelled as such everywhere.
@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from stableflash.model.spec import with_settings
 from stableflash.numerics import get_format
 
 FP32_O = "p_bar=fp32 acc=fp32 row_sum=fp32 out=fp32"
@@ -30,12 +31,12 @@ class ReproPreset:
     accelerated: str | None = None              # what makes it faster to fail than bf16, if anything
     gpu: bool = True
     control_attention: str | None = None        # when the baseline's backend cannot hold O in fp32
-    stabilize_with: str = "delta=auto"          # what the stabilized run sets on the baseline
+    stabilization: str = "consistent-delta"     # the stabilized run: the baseline with stabilize=<this>
     faithful: str | None = None                 # what bf16 did in the same run: "… a stand-in for bf16, which {faithful}"
 
     @property
     def stabilized(self) -> str:
-        return f"{self.baseline} {self.stabilize_with}"
+        return with_settings(self.baseline, f"stabilize={self.stabilization}")
 
     @property
     def control(self) -> str:
@@ -60,7 +61,7 @@ def _leads(name: str, mbits: int | None) -> ReproPreset:
                     "untiled (block = sequence)" + (f", with Ō, ℓ and O rounded to {fmt}" if fmt else ""),
         train_preset="small",
         overrides=("max_iters=4000", "probe_every=100", "monitor=warn", "eval_every=500", "ckpt_every=500"),
-        baseline=f"emulated policy=paper block=512{rounding}",
+        baseline=f"emulated stabilize=none policy=paper block=512{rounding}",
         accelerated=(f"Ō, ℓ and O rounded to {fmt} ({mbits} mantissa bits instead of bf16's 7)" if fmt else None),
     )
 
@@ -83,10 +84,10 @@ def _kernel(name: str, policy: str, fmt: str | None = None, narrowed: tuple[str,
                     + (f", with {', '.join(narrowed)} rounded to {fmt}" if fmt else ""),
         train_preset="small",
         overrides=("max_iters=8000", "probe_every=100", "monitor=warn", "eval_every=500", "ckpt_every=500"),
-        baseline=f"triton policy={policy}{rounding}",
+        baseline=f"triton stabilize=none policy={policy}{rounding}",
         accelerated=(f"{', '.join(narrowed)} rounded to {fmt} ({mbits} mantissa bits instead of bf16's 7)"
                      if fmt else None),
-        control_attention=f"triton policy={policy} acc=fp32 row_sum=fp32 out=fp32 delta=recompute_fp32",
+        control_attention=f"triton stabilize=none policy={policy} acc=fp32 row_sum=fp32 out=fp32 delta=recompute_fp32",
     )
 
 
@@ -98,7 +99,7 @@ REPRO_PRESETS: dict[str, ReproPreset] = {
         train_preset="tiny",
         overrides=("max_iters=300", "probe_every=25", "monitor=warn", "eval_every=100", "ckpt_every=100",
                    "delta_layers=1", "dtype=fp32"),
-        baseline="emulated policy=paper",
+        baseline="emulated stabilize=none policy=paper",
         gpu=False,
     ),
     # a failure on 2 CPU cores: FP8 attention's rounding (P̄ and O in e5m2, real FA2 arithmetic, the
@@ -112,7 +113,7 @@ REPRO_PRESETS: dict[str, ReproPreset] = {
         overrides=("model=mini", "batch_size=16", "lr=3e-3", "min_lr=3e-3", "schedule=constant", "warmup_iters=200",
                    "max_iters=3600", "probe_every=100", "monitor=warn", "eval_every=500", "eval_iters=4",
                    "ckpt_every=500", "log_every=10", "dtype=fp32"),
-        baseline="emulated policy=fa2 p_bar=fp8_e5m2 out=fp8_e5m2",
+        baseline="emulated stabilize=none policy=fa2 p_bar=fp8_e5m2 out=fp8_e5m2",
         accelerated="P̄ and O rounded to fp8 e5m2 (2 mantissa bits instead of bf16's 7)",
         gpu=False,
     ),
@@ -127,7 +128,7 @@ REPRO_PRESETS: dict[str, ReproPreset] = {
         overrides=("batch_size=16", "lr=1e-2", "min_lr=1e-2", "schedule=constant", "warmup_iters=200",
                    "max_iters=8000", "probe_every=100", "monitor=warn", "eval_every=1000", "eval_iters=4",
                    "ckpt_every=1000", "log_every=10", "dtype=fp32", "stop_after_explosion=200"),
-        baseline="emulated policy=fa2 p_bar=fp8_e5m2 out=fp8_e5m2",
+        baseline="emulated stabilize=none policy=fa2 p_bar=fp8_e5m2 out=fp8_e5m2",
         accelerated="P̄ and O rounded to fp8 e5m2 (2 mantissa bits instead of bf16's 7)",
         faithful="did not fail in 8000 steps of the same run",
         gpu=False,

@@ -88,7 +88,7 @@ def run_repro(preset: str | ReproPreset, out_dir: Path, seeds: tuple[int, ...] =
         run_dir = Path(job[2])
         run = load_run(run_dir)
         rows.append({"seed": seed, "role": role, "attention": attention,
-                     "delta_auto": parse_attention_spec(attention).guard_sources(), "status": summary["status"],
+                     "consistent_delta": parse_attention_spec(attention).consistent_delta_sources(), "status": summary["status"],
                      "steps": summary["steps"], "final_loss": summary["final_loss"],
                      "best_val_loss": summary["best_val_loss"], "explosion_step": explosion_step(run),
                      "first_warning": next((e["step"] for e in run.events if e.get("event") == "monitor_warning"),
@@ -155,7 +155,7 @@ def format_table(result: dict) -> str:
         lines.append(f"{r['seed']:>4} {r['role']:11s} {r['status']:10s} {r['steps']:>6} "
                      f"{'-' if r['explosion_step'] is None else r['explosion_step']:>11} {loss:>10} "
                      f"{'-' if r['first_warning'] is None else r['first_warning']:>13}  {r['attention']}"
-                     + (f" (δ: {', '.join(r['delta_auto'])})" if r.get("delta_auto") else ""))
+                     + (f" (δ: {', '.join(r['consistent_delta'])})" if r.get("consistent_delta") else ""))
     same = all(r["same_batches_as_baseline"] for r in result["rows"])
     lines.append(f"batch order identical across the runs of each seed: {'yes' if same else 'NO'}")
     lines.append(result["verdict"])

@@ -78,9 +78,12 @@ class TrainConfig:
     monitor_patience: int = 2
     monitor_delta_drift: float | None = None
     monitor_max_logit: float | None = None    # warn when a layer's largest attention logit passes this
-    monitor_switch_to: str = "delta=auto"     # what "switch"/"rollback" change on a flagged layer
+    monitor_switch_to: str = "delta=consistent"   # what "switch"/"rollback" change on a flagged layer
     monitor_scope: str = "flagged"            # which layers they change: the flagged ones, or all
     notes: str = ""
+    # the grammar of the attention specs in this config (model.spec): a run folder's config.json
+    # without it was written in the earlier grammar, which ``upgrade_stored`` rewrites on load
+    config_version: int = 2
 
     def model_overrides(self) -> dict:
         """The model fields this config sets explicitly (None means: the preset's value)."""
@@ -195,8 +198,33 @@ def apply_overrides(cfg: TrainConfig, pairs: dict | list[str]) -> TrainConfig:
     return dataclasses.replace(cfg, **changes)
 
 
+CONFIG_VERSION = 2
+
+
+def upgrade_stored(saved: dict) -> dict:
+    """A run's stored config (config.json, or a checkpoint's config) in the current grammar: one
+    without ``config_version`` spelled its attention specs as ``model.spec.upgrade_stored_spec``
+    describes, and its monitor switch as ``upgrade_stored_settings`` does; both are rewritten with
+    their meaning, and the version set. A current config comes back as it is."""
+    if not isinstance(saved, dict) or "config_version" in saved:
+        return saved
+    from stableflash.model.spec import upgrade_stored_settings, upgrade_stored_spec
+    out = dict(saved, config_version=CONFIG_VERSION)
+    if isinstance(out.get("attention"), str):
+        out["attention"] = upgrade_stored_spec(out["attention"])
+    out["monitor_switch_to"] = upgrade_stored_settings(out.get("monitor_switch_to", "delta=auto"))
+    return out
+
+
+def is_run_config(path: Path) -> bool:
+    """Whether ``path`` is the config.json of a run folder (one that holds metrics.jsonl)."""
+    path = Path(path)
+    return path.name == "config.json" and (path.parent / "metrics.jsonl").is_file()
+
+
 def load_file(path: Path) -> dict:
-    """A config file: TOML (``.toml``) or JSON (anything else), a flat table of TrainConfig keys."""
+    """A config file: TOML (``.toml``) or JSON (anything else), a flat table of TrainConfig keys. A
+    run folder's config.json of the earlier grammar is upgraded (``upgrade_stored``)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"config file {path} does not exist")
@@ -207,7 +235,7 @@ def load_file(path: Path) -> dict:
         raise ValueError(f"config file {path} is not valid {'TOML' if path.suffix == '.toml' else 'JSON'}: {exc}")
     if not isinstance(data, dict):
         raise ValueError(f"config file {path} must hold a table of keys; got {type(data).__name__}")
-    return data
+    return upgrade_stored(data) if is_run_config(path) else data
 
 
 def make_config(preset: str | None = "tiny", config_file: Path | None = None,
@@ -255,6 +283,9 @@ def validate(cfg: TrainConfig) -> None:
     for layer in cfg.delta_layer_list():
         if layer < 0:
             raise ValueError(f"delta_layers={cfg.delta_layers!r} has a negative layer; accepted: indices >= 0")
+    if cfg.config_version != CONFIG_VERSION:
+        raise ValueError(f"config_version={cfg.config_version!r} is invalid; accepted: {CONFIG_VERSION} (a run "
+                         "folder's config.json of an earlier version is upgraded when it is loaded)")
     monitor_config(cfg)
     from stableflash.diagnostics.monitor import stabilized_choice_spec
     from stableflash.model import MODEL_PRESETS, model_config, parse_attention_spec

@@ -23,6 +23,7 @@ from stableflash.diagnostics.delta import DeltaTracker
 from stableflash.diagnostics.monitor import Monitor, stabilized_choice_spec
 from stableflash.diagnostics.probes import probe_record
 from stableflash.model import build_model as _build, model_config
+from stableflash.model.spec import upgrade_stored_spec
 from stableflash.train import checkpoint
 from stableflash.train.config import DistInfo, TrainConfig, monitor_config, validate
 from stableflash.train.data import BatchRecorder, BatchSampler, ReplaySampler, eval_batches, load_split, read_meta
@@ -161,7 +162,10 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
     if resume:
         state = _restore(run_dir, cfg, model, optimizer, device)
         step0 = state["step"]
-        model.set_attention(state.get("attention", cfg.attention))   # a monitor may have switched layers
+        switched = state.get("attention", cfg.attention)             # a monitor may have switched layers
+        if "config_version" not in state.get("config", {}):          # a checkpoint of the earlier spec grammar
+            switched = upgrade_stored_spec(switched)
+        model.set_attention(switched)
         if dist.is_main:
             truncate_after(run_dir / "metrics.jsonl", step0)
             truncate_after(run_dir / "probes.jsonl", step0)
@@ -335,7 +339,7 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
             probes.close()
     summary = {"status": status, "steps": (last.get("step", step0 - 1) + 1), "final_loss": last.get("loss"),
                "best_val_loss": best_val if math.isfinite(best_val) else None, "attention": cfg.attention,
-               "final_attention": str(model.attention_spec),
+               "final_attention": str(model.attention_spec), "config_version": cfg.config_version,
                "world_size": dist.world_size, "device": str(device), "data": str(data_dir), "data_meta": meta}
     if dist.is_main:
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
