@@ -18,10 +18,14 @@ def test_cpu_demo_paired_runs_share_their_batches_and_report(tmp_path):
     assert attn["stabilized"].endswith("stabilize=consistent-delta") and "stabilize=none" in attn["baseline"]
     assert "out=fp32" in attn["control"] and "stabilize=none" in attn["control"]
     # the table says which δ source the consistent δ ran (the preset's rounding picks it)
-    from stableflash.attention.policy import consistent_delta_source
+    import torch
+
+    from stableflash.attention.policy import consistent_delta_source, resolve_policy
     from stableflash.model.spec import parse_attention_spec
     from stableflash.repro.run import format_table
-    source = consistent_delta_source(parse_attention_spec(attn["stabilized"]).default.policy)
+    choice = parse_attention_spec(attn["stabilized"]).default
+    source = consistent_delta_source(resolve_policy(choice.policy, torch.bfloat16))
+    assert choice.delta_source() == source
     assert {r["role"]: r["consistent_delta"] for r in result["rows"]} == {"baseline": [], "stabilized": [source],
                                                                            "control": []}
     stabilized_line = next(line for line in format_table(result).splitlines() if " stabilized " in line)
