@@ -19,7 +19,7 @@ def load(path: str):
     return module
 
 
-def fake_bench(tf: dict, providers=("ours-standard", "ours-stable", "ours-fp8")) -> dict:
+def fake_bench(tf: dict, providers=("stableflash-none", "stableflash", "stableflash-fp8")) -> dict:
     """A tiny `stableflash bench attention` JSON: tf maps (shape, provider) to TFLOP/s."""
     rows = [{"shape": list(s), "mode": "fwd+bwd", "provider": p, "ms": 1.0, "tflops": t} for (s, p), t in tf.items()]
     return {"config": {"providers": list(providers)}, "rows": rows}
@@ -30,34 +30,47 @@ SMALL, BIG = (2, 4, 512, 64), (1, 4, 2048, 64)
 
 def test_mitigation_costs_median_over_files(tmp_path, monkeypatch, capsys):
     mc = load("tools/mitigation_costs")
-    a = fake_bench({(SMALL, "ours-standard"): 200.0, (SMALL, "ours-stable"): 100.0, (SMALL, "ours-fp8"): 160.0,
-                    (BIG, "ours-standard"): 300.0, (BIG, "ours-stable"): 250.0})
-    b = fake_bench({(SMALL, "ours-standard"): 200.0, (SMALL, "ours-stable"): 200.0, (SMALL, "ours-fp8"): 100.0})
-    c = fake_bench({(SMALL, "ours-standard"): 150.0, (SMALL, "ours-stable"): 100.0, (SMALL, "ours-fp8"): 150.0})
-    table = mc.costs([a, b, c], "ours-standard")
+    a = fake_bench({(SMALL, "stableflash-none"): 200.0, (SMALL, "stableflash"): 100.0, (SMALL, "stableflash-fp8"): 160.0,
+                    (BIG, "stableflash-none"): 300.0, (BIG, "stableflash"): 250.0})
+    b = fake_bench({(SMALL, "stableflash-none"): 200.0, (SMALL, "stableflash"): 200.0, (SMALL, "stableflash-fp8"): 100.0})
+    c = fake_bench({(SMALL, "stableflash-none"): 150.0, (SMALL, "stableflash"): 100.0, (SMALL, "stableflash-fp8"): 150.0})
+    table = mc.costs([a, b, c], "stableflash-none")
     # per-file costs: stable 200/100-1 = 1.0, 0.0, 0.5 -> median 0.5; fp8 0.25, 1.0, 0.0 -> median 0.25
-    assert sorted(table) == [("ours-fp8", SMALL), ("ours-stable", BIG), ("ours-stable", SMALL)]
-    assert sorted(table["ours-stable", SMALL]) == pytest.approx([0.0, 0.5, 1.0], abs=1e-12)
-    assert sorted(table["ours-fp8", SMALL]) == pytest.approx([0.0, 0.25, 1.0], abs=1e-12)
-    assert table["ours-stable", BIG] == pytest.approx([0.2], abs=1e-12)     # only file a has the big shape
+    assert sorted(table) == [("stableflash", BIG), ("stableflash", SMALL), ("stableflash-fp8", SMALL)]
+    assert sorted(table["stableflash", SMALL]) == pytest.approx([0.0, 0.5, 1.0], abs=1e-12)
+    assert sorted(table["stableflash-fp8", SMALL]) == pytest.approx([0.0, 0.25, 1.0], abs=1e-12)
+    assert table["stableflash", BIG] == pytest.approx([0.2], abs=1e-12)     # only file a has the big shape
 
     paths = []
     for i, d in enumerate((a, b, c)):
         paths.append(tmp_path / f"bench-{i}.json")
         paths[-1].write_text(json.dumps(d))
-    monkeypatch.setattr(sys, "argv", ["mitigation_costs.py", *map(str, paths), "--against", "ours-standard"])
+    monkeypatch.setattr(sys, "argv", ["mitigation_costs.py", *map(str, paths), "--against", "stableflash-none"])
     mc.main()
     lines = capsys.readouterr().out.splitlines()
-    stable = next(line for line in lines if line.startswith("ours-stable"))
-    fp8 = next(line for line in lines if line.startswith("ours-fp8"))
+    stable = next(line for line in lines if line.startswith("stableflash "))
+    fp8 = next(line for line in lines if line.startswith("stableflash-fp8"))
     assert "+50.0% [+0.0%, +100.0%] n=3" in stable and "+20.0% [+20.0%, +20.0%] n=1" in stable
     assert "+25.0% [+0.0%, +100.0%] n=3" in fp8 and fp8.rstrip().endswith("-")
+
+
+def test_mitigation_costs_reads_a_file_with_the_earlier_provider_names(tmp_path, monkeypatch, capsys):
+    """Result files written before the providers were named stableflash-* still load, under the
+    current names (bench.attention.LEGACY_PROVIDERS)."""
+    mc = load("tools/mitigation_costs")
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(fake_bench({(SMALL, "ours-standard"): 200.0, (SMALL, "ours-stable"): 100.0},
+                                          providers=("ours-standard", "ours-stable"))))
+    monkeypatch.setattr(sys, "argv", ["mitigation_costs.py", str(path), "--against", "ours-standard"])
+    mc.main()
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("stableflash "))
+    assert "+100.0%" in line
 
 
 def test_mitigation_costs_one_file_keeps_its_table(tmp_path, monkeypatch, capsys):
     mc = load("tools/mitigation_costs")
     path = tmp_path / "bench.json"
-    path.write_text(json.dumps(fake_bench({(SMALL, "ours-standard"): 200.0, (SMALL, "ours-stable"): 100.0,
+    path.write_text(json.dumps(fake_bench({(SMALL, "stableflash-none"): 200.0, (SMALL, "stableflash"): 100.0,
                                            (SMALL, "sdpa-flash"): 50.0})))
     monkeypatch.setattr(sys, "argv", ["mitigation_costs.py", str(path)])
     mc.main()
@@ -66,20 +79,20 @@ def test_mitigation_costs_one_file_keeps_its_table(tmp_path, monkeypatch, capsys
 
 
 def test_mitigation_costs_keeps_a_long_providers_name_apart_from_its_cells(tmp_path, monkeypatch, capsys):
-    """Provider names longer than the old 16-character column (ours-fp8-pv-norule) ran into their
+    """Provider names longer than the old 16-character column (stableflash-none-fp8-pv) ran into their
     first cell; the name column now fits the longest name, and cells are space-separated."""
     import re
 
     mc = load("tools/mitigation_costs")
     path = tmp_path / "bench.json"
-    path.write_text(json.dumps(fake_bench({(SMALL, "ours-standard"): 200.0, (SMALL, "ours-fp8-pv-norule"): 100.0,
-                                           (BIG, "ours-standard"): 200.0, (BIG, "ours-fp8-pv-norule"): 160.0},
-                                          providers=("ours-standard", "ours-fp8-pv-norule"))))
+    path.write_text(json.dumps(fake_bench({(SMALL, "stableflash-none"): 200.0, (SMALL, "stableflash-none-fp8-pv"): 100.0,
+                                           (BIG, "stableflash-none"): 200.0, (BIG, "stableflash-none-fp8-pv"): 160.0},
+                                          providers=("stableflash-none", "stableflash-none-fp8-pv"))))
     for argv in ([str(path)], [str(path), str(path)]):
         monkeypatch.setattr(sys, "argv", ["mitigation_costs.py", *argv])
         mc.main()
-        line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("ours-fp8-pv-norule"))
-        assert re.match(r"ours-fp8-pv-norule\s+\+100\.0% .*\s\+25\.0% ", line), line
+        line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("stableflash-none-fp8-pv"))
+        assert re.match(r"stableflash-none-fp8-pv\s+\+100\.0% .*\s\+25\.0% ", line), line
 
 
 @pytest.mark.slow

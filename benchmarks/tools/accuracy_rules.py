@@ -30,9 +30,8 @@ for shape in SHAPES:
     q, k, v, do = (torch.randn(*shape, generator=gen).bfloat16().cuda() for _ in range(4))
     want = reference.forward_backward(q, k, v, do, causal=True)
     variants = {}
-    for rule in ("standard", "paper", "ours", "bounded"):
-        stab = {"standard": False, "ours": True}.get(rule, rule)
-        variants[f"triton {rule}"] = lambda q, k, v, s=stab: sf.flash_attention(q, k, v, causal=True, stabilize=s,
+    for stab in ("none", "consistent-delta", "paper", "tie-shift", "all-shift"):
+        variants[f"triton {stab}"] = lambda q, k, v, s=stab: sf.flash_attention(q, k, v, causal=True, stabilize=s,
                                                                                backend="triton")
     for name, backend in (("sdpa flash", SDPBackend.FLASH_ATTENTION), ("sdpa cudnn", SDPBackend.CUDNN_ATTENTION)):
         def peer(q, k, v, b=backend):
@@ -43,9 +42,9 @@ for shape in SHAPES:
         got = grads(fn, q, k, v, do)
         rows.append(dict(shape=shape, variant=name, **{n: rel(g, w) for n, g, w in zip(("O", "dQ", "dK", "dV"), got, want)}))
     torch.use_deterministic_algorithms(True)
-    got = grads(variants["triton ours"], q, k, v, do)
+    got = grads(variants["triton consistent-delta"], q, k, v, do)
     torch.use_deterministic_algorithms(False)
-    rows.append(dict(shape=shape, variant="triton ours, deterministic", **{n: rel(g, w) for n, g, w in
+    rows.append(dict(shape=shape, variant="triton consistent-delta, deterministic", **{n: rel(g, w) for n, g, w in
                                                                          zip(("O", "dQ", "dK", "dV"), got, want)}))
 
 json.dump(rows, open(os.path.join(os.environ.get("OUT", "/tmp"), "accuracy.json"), "w"), indent=1)

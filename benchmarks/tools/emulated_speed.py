@@ -30,7 +30,7 @@ for name in ("fa2", "paper"):
     for _ in range(3):
         sync()
         t0 = time.perf_counter()
-        res = emulated_forward(q, k, v, causal=True, scale=D ** -0.5, policy=pol, rule=ShiftRule("ours"))
+        res = emulated_forward(q, k, v, causal=True, scale=D ** -0.5, policy=pol, rule=ShiftRule("tie-shift"))
         sync()
         t1 = time.perf_counter()
         emulated_backward(q, k, v, res.out, res.lse, do, causal=True, scale=D ** -0.5, policy=pol)

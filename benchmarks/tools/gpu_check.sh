@@ -5,8 +5,8 @@
 # Env: SKIP_DIAG, SKIP_TESTS, SKIP_BENCH = 1 skip a part; PYTEST_K selects kernel tests; BENCH_LIMIT
 # caps the benchmark's seconds. The next session's quiet part, for example:
 #   SKIP_DIAG=1 PYTEST_K="16_bit or soft or fp8_tensor_cores" bash benchmarks/tools/gpu_check.sh --modes fwd+bwd \
-#     --providers ours-standard ours-stable ours-o32c ours-fp8 ours-fp8-o32c ours-fp8-o16 ours-fp8-pv ours-softcap \
-#     ours-dpp sdpa-flash sdpa-cudnn
+#     --providers stableflash-none stableflash stableflash-none-o32c stableflash-tie-shift-fp8 stableflash-fp8 \
+#     stableflash-fp8-pv stableflash-tie-shift-softcap stableflash-tie-shift-dpp sdpa-flash sdpa-cudnn
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src:${PYTHONPATH:-} PYTHONUNBUFFERED=1

@@ -1,9 +1,9 @@
-"""Kernel cost of each of our variants in a benchmark JSON (``stableflash bench attention``):
+"""Kernel cost of each of stableflash's variants in a benchmark JSON (``stableflash bench attention``):
 forward+backward time relative to a reference provider, cost = reference TFLOP/s ÷ variant's − 1,
 and the variant's ratio to SDPA's flash backend, per shape.
 
     python benchmarks/tools/mitigation_costs.py benchmarks/results/attention-H200-2026-11-22-mitigations.json \
-        [--against ours-standard] [--mode fwd+bwd]
+        [--against stableflash-none] [--mode fwd+bwd]
 
 Given several JSONs (repeated runs of the same benchmark), the cost is taken within each file and
 it prints, per variant and shape, the median over the files, the [min, max] range and how many
@@ -14,6 +14,18 @@ import json
 import statistics
 from pathlib import Path
 
+from stableflash.bench.attention import LEGACY_PROVIDERS, VARIANTS, provider_name
+
+
+def load(path: str) -> dict:
+    """A benchmark JSON with its providers under their current names (files written before the
+    providers were named stableflash-* use the earlier names of ``LEGACY_PROVIDERS``)."""
+    data = json.loads(Path(path).read_text())
+    data["config"]["providers"] = [LEGACY_PROVIDERS.get(p, p) for p in data["config"]["providers"]]
+    for row in data["rows"]:
+        row["provider"] = LEGACY_PROVIDERS.get(row["provider"], row["provider"])
+    return data
+
 
 def tflops(data: dict, mode: str) -> dict:
     """{(shape, provider): TFLOP/s} of one benchmark JSON's rows in ``mode``."""
@@ -22,8 +34,8 @@ def tflops(data: dict, mode: str) -> dict:
 
 
 def variants(datas: list, against: str) -> list:
-    """Our providers other than ``against``, in the order the files first list them."""
-    names = [p for d in datas for p in d["config"]["providers"] if p.startswith("ours") and p != against]
+    """stableflash's providers other than ``against``, in the order the files first list them."""
+    names = [p for d in datas for p in d["config"]["providers"] if p in VARIANTS and p != against]
     return list(dict.fromkeys(names))
 
 
@@ -81,10 +93,10 @@ def print_many(datas: list, against: str, mode: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("json", nargs="+")
-    ap.add_argument("--against", default="ours-standard")
+    ap.add_argument("--against", default="stableflash-none", type=provider_name)
     ap.add_argument("--mode", default="fwd+bwd", choices=("fwd", "fwd+bwd"))
     args = ap.parse_args()
-    datas = [json.loads(Path(path).read_text()) for path in args.json]
+    datas = [load(path) for path in args.json]
     if len(datas) == 1:
         print_one(datas[0], args.against, args.mode)
     else:

@@ -3,7 +3,7 @@ one forward (unique storages, the inputs q, k, v left out) plus the output, per 
 each shape; on CUDA also the allocator's growth across the forward as a cross-check.
 What `delta=dO·O32` (an fp32 copy of O beside the bf16 one) or `out=fp32` costs in memory.
 
-    python benchmarks/tools/saved_memory.py [--providers ours-stable ours-o32c ...] [--shape B,H,N,d ...]
+    python benchmarks/tools/saved_memory.py [--providers stableflash stableflash-none-o32c ...] [--shape B,H,N,d ...]
         [--json OUT.json]
 On a machine without CUDA run it with TRITON_INTERPRET=1 and a small --shape.
 """
@@ -12,7 +12,7 @@ import json
 
 import torch
 
-from stableflash.bench.attention import PROVIDERS, provider_fn, saved_for_backward
+from stableflash.bench.attention import provider_fn, provider_name, saved_for_backward
 
 
 def saved_bytes(name: str, shape, device) -> dict:
@@ -34,8 +34,10 @@ def saved_bytes(name: str, shape, device) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--providers", nargs="+", default=["ours-standard", "ours-stable", "ours-o32c", "ours-o32r", "ours-o32",
-                                                        "ours-fp8", "ours-fp8-o16", "sdpa-flash"], choices=PROVIDERS)
+    ap.add_argument("--providers", nargs="+", default=["stableflash-none", "stableflash", "stableflash-tie-shift-o32c",
+                                                        "stableflash-tie-shift-o32r", "stableflash-tie-shift-o32",
+                                                        "stableflash-tie-shift-fp8", "stableflash-tie-shift-fp8-o16",
+                                                        "sdpa-flash"], type=provider_name)
     ap.add_argument("--shape", action="append", help="B,H,N,d (repeatable; default 8,16,4096,64)")
     ap.add_argument("--json")
     args = ap.parse_args()

@@ -63,7 +63,7 @@ def profile_attention(spec: str, cfg: TrainBenchConfig, steps: int) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--attention", action="append", help="attention spec (repeatable; default: sdpa and triton rule=ours)")
+    p.add_argument("--attention", action="append", help="attention spec (repeatable; default: sdpa and triton)")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--no-compile", action="store_true")
@@ -72,7 +72,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("train_profile.py needs a CUDA GPU; none is visible")
-    specs = a.attention or ["sdpa", "triton rule=ours"]
+    specs = a.attention or ["sdpa", "triton"]
     cfg = TrainBenchConfig(attentions=tuple(specs), batch_size=a.batch_size, compile=not a.no_compile)
     result = {"config": vars(a), "env": environment(), "rows": []}
     for spec in specs:
