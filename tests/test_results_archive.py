@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import sys
 import tarfile
 from pathlib import Path
@@ -38,7 +39,7 @@ def run_dirs(unpacked) -> list[Path]:
 
 def test_every_run_loads(unpacked, run_dirs):
     assert len(run_dirs) == RUNS
-    with_probes, empty = 0, []
+    with_probes, empty, unstabilized = 0, [], 0
     for path in run_dirs:
         run = load_run(path)
         assert run.skipped == {} and run.problems == [], path
@@ -46,11 +47,19 @@ def test_every_run_loads(unpacked, run_dirs):
         if len(loss_series(run)[0]) == 0:
             empty.append(path.relative_to(unpacked).as_posix())
         with_probes += bool(run.probes)
+        assert "config_version" not in (run.summary or {}), path       # every archived run predates the grammar
         for source in (run.config, run.summary or {}):
             for key in ("attention", "final_attention"):
                 if source.get(key):
-                    parse_attention_spec(source[key])        # old spellings still parse
+                    # load_run upgrades the earlier grammar: a bare triton or emulated entry was
+                    # unstabilized, and now says so by name
+                    spec = parse_attention_spec(source[key])
+                    entries = [re.sub(r"^\s*[\d*,\s-]+:", "", e).split() for e in source[key].split(";")]
+                    assert all("stabilize=" in " ".join(e) for e in entries if e and e[0] != "sdpa"), source[key]
+                    unstabilized += any(c.backend == "triton" and c.stabilize == "none"
+                                        for c in (spec.default, *(c for _, c in spec.overrides)))
     assert with_probes == 230          # runs with probe records (the rest ran with probes off)
+    assert unstabilized > 100          # the kernel baselines: "triton policy=..." in the earlier grammar
     # the one run that stopped before its first logged step (its metrics.jsonl was empty when archived)
     assert empty == ["mitigations-H200-2026-11-22/sess/m-sr-out/seed1/baseline"]
 

@@ -132,3 +132,29 @@ def test_tensorboard_gets_the_same_scalars_as_metrics_jsonl(data_dir, tmp_path):
         assert tb_loss[r["step"]] == pytest.approx(r["loss"], rel=1e-6)       # stored as float32
     assert {"lr", "grad_norm", "tokens_per_s", "val_loss"} <= set(acc.Tags()["scalars"])
     assert [e.step for e in acc.Scalars("val_loss")] == [5, 11]
+
+
+def test_a_run_folder_of_the_earlier_spec_grammar_resumes_with_its_meaning(data_dir, tmp_path, capsys):
+    """A run written before ``config_version`` (its config.json and checkpoint lack it), in which a
+    bare emulated entry was unstabilized and "delta=auto" the monitor's switch, resumes as what it
+    was: the config's specs and the checkpoint's switched spec are upgraded on load."""
+    out = tmp_path / "old"
+    assert main(["train", "--preset", "tiny", "--out", str(out), "-q", "--set", f"data={data_dir}",
+                 "--set", "max_iters=4", "--set", "ckpt_every=2", "--set",
+                 "attention=sdpa; 1: emulated stabilize=none policy=fa2"]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["config_version"] == 2
+    del config["config_version"]                                   # as the earlier version wrote it
+    config.update(attention="sdpa; 1: emulated policy=fa2", monitor_switch_to="delta=auto")
+    (out / "config.json").write_text(json.dumps(config))
+    state = torch.load(out / "ckpt.pt", weights_only=False)
+    del state["config"]["config_version"]
+    state["attention"] = "sdpa; 1: emulated policy=fa2"
+    torch.save(state, out / "ckpt.pt")
+    capsys.readouterr()
+    assert main(["train", "--resume", str(out), "-q", "--set", "max_iters=6", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["final_attention"] == "sdpa; 1: emulated stabilize=none policy=fa2"
+    saved = json.loads((out / "config.json").read_text())
+    assert saved["config_version"] == 2 and saved["monitor_switch_to"] == "delta=consistent"
+    assert saved["attention"] == "sdpa; 1: emulated stabilize=none policy=fa2"
