@@ -234,8 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Build synthetic attention inputs with what the paper found in GPT-2's layer 2 "
                     "(rows with several equal maxima, a mostly negative feature of V, dO sharing the "
                     "sign of the output error) and control inputs without ties, run the emulated "
-                    "flash attention under the 'paper' and 'fa2' policies with the standard, the "
-                    "paper's and our stabilized row maximum, and report the fraction of P-bar "
+                    "flash attention under the 'paper' and 'fa2' policies under each row-maximum "
+                    "rule (standard, paper, tie-shift, all-shift), and report the fraction of P-bar "
                     "entries equal to 1, the signed error of O-bar and O against float64 (in ulps of "
                     "the output format) and the bias of delta = rowsum(dO * O).",
     )
@@ -352,7 +352,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_sub.required = True
     p = bench_sub.add_parser(
         "attention",
-        help="time our Triton kernels against SDPA (flash, cuDNN, efficient) and FlexAttention",
+        help="time stableflash's Triton kernels against SDPA (flash, cuDNN, efficient) and FlexAttention",
         description="Check every provider against float64, then time forward and forward+backward "
                     "(median of triton.testing.do_bench, or of its CUDA-graph form with --timing graph) "
                     "for stableflash's kernels (stabilized, unstabilized, other stabilizations) and torch's peers in the same "

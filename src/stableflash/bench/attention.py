@@ -82,8 +82,11 @@ VARIANTS = {
     "stableflash-fp8-pv": Variant("consistent-delta", "fa2", _FP8_PV),
     "stableflash-tie-shift-softcap": Variant("tie-shift", extra={"softcap": 30.0}),
 }
-# the earlier provider names, found in stored result files and the commands beside them, with the
-# variant each ran ("ours-fp8-o16r-norule" and "ours-o32r-norule" named the default's δ explicitly)
+# the earlier provider names, which the commands recorded beside stored result files use, with the
+# variant each named when the providers were renamed ("ours-fp8-o16r-norule" and "ours-o32r-norule"
+# spelled the default's δ out). What "ours-stable" ran changed before that (the tie-shift rule alone,
+# then with the consistent δ: docs/kernels.md), so a result file keeps the
+# names it recorded.
 LEGACY_PROVIDERS = {
     "ours-stable": "stableflash", "ours-standard": "stableflash-none", "ours-rule": "stableflash-tie-shift",
     "ours-rule-guard": "stableflash-tie-shift+consistent-delta", "ours-bounded": "stableflash-all-shift",
@@ -366,10 +369,10 @@ def format_table(result: dict) -> str:
                 r = by.get((shape, mode, p), {})
                 cells.append(f"{r['tflops']:.0f}" if "tflops" in r else "err")
             peers = [by[(shape, mode, p)]["tflops"] for p in PEERS if "tflops" in by.get((shape, mode, p), {})]
-            ours = by.get((shape, mode, "stableflash"), {}).get("tflops")
-            best = f"{ours / max(peers):.2f}×" if ours and peers else "-"
+            default = by.get((shape, mode, "stableflash"), {}).get("tflops")
+            best = f"{default / max(peers):.2f}×" if default and peers else "-"
             flash = by.get((shape, mode, "sdpa-flash"), {}).get("tflops")
-            vs_flash = f"{ours / flash:.2f}×" if ours and flash else "-"
+            vs_flash = f"{default / flash:.2f}×" if default and flash else "-"
             t.add_row("×".join(map(str, shape)), mode, *cells, vs_flash, best)
         console.print(t)
     return cap.get()
