@@ -295,3 +295,15 @@ def test_the_accelerated_note_is_left_out_when_set_replaces_the_attention(tmp_pa
                                 "fp32 control were not run). Accelerated: P̄ and O rounded to fp8 e5m2 (2 mantissa "
                                 "bits instead of bf16's 7), a stand-in for bf16, which did not fail in 8000 steps of "
                                 "the same run (docs/reproduction.md).")
+
+
+def test_the_stabilized_run_takes_any_stabilization_by_name():
+    import dataclasses
+
+    from stableflash.model.spec import parse_attention_spec
+    from stableflash.repro.presets import REPRO_PRESETS
+    p = dataclasses.replace(REPRO_PRESETS["cpu-demo"], stabilization="tie-shift+consistent-delta")
+    assert parse_attention_spec(p.stabilized).default.stabilize == "tie-shift+consistent-delta"
+    assert parse_attention_spec(p.baseline).default.stabilize == "none"
+    with pytest.raises(ValueError, match="stabilization='ours' is invalid \\('ours' is the earlier name of 'tie-shift'\\)"):
+        dataclasses.replace(REPRO_PRESETS["cpu-demo"], stabilization="ours")

@@ -167,6 +167,9 @@ def _cmd_repro(args: argparse.Namespace) -> int:
     if name not in REPRO_PRESETS:
         raise ValueError(f"--preset {name!r} is unknown; accepted: {', '.join(REPRO_PRESETS)}")
     preset = REPRO_PRESETS[name]
+    if args.stabilize is not None:
+        import dataclasses
+        preset = dataclasses.replace(preset, stabilization=args.stabilize)
     if preset.gpu and not torch_cuda():
         cpu = ", ".join(k for k, v in REPRO_PRESETS.items() if not v.gpu)
         raise ValueError(f"preset {name!r} needs a GPU (none is visible here); accepted without one: {cpu}")
@@ -323,6 +326,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, help="override the preset's number of steps")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="extra training config override")
     p.add_argument("--no-probe", action="store_true", help="skip the kernel-level probe")
+    from stableflash.attention.stabilization import NAMES
+    p.add_argument("--stabilize", choices=NAMES, metavar="NAME",
+                   help="the stabilized run's stabilization, as flash_attention's argument (default: "
+                        f"consistent-delta; accepted: {', '.join(NAMES)})")
     p.add_argument("--roles", nargs="+", choices=("baseline", "stabilized", "control"),
                    default=["baseline", "stabilized", "control"],
                    help="which runs of each seed (default: all three; a search may run the baseline alone)")

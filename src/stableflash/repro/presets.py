@@ -34,6 +34,10 @@ class ReproPreset:
     stabilization: str = "consistent-delta"     # the stabilized run: the baseline with stabilize=<this>
     faithful: str | None = None                 # what bf16 did in the same run: "… a stand-in for bf16, which {faithful}"
 
+    def __post_init__(self) -> None:
+        from stableflash.attention.stabilization import parse_stabilize
+        parse_stabilize(self.stabilization, arg="stabilization")         # a name of stabilization.NAMES
+
     @property
     def stabilized(self) -> str:
         return with_settings(self.baseline, f"stabilize={self.stabilization}")
