@@ -66,11 +66,6 @@ class Stabilization:
             return CONSISTENT_DELTA if self.consistent_delta else NONE
         return f"{self.rule.kind}+{CONSISTENT_DELTA}" if self.consistent_delta else self.rule.kind
 
-    @property
-    def changes_shift(self) -> bool:
-        """Whether the forward's row maximum differs from the standard one."""
-        return self.rule.stabilized
-
     def policy_for(self, policy: PrecisionPolicy) -> PrecisionPolicy:
         """``policy`` with δ from the consistent source where this stabilization asks for it."""
         return with_consistent_delta(policy) if self.consistent_delta else policy
@@ -87,9 +82,6 @@ class Stabilization:
             return cls(ShiftRule("standard", beta, eps), name == CONSISTENT_DELTA)
         kind, _, delta = name.partition("+")
         return cls(ShiftRule(kind, beta, eps), bool(delta))
-
-
-DEFAULT = Stabilization()
 
 
 def _unknown(arg: str, value) -> str:

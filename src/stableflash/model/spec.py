@@ -37,13 +37,13 @@ was not stabilized; ``upgrade_stored_spec`` rewrites such text in this grammar, 
 """
 from __future__ import annotations
 
+import functools
 import math
 import re
 from dataclasses import dataclass, field, fields
 from typing import Iterable
 
 from stableflash.attention.policy import PRESETS, ROUNDING_POINTS, PrecisionPolicy, resolve_policy
-from stableflash.attention.shift import LEGACY_RULES
 from stableflash.attention.stabilization import (CONSISTENT_DELTA, NONE, Stabilization, from_stored,
                                                  parse_stabilize)
 from stableflash.numerics import get_format
@@ -148,9 +148,10 @@ class AttentionChoice:
             exact = base in ("fp32", "fp64") and not changes     # the same whatever the input dtype
             object.__setattr__(self, "policy", base if exact else _build_policy(base, low, changes))
 
-    @property
+    @functools.cached_property
     def stabilization(self) -> Stabilization:
-        """The Stabilization this choice runs (its name with beta and eps)."""
+        """The Stabilization this choice runs (its name with beta and eps), built once: a model's
+        layers read it through ``kwargs`` on every forward."""
         return parse_stabilize(self.stabilize, self.beta, self.eps)
 
     def kwargs(self) -> dict:
@@ -159,11 +160,6 @@ class AttentionChoice:
         if self.backend == "emulated" or self.block != DEFAULT_BLOCK:
             kw.update(block_k=self.block)
         return kw
-
-    @property
-    def changes_shift(self) -> bool:
-        """True when the row-maximum rule is not the standard one."""
-        return self.stabilization.changes_shift
 
     def delta_source(self, dtype=None) -> str:
         """The δ source this choice runs for inputs of ``dtype`` (default bfloat16), a consistent δ
@@ -254,13 +250,15 @@ class AttentionSpec:
         bfloat16), default first, each once; empty when no choice asks for one (a choice whose policy
         names its own δ source keeps that source, and is not counted)."""
         import torch
+        dtype = torch.bfloat16 if dtype is None else dtype
         sources: list[str] = []
         for c in (self.default, *(c for _, c in self.overrides)):
-            own = resolve_policy(c.policy, torch.bfloat16 if dtype is None else dtype).delta
-            if c.stabilization.consistent_delta and c.backend != "sdpa" and own == "dO·O":
-                source = c.delta_source(dtype)
-                if source not in sources:
-                    sources.append(source)
+            if c.backend == "sdpa" or not c.stabilization.consistent_delta:
+                continue
+            policy = resolve_policy(c.policy, dtype)
+            source = c.stabilization.policy_for(policy).delta
+            if policy.delta == "dO·O" and source not in sources:
+                sources.append(source)
         return sources
 
     def __str__(self) -> str:
@@ -499,12 +497,12 @@ def _upgrade_words(words: list[str]) -> list[str]:
     for word in words:
         key, _, value = word.partition("=")
         if key == "rule":
-            rule = LEGACY_RULES.get(value, value)
+            rule = value
         elif key == "delta" and value in ("auto", "consistent"):
             consistent = True
         else:
             kept.append(word)
-    name = from_stored(rule) if rule != "standard" else NONE
+    name = from_stored(rule)                      # "standard" → "none", "ours" → "tie-shift", ...
     if consistent:
         name = with_consistent_delta_name(name)
     return [f"stabilize={name}", *kept]
@@ -540,7 +538,7 @@ def upgrade_stored_settings(settings: str) -> str:
     for word in settings.split():
         key, _, value = word.partition("=")
         if key == "rule":
-            word = f"stabilize={from_stored(LEGACY_RULES.get(value, value)) if value != 'standard' else NONE}"
+            word = f"stabilize={from_stored(value)}"
         elif word == "delta=auto":
             word = "delta=consistent"
         words.append(word)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from stableflash.attention.stabilization import parse_stabilize
 from stableflash.model.spec import with_settings
 from stableflash.numerics import get_format
 
@@ -35,7 +36,6 @@ class ReproPreset:
     faithful: str | None = None                 # what bf16 did in the same run: "… a stand-in for bf16, which {faithful}"
 
     def __post_init__(self) -> None:
-        from stableflash.attention.stabilization import parse_stabilize
         parse_stabilize(self.stabilization, arg="stabilization")         # a name of stabilization.NAMES
 
     @property
