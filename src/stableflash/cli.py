@@ -51,6 +51,15 @@ def _shape(text: str) -> tuple[int, int, int, int]:
     return tuple(int(p) for p in parts)
 
 
+def _stabilization(text: str) -> str:
+    """A stabilization name (an earlier spelling is refused with its current name)."""
+    from stableflash.attention.stabilization import parse_stabilize
+    try:
+        return parse_stabilize(text, arg="--stabilize").name
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _provider(text: str) -> str:
     from stableflash.bench.attention import provider_name
     try:
@@ -327,7 +336,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="extra training config override")
     p.add_argument("--no-probe", action="store_true", help="skip the kernel-level probe")
     from stableflash.attention.stabilization import NAMES
-    p.add_argument("--stabilize", choices=NAMES, metavar="NAME",
+    p.add_argument("--stabilize", type=_stabilization, metavar="NAME",
                    help="the stabilized run's stabilization, as flash_attention's argument (default: "
                         f"consistent-delta; accepted: {', '.join(NAMES)})")
     p.add_argument("--roles", nargs="+", choices=("baseline", "stabilized", "control"),
