@@ -176,3 +176,41 @@ def test_plot_loss_draws_the_runs_and_refuses_a_folder_without_metrics(tmp_path,
         pl.parse_run(f"x={tmp_path}")
     with pytest.raises(argparse.ArgumentTypeError, match="accepted: LABEL=RUN_DIR"):
         pl.parse_run(str(tmp_path / "held"))
+
+
+def test_kernel_digest_writes_and_compares_digests(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("triton")
+    kd = load("tools/kernel_digest")
+    out = tmp_path / "a.json"
+    monkeypatch.setattr(sys, "argv", ["kernel_digest.py", "--only", "fa2 tie-shift", "paper e8m5", "--out", str(out)])
+    kd.main()
+    digests = json.loads(out.read_text())["digests"]
+    assert list(digests) == ["fa2 tie-shift", "paper e8m5"]
+    assert all(len(h) == 64 for d in digests.values() for h in d.values()) and set(digests["paper e8m5"]) == {
+        "O", "dQ", "dK", "dV"}
+    assert kd.compare(out, out) == 0
+    changed = json.loads(out.read_text())
+    changed["digests"]["paper e8m5"]["dQ"] = "0" * 64
+    (tmp_path / "b.json").write_text(json.dumps(changed))
+    assert kd.compare(out, tmp_path / "b.json") == 1
+    assert "differs: paper e8m5" in capsys.readouterr().out
+
+
+def test_the_compile_tools_give_the_forward_every_switch_it_takes():
+    """compile_check's variants and sass_count's configurations, built through the launcher's own
+    conversion, set exactly the forward kernel's compile-time parameters (checked without compiling)."""
+    pytest.importorskip("triton")
+    import inspect
+
+    from stableflash.attention.triton.forward import attn_fwd_kernel
+    cc, sc = load("tools/compile_check"), load("tools/sass_count")
+    params = inspect.signature(attn_fwd_kernel.fn).parameters
+    wanted = {n for n, p in params.items() if "constexpr" in str(p.annotation)}
+    assert {"STAB", "FMT", "PFMT", "FP8_PV", "DELTA_SRC", "TMA", "INTERP"} <= wanted
+    for name, (config, launch) in cc.forward_variants().items():
+        const, pointers = cc.forward_job(config, launch)
+        assert set(const) == wanted, name
+        assert set(pointers) <= {"O32", "V8"}, name
+    for name, job in sc.configs().items():
+        const, _, _ = sc.forward_job(*job)
+        assert set(const) | {"HEAD_DIM", "BLOCK_M", "BLOCK_N", "CAUSAL"} == wanted, name

@@ -1,7 +1,7 @@
 """Fixed-config timings of the Triton kernels, to choose tile configs and measure what each
 variant gains.
 
-Forward: each config × rule (standard, paper, ours, bounded) × key loop through pointers or
+Forward: each config × rule (standard, paper, tie-shift, all-shift) × key loop through pointers or
 tensor descriptors (TMA) × grid (one program per tile, or persistent: P programs per SM walking
 every tile longest first). Backward (unless FWD_ONLY=1): the dK/dV and dQ kernels per config.
 BWD_ONLY=1 skips the forward. Env: RULES=0,2 to time fewer rules, TMAS=0 or 1 for one key loop,
@@ -27,13 +27,41 @@ FWD = [(64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3)]
 DKDV = [(32, 64, 4, 3), (64, 128, 8, 3), (32, 128, 4, 3)]
 DQ = [(64, 64, 4, 3), (128, 64, 8, 3), (128, 32, 8, 3)]
 LOG2E = 1 / math.log(2)
-RULE_NAMES = ("standard", "paper", "ours", "bounded")
+RULE_NAMES = ("standard", "paper", "tie-shift", "all-shift")   # RULES: their RuleKind values
 RULES = tuple(int(r) for r in os.environ.get("RULES", "0,1,2,3").split(","))
 TMAS = tuple(bool(int(t)) for t in os.environ.get("TMAS", "0,1").split(","))
 PERSIST = tuple(int(p) for p in os.environ.get("PERSIST", "0").split(","))
 dev = "cuda"
 rows = []
 op._ensure_allocator()        # the TMA variants need Triton's scratch allocator
+
+
+def fa2_config(stab: int):
+    """The "fa2" bf16 forward under rule ``stab`` as a KernelConfig, or None in a tree from before
+    the typed configuration (ab_kernels.sh runs this file against earlier trees too)."""
+    try:
+        from stableflash.attention.triton.config import Format, KernelConfig, RuleKind
+    except ImportError:
+        return None
+    return KernelConfig(rule=RuleKind(stab), narrow=Format.BF16, narrow_out=True)
+
+
+def fwd_switches(stab: int) -> dict:
+    """The forward kernel's switches for the "fa2" bf16 forward under rule ``stab``: the launcher's
+    ``op.forward_switches``, or an earlier tree's integer switches."""
+    config = fa2_config(stab)
+    if config is not None:
+        return op.forward_switches(config)
+    return dict(STAB=stab, EMU=False, MBITS=0, SR=False, ACC_NARROW=False, ROW_NARROW=False, O_NARROW=True,
+                PBAR32=False, HP=False, PFMT=-1, SOFTCAP=False, KEEP_O32=False)
+
+
+def fwd_lse(q, k, v, scale):
+    """(O, LSE) of the standard "fa2" forward, for the backward's inputs."""
+    config = fa2_config(0)
+    o, lse, _ = (op._forward(q, k, v, True, scale, config) if config is not None else
+                 op._forward(q, k, v, True, scale, 0, 2.0, 1e-3, 0.13, 8.4, False, 0))
+    return o, lse
 
 
 def bench(fn):
@@ -64,16 +92,14 @@ for shape in SHAPES:
                             q, k, v, v, o, lse, o32, *st(q), *st(k), *st(v), *st(o), n_heads=H, group=1, n_q=N, n_k=N,
                             n_bh=B * H, scale=scale * LOG2E, beta=2.0, eps=1e-3 * LOG2E, lo=0.13 * LOG2E,
                             hi=8.4 * LOG2E, period=1.0, seed=0, hp_mask=0, cap_in=0.0, cap_out=0.0, HEAD_DIM=D,
-                            BLOCK_M=bm, BLOCK_N=bn, CAUSAL=True, STAB=stab, EMU=False, MBITS=0, SR=False,
-                            ACC_NARROW=False, ROW_NARROW=False, O_NARROW=True, PBAR32=False, HP=False, PFMT=-1,
-                            SOFTCAP=False, KEEP_O32=False, PERSISTENT=per > 0, TMA=tma, INTERP=False,
-                            num_warps=w, num_stages=s)
+                            BLOCK_M=bm, BLOCK_N=bn, CAUSAL=True, **fwd_switches(stab), PERSISTENT=per > 0, TMA=tma,
+                            INTERP=False, num_warps=w, num_stages=s)
                     kernel = ("fwd-tma" if tma else "fwd") + (f"-persistent{per}" if per else "")
                     rows.append(dict(shape=shape, kernel=kernel, cfg=(bm, bn, w, s), stab=stab, ms=bench(fwd)))
     if os.environ.get("FWD_ONLY") == "1":
         continue
     # the backward needs a real lse and delta
-    o, lse, _ = op._forward(q, k, v, True, scale, 0, 2.0, 1e-3, 0.13, 8.4, False, 0)
+    o, lse = fwd_lse(q, k, v, scale)
     delta = (o.float() * do.float()).sum(-1)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     common = (*st(q), *st(k), *st(v), *st(do))

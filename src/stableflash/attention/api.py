@@ -101,7 +101,7 @@ def _triton_reason(q: torch.Tensor, k: torch.Tensor, policy: PrecisionPolicy) ->
         return f"the tensors are on {q.device}, not CUDA"
     try:
         tri.check_inputs(q, k)
-        tri.launch.kernel_mode(policy, q.dtype)
+        tri.launch.check_policy(policy, q.dtype)
     except (TypeError, ValueError) as exc:
         return str(exc)
     return None

@@ -57,9 +57,9 @@ def _kernel_can_run(choice_text: str) -> bool:
     """Whether the fused kernels implement this single attention choice (policy and tile)."""
     from stableflash.attention.policy import resolve_policy
     try:
-        from stableflash.attention.triton.launch import kernel_mode
+        from stableflash.attention.triton.launch import check_policy
         choice = parse_attention_spec(choice_text).default
-        kernel_mode(resolve_policy(choice.policy, torch.bfloat16), torch.bfloat16)
+        check_policy(resolve_policy(choice.policy, torch.bfloat16), torch.bfloat16)
     except (ImportError, ValueError):
         return False
     return True

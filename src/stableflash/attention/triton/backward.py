@@ -2,17 +2,17 @@
 query block (two kernels, no atomics, deterministic).
 
 P is recomputed from the saved log-sum-exp, so it is the normalised softmax whatever shift the
-forward used. δ comes from one of three sources (compile-time DELTA):
-- 0 "dO·O": rowsum(dO ∘ O) with the stored O (what kernels do; the term the paper blames), or
-  with an fp32 O the forward kept, or with O + R (the store's residual, "dO·(O+R)");
-- 1 "dP·P": rowsum(P ∘ dP), dP = dO·Vᵀ, one extra pass over the keys;
-- 2 "recompute_fp32": rowsum(dO ∘ PV) with PV recomputed in fp32, one extra pass.
+forward used. δ comes from one of three computations (the δ source, ``config.DeltaSource``):
+- rowsum(dO ∘ O) (``delta_dot_kernel``) with the stored O (DO_O, what kernels do; the term the
+  paper blames), with an fp32 O the forward kept, or with O + R (the store's residual, DO_O_R);
+- DELTA_DP_P (``delta_pass_kernel``): rowsum(P ∘ dP), dP = dO·Vᵀ, one extra pass over the keys;
+- DELTA_RECOMPUTE (``delta_pass_kernel``): rowsum(dO ∘ PV) with PV recomputed in fp32, one extra pass.
 EMU = 1 recomputes S in bf16 natural units, as the emulated backend's "paper" policy does.
 """
 import triton
 import triton.language as tl
 
-from stableflash.attention.triton.common import cast, mma, tanh, to_bf16
+from stableflash.attention.triton.common import DELTA_DP_P, DELTA_RECOMPUTE, cast, mma, tanh, to_bf16
 
 
 @triton.jit
@@ -59,8 +59,8 @@ def delta_pass_kernel(Q, K, V, DO, LSE, DELTA,
                       HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       CAUSAL: tl.constexpr, DELTA_SRC: tl.constexpr, EMU: tl.constexpr, SOFTCAP: tl.constexpr,
                       INTERP: tl.constexpr):
-    """δ from dP·P (DELTA_SRC 1) or from dO·(PV in fp32) (DELTA_SRC 2): one pass over the keys,
-    longest query blocks first (as in the forward)."""
+    """δ from dP·P (DELTA_SRC = DELTA_DP_P) or from dO·(PV in fp32) (DELTA_RECOMPUTE): one pass over the
+    keys, longest query blocks first (as in the forward)."""
     start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
     bh = tl.program_id(1)
     b, h = bh // n_heads, bh % n_heads
@@ -86,12 +86,12 @@ def delta_pass_kernel(Q, K, V, DO, LSE, DELTA,
         if CAUSAL:
             keep = keep & (cols[None, :] <= offs_m[:, None])
         p = tl.where(keep, p, 0.0)
-        if DELTA_SRC == 1:
+        if DELTA_SRC == DELTA_DP_P:
             dp = mma(do, tl.trans(v), INTERP)
             delta += tl.sum(p * dp, 1)
         else:
             o_hp += tl.dot(p, v.to(tl.float32), input_precision="ieee")
-    if DELTA_SRC == 2:
+    if DELTA_SRC == DELTA_RECOMPUTE:
         delta = tl.sum(o_hp * do.to(tl.float32), 1)
     tl.store(DELTA + bh * n_q + offs_m, delta, mask=offs_m < n_q)
 

@@ -8,10 +8,29 @@ fold period in the units the kernel works in (period ln 2 in natural units is 1 
 import triton
 import triton.language as tl
 
-STANDARD = tl.constexpr(0)
-PAPER = tl.constexpr(1)
-OURS = tl.constexpr(2)
-BOUNDED = tl.constexpr(3)
+from stableflash.attention.triton.config import HP_HEAD_LIMIT, DeltaSource, Format, RuleKind
+
+# the kernels' names for the values of the configuration's enums (config.py), which the launcher
+# passes as compile-time switches: STAB (RuleKind), FMT and PFMT (Format), DELTA_SRC (DeltaSource)
+STANDARD = tl.constexpr(RuleKind.STANDARD.value)
+PAPER = tl.constexpr(RuleKind.PAPER.value)
+TIE_SHIFT = tl.constexpr(RuleKind.TIE_SHIFT.value)
+ALL_SHIFT = tl.constexpr(RuleKind.ALL_SHIFT.value)
+BF16 = tl.constexpr(Format.BF16.value)
+FP32 = tl.constexpr(Format.FP32.value)
+FP16 = tl.constexpr(Format.FP16.value)
+E5M2 = tl.constexpr(Format.FP8_E5M2.value)
+E4M3 = tl.constexpr(Format.FP8_E4M3.value)
+NO_FORMAT = tl.constexpr(-1)   # PFMT: P̄ has no format of its own (rounded to V's dtype, or in fp32 with PBAR32)
+DELTA_DO_O = tl.constexpr(DeltaSource.DO_O.value)
+DELTA_DP_P = tl.constexpr(DeltaSource.DP_P.value)
+DELTA_RECOMPUTE = tl.constexpr(DeltaSource.RECOMPUTE_FP32.value)
+DELTA_O_FP32 = tl.constexpr(DeltaSource.DO_O_FP32.value)
+DELTA_O32 = tl.constexpr(DeltaSource.DO_O32.value)
+DELTA_O16 = tl.constexpr(DeltaSource.DO_O16.value)
+DELTA_O_R = tl.constexpr(DeltaSource.DO_O_R.value)
+DELTA_O16_R = tl.constexpr(DeltaSource.DO_O16_R.value)
+HP_LIMIT = tl.constexpr(HP_HEAD_LIMIT)   # the highest head the forward's hp_mask holds
 
 
 @triton.jit
@@ -36,9 +55,9 @@ def shift_from_ties(rm, ties, m_prev, r_prev, STAB: tl.constexpr, beta, eps, lo,
             m = tl.where(tied & (rm > 0), beta * rm, rm)
             m = tl.where(tied & (rm < 0), 0.0, m)
         else:
-            if STAB == OURS:
+            if STAB == TIE_SHIFT:
                 tied = tied | (tl.abs(rm - r_prev) <= eps)      # equal to an earlier block's max
-            else:                                               # BOUNDED: every row, no count
+            else:                                               # ALL_SHIFT: every row, no count
                 tied = rm > float("-inf")
             d = (beta - 1.0) * tl.abs(rm)
             excess = d - hi
@@ -52,12 +71,12 @@ def shift_from_ties(rm, ties, m_prev, r_prev, STAB: tl.constexpr, beta, eps, lo,
 def next_shift(s, m_prev, r_prev, STAB: tl.constexpr, beta, eps, lo, hi, period):
     """One key block's update of the running shift m and running maximum r (shapes (BLOCK_M,)).
 
-    s: (BLOCK_M, BLOCK_N) scores, −inf where masked. STAB: STANDARD, PAPER (Algorithm 3), OURS or
-    BOUNDED (our shift on every row: no per-entry tie count).
+    s: (BLOCK_M, BLOCK_N) scores, −inf where masked. STAB: STANDARD, PAPER (Algorithm 3), TIE_SHIFT
+    or ALL_SHIFT (the tie-shift's bounded shift on every row: no per-entry tie count).
     """
     rm = tl.max(s, 1)
     ties = rm * 0.0
-    if STAB == PAPER or STAB == OURS:
+    if STAB == PAPER or STAB == TIE_SHIFT:
         ties = count_ties(s, rm - eps)
     return shift_from_ties(rm, ties, m_prev, r_prev, STAB, beta, eps, lo, hi, period)
 
@@ -91,12 +110,12 @@ def to_bf16(x, INTERP: tl.constexpr):
 @triton.jit
 def round_mantissa(x, MBITS: tl.constexpr, INTERP: tl.constexpr):
     """x (fp32) rounded to nearest-even with MBITS mantissa bits and fp32's exponent range (the
-    e8mY formats; MBITS = 0 means bfloat16, e8m7; 23 means fp32: x unchanged), returned as fp32. On
-    the bit pattern: add half a quantum minus one plus the kept last bit, then clear the dropped bits
-    (a carry raises the exponent), as ``numerics.round_to`` does for these formats."""
-    if MBITS == 0:
+    e8mY formats; BF16 (e8m7) through the conversion to bfloat16; FP32 (23): x unchanged), returned
+    as fp32. On the bit pattern: add half a quantum minus one plus the kept last bit, then clear the
+    dropped bits (a carry raises the exponent), as ``numerics.round_to`` does for these formats."""
+    if MBITS == BF16:
         y = to_bf16(x, INTERP)
-    elif MBITS == 23:
+    elif MBITS == FP32:
         y = x
     else:
         DROP: tl.constexpr = 23 - MBITS
@@ -117,26 +136,19 @@ def _add_random_bits(x, DROP: tl.constexpr, r):
 
 @triton.jit
 def round_mantissa_stochastic(x, MBITS: tl.constexpr, seed, offsets):
-    """x (fp32) rounded stochastically to MBITS mantissa bits (0: bfloat16; 23: unchanged), returned
+    """x (fp32) rounded stochastically to MBITS mantissa bits (BF16: 7; FP32: unchanged), returned
     as fp32: a uniform random integer below the dropped bits' range is added to the bit pattern
     and the dropped bits are cleared, so the magnitude rounds up with probability equal to its
     distance from the lower neighbour in quanta — unbiased, whatever the sign. ``offsets``
     (int32, x's shape) and ``seed`` pick independent Philox streams; infinities and NaN pass
     unchanged."""
-    if MBITS == 23:
+    if MBITS == FP32:
         y = x
     else:
-        DROP: tl.constexpr = 16 if MBITS == 0 else 23 - MBITS
+        DROP: tl.constexpr = 23 - MBITS
         y = _add_random_bits(x, DROP, tl.randint(seed, offsets))          # Philox: uint32
         y = tl.where(tl.abs(x) < float("inf"), y, x)
     return y
-
-
-# format codes of a narrowing point beyond the e8mY ones (0 = bf16, 1-6 = e8mY, 23 = fp32)
-FP16 = tl.constexpr(30)
-E5M2 = tl.constexpr(31)
-E4M3 = tl.constexpr(32)
-FP8_PV = tl.constexpr(64)   # added to E4M3 or E5M2 in p_bar_v's PFMT: P̄ and V in fp8, an fp8 product
 
 
 @triton.jit
@@ -174,7 +186,7 @@ def _round_small(x, M: tl.constexpr, MIN_NORMAL: tl.constexpr, QUANTUM: tl.const
 
 @triton.jit
 def round_format(x, FMT: tl.constexpr, INTERP: tl.constexpr, SR: tl.constexpr = False, seed=0, offsets=0):
-    """x (fp32) rounded in format FMT (0 bf16, 1-6 e8mY, 23 fp32, FP16, E5M2, E4M3), returned as
+    """x (fp32) rounded in format FMT (a ``config.Format`` value: e8mY, BF16, FP32, FP16, E5M2, E4M3), returned as
     fp32: to nearest-even or, with SR, stochastically (``seed`` and ``offsets`` pick the Philox
     streams)."""
     if FMT == FP16:
@@ -191,9 +203,10 @@ def round_format(x, FMT: tl.constexpr, INTERP: tl.constexpr, SR: tl.constexpr = 
 
 
 @triton.jit
-def narrow(x, MBITS: tl.constexpr, SR: tl.constexpr, seed, offsets, INTERP: tl.constexpr):
-    """One narrowing point to format MBITS: nearest-even or, with SR, stochastic (``round_format``)."""
-    return round_format(x, MBITS, INTERP, SR, seed, offsets)
+def narrow(x, FMT: tl.constexpr, SR: tl.constexpr, seed, offsets, INTERP: tl.constexpr):
+    """One narrowing point to format FMT (a ``config.Format`` value): nearest-even or, with SR,
+    stochastic (``round_format``)."""
+    return round_format(x, FMT, INTERP, SR, seed, offsets)
 
 
 # the largest shift at which the row maximum's P̄ = exp(−shift) is a normal bf16 number: 126·ln 2
@@ -205,7 +218,7 @@ def bound_rounded_shift(m_new, m_prev, r_new, STAB: tl.constexpr):
     """After the shift was rounded up into bf16 (``shift.bound_rounded_shift``): where that put it
     more than BF16_SHIFT_LIMIT above the row maximum r_new, the bounded rules fall back to the
     standard shift max(m_prev, r_new), which bf16 holds exactly. Natural units."""
-    if STAB == OURS or STAB == BOUNDED:
+    if STAB == TIE_SHIFT or STAB == ALL_SHIFT:
         m_new = tl.where(m_new - r_new > BF16_SHIFT_LIMIT, tl.maximum(m_prev, r_new), m_new)
     return m_new
 
@@ -232,26 +245,28 @@ def keep_hp(x, narrowed, hp, HP: tl.constexpr):
 
 
 @triton.jit
-def p_bar_v(p, v, v8, hp, PBAR32: tl.constexpr, HP: tl.constexpr, INTERP: tl.constexpr, PFMT: tl.constexpr = -1):
+def p_bar_v(p, v, v8, hp, PBAR32: tl.constexpr, HP: tl.constexpr, INTERP: tl.constexpr,
+            PFMT: tl.constexpr = NO_FORMAT, FP8_PV: tl.constexpr = False):
     """P̄V with fp32 accumulation: P̄ rounded to V's dtype for the tensor cores, or (PBAR32, or a head
-    kept in fp32) multiplied in fp32. PFMT ≥ 0: P̄ rounded to that format first (``round_format``);
-    bf16, e8mY and fp8 values are exact in bf16, fp16 values in tf32, so the products stay exact.
-    PFMT = FP8_PV + E4M3 or E5M2: P̄ rounded to that fp8 format (on the GPU by the conversion itself,
-    which rounds to nearest-even, subnormals included, as ``round_format``) and multiplied with ``v8``, V
-    already in it (the launcher converts V once per call), on the fp8 tensor cores (FP8 attention;
-    Hopper's fp8 products accumulate with fewer bits than fp32); the interpreter's ``v8`` holds the
-    same values in V's dtype, multiplied in fp32. Otherwise ``v8`` is not read."""
+    kept in fp32) multiplied in fp32. PFMT other than NO_FORMAT: P̄ rounded to that format first
+    (``round_format``); bf16, e8mY and fp8 values are exact in bf16, fp16 values in tf32, so the
+    products stay exact. FP8_PV (PFMT E4M3 or E5M2): P̄ rounded to that fp8 format (on the GPU by
+    the conversion itself, which rounds to nearest-even, subnormals included, as ``round_format``)
+    and multiplied with ``v8``, V already in it (the launcher converts V once per call), on the fp8
+    tensor cores (FP8 attention; Hopper's fp8 products accumulate with fewer bits than fp32); the
+    interpreter's ``v8`` holds the same values in V's dtype, multiplied in fp32. Otherwise ``v8``
+    is not read."""
     if PBAR32:
         pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
     else:
-        if PFMT >= FP8_PV:
+        if FP8_PV:
             if INTERP:
-                pv = mma(cast(round_format(p, PFMT - FP8_PV, INTERP), v8.dtype, INTERP), v8, INTERP)
+                pv = mma(cast(round_format(p, PFMT, INTERP), v8.dtype, INTERP), v8, INTERP)
             else:                                      # the GPU's conversion rounds to nearest-even as
                 pv = tl.dot(p.to(v8.dtype), v8)        # round_format does (test_the_gpus_fp8_conversion…)
         elif PFMT == FP16:
             pv = tl.dot(round_format(p, PFMT, INTERP), v.to(tl.float32), input_precision="tf32")
-        elif PFMT >= 0:
+        elif PFMT != NO_FORMAT:
             pv = mma(cast(round_format(p, PFMT, INTERP), v.dtype, INTERP), v, INTERP)
         else:
             pv = mma(cast(p, v.dtype, INTERP), v, INTERP)

@@ -10,35 +10,42 @@ Two arithmetic modes, chosen at compile time:
 - EMU = 1 ("paper", bf16 only): the authors' emulation, matching the emulated backend's "paper"
   policy — S, the shift and S − m in bf16 (natural units), and ℓ and Ō rounded to bf16 after every
   key block.
-MBITS > 0 narrows the "paper" mode's ℓ, Ō and O (and the "fa2" mode's O) to MBITS mantissa bits
-(the e8mY formats, rounded to nearest-even): the accelerated stand-ins of the reproduction, where
-the bias bf16 shows over thousands of steps appears in hundreds. O is stored in bf16 exactly.
-MBITS = 23 keeps them in fp32 (the high-precision control; O is then rounded once, on the store).
-SR = 1 rounds those narrowing points, and the bf16 O store, stochastically instead of to nearest
-(unbiased; ``seed`` and the element's place pick the random bits, so a call is reproducible).
-ACC_NARROW, ROW_NARROW, O_NARROW = 0 leave Ō, ℓ or O out of the narrowing (a policy's fp32 point);
-PBAR32 multiplies P̄V with P̄ in fp32 (no tensor-core rounding of P̄); PFMT ≥ 0 rounds P̄ to that
-format (bf16, e8mY, fp16, e5m2, e4m3: ``common.round_format``) before the product; HP keeps P̄, Ō,
-ℓ and O in fp32 for the heads set in ``hp_mask`` (a policy's ``hp_heads``). SOFTCAP soft-caps the
-scores (softcap·tanh(S/softcap); the launcher passes cap_in, cap_out in the mode's units).
-KEEP_O32 = 1 also stores O in fp32, as the policy stores it (before it is rounded to the input dtype
-for the model), for the backward's δ = rowsum(dO ∘ O): an fp32 ``out`` (or fp32 heads) with δ from
-dO·O, at the cost of one fp32 store. KEEP_O32 = 2 stores O as computed, Ō/ℓ before any rounding of
-the store (δ from "dO·O32": an exact O for δ while the model gets the policy's format). KEEP_O32 = 3
-("fa2" only; δ from "dO·O16") also accumulates P̄V with P̄ in the input dtype beside the policy's
-product (one more product per key block) and stores that O in fp32: the O of a 16-bit kernel for δ
-while the model gets the O of a narrower P̄ (fp8). KEEP_O32 = 4 (δ from "dO·(O+R)") stores, instead of
-an fp32 O, the residual R = O as computed − O as stored, rounded to the input dtype (O32 then points
-to a tensor of that dtype): O + R holds O to about twice the input format's bits, in half the bytes.
-KEEP_O32 = 5 (δ from "dO·(O16+R)") computes the 16-bit product's O as 3 does and keeps it as 4 keeps
-O as computed: as the residual of the O store, in the input dtype.
+The switches take the values of the configuration's enums (``config.py``; ``common`` names them).
+FMT, a ``Format``, is the format of the narrowing points: ℓ, Ō and O under "paper" and O under
+"fa2", each in it where ROW_NARROW, ACC_NARROW, O_NARROW say (a policy's fp32 point is left out):
+e8mY, rounded to nearest-even — the accelerated stand-ins of the reproduction, where the bias bf16
+shows over thousands of steps appears in hundreds — or bf16, fp16, fp8; FP32 narrows nothing (the
+high-precision control; O is then rounded once, on the store). An O in the format of its own
+dtype is rounded by the store alone. SR rounds those narrowing points, and the bf16 O store,
+stochastically instead of to nearest (unbiased; ``seed`` and the element's place pick the random
+bits, so a call is reproducible). PBAR32 multiplies P̄V with P̄ in fp32 (no tensor-core rounding
+of P̄); PFMT rounds P̄ to that format (bf16, e8mY, fp16, e5m2, e4m3: ``common.round_format``)
+before the product, and FP8_PV multiplies that fp8 P̄ with V in the same format on the fp8 tensor
+cores; HP keeps P̄, Ō, ℓ and O in fp32 for the heads set in ``hp_mask`` (a policy's
+``hp_heads``). SOFTCAP soft-caps the scores (softcap·tanh(S/softcap); the launcher passes cap_in,
+cap_out in the mode's units).
+DELTA_SRC, a ``DeltaSource``, says what the forward keeps for the backward's δ = rowsum(dO ∘ O):
+- DELTA_O_FP32 (δ from dO·O under an fp32 ``out`` or fp32 heads): O in fp32 as the policy stores
+  it (before it is rounded to the input dtype for the model), at the cost of one fp32 store;
+- DELTA_O32 ("dO·O32"): O as computed, Ō/ℓ before any rounding of the store, in fp32 (an exact O
+  for δ while the model gets the policy's format);
+- DELTA_O16 ("fa2" only; "dO·O16"): also accumulates P̄V with P̄ in the input dtype beside the
+  policy's product (one more product per key block) and stores that O in fp32: the O of a 16-bit
+  kernel for δ while the model gets the O of a narrower P̄ (fp8);
+- DELTA_O_R ("dO·(O+R)"): instead of an fp32 O, the residual R = O as computed − O as stored,
+  rounded to the input dtype (O32 then points to a tensor of that dtype): O + R holds O to about
+  twice the input format's bits, in half the bytes;
+- DELTA_O16_R ("dO·(O16+R)"): the 16-bit product's O as DELTA_O16 computes it, kept as DELTA_O_R
+  keeps O as computed: as the residual of the O store, in the input dtype;
+- any other source: nothing.
 """
 import triton
 import triton.language as tl
 
-from stableflash.attention.triton.common import (FP8_PV, bound_rounded_shift, cast, count_ties, keep_hp, mma, narrow,
-                                                 next_shift, p_bar_v, round_up_bf16, shift_from_ties, tanh,
-                                                 to_bf16)
+from stableflash.attention.triton.common import (BF16, DELTA_O16, DELTA_O16_R, DELTA_O32, DELTA_O_FP32, DELTA_O_R,
+                                                 FP16, HP_LIMIT, PAPER, TIE_SHIFT, bound_rounded_shift, cast,
+                                                 count_ties, keep_hp, mma, narrow, next_shift, p_bar_v, round_up_bf16,
+                                                 shift_from_ties, tanh, to_bf16)
 
 LOG2E = 1.4426950408889634
 
@@ -47,20 +54,19 @@ LOG2E = 1.4426950408889634
 def _fwd_blocks(acc, acc16, l_i, m_i, r_i, q, K, V, V8, stride_kn, stride_vn, offs_m, offs_d, start, stop, n_k,
                 scale, beta, eps, lo, hi, period, seed, rows, hp, cap_in, cap_out,
                 BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
-                STAB: tl.constexpr, EMU: tl.constexpr, MBITS: tl.constexpr, SR: tl.constexpr,
+                STAB: tl.constexpr, EMU: tl.constexpr, FMT: tl.constexpr, SR: tl.constexpr,
                 ACC_NARROW: tl.constexpr, ROW_NARROW: tl.constexpr, PBAR32: tl.constexpr, HP: tl.constexpr,
-                PFMT: tl.constexpr, SOFTCAP: tl.constexpr, O16: tl.constexpr, TMA: tl.constexpr,
-                INTERP: tl.constexpr):
+                PFMT: tl.constexpr, FP8_PV: tl.constexpr, SOFTCAP: tl.constexpr, O16: tl.constexpr,
+                TMA: tl.constexpr, INTERP: tl.constexpr):
     """Lines 6-11 of Algorithm 1 for key blocks [start, stop). TMA: K and V are tensor
     descriptors (rows past n_k come back as zeros) instead of pointers. ``rows``: the rows' indices
     over the whole (batch, head, query) grid, which with ``seed`` and the key block number pick the
     random streams of stochastic rounding (SR). ``hp`` (with HP): this head keeps P̄, Ō and ℓ in fp32.
     O16 ("fa2" mode): ``acc16`` accumulates P̄V with P̄ in the input dtype beside ``acc``. An fp8
-    product (PFMT ≥ FP8_PV) reads V from ``V8``, V converted to fp8 with the keys contiguous (what
+    product (FP8_PV) reads V from ``V8``, V converted to fp8 with the keys contiguous (what
     the fp8 tensor cores take), and V itself only where the 16-bit product or an fp32 head needs it."""
     offs_n = tl.arange(0, BLOCK_N)
-    FP8PV: tl.constexpr = PFMT >= FP8_PV
-    BF16_V: tl.constexpr = not FP8PV or O16 or HP
+    BF16_V: tl.constexpr = not FP8_PV or O16 or HP
     for start_n in range(start, stop, BLOCK_N):
         cols = start_n + offs_n
         v = 0.0                                    # placeholders for the operand a mode does not read
@@ -77,7 +83,7 @@ def _fwd_blocks(acc, acc16, l_i, m_i, r_i, q, K, V, V8, stride_kn, stride_vn, of
             k = tl.load(K + cols[None, :] * stride_kn + offs_d[:, None])
             if BF16_V:
                 v = tl.load(V + cols[:, None] * stride_vn + offs_d[None, :])
-        if FP8PV:                                  # V8: (HEAD_DIM, n_k) per head, keys contiguous
+        if FP8_PV:                                 # V8: (HEAD_DIM, n_k) per head, keys contiguous
             if MASKED:
                 v8 = tl.load(V8 + offs_d[None, :] * n_k + cols[:, None], mask=cols[:, None] < n_k, other=0.0)
             else:
@@ -101,21 +107,21 @@ def _fwd_blocks(acc, acc16, l_i, m_i, r_i, q, K, V, V8, stride_kn, stride_vn, of
             blk = 3 * (start_n // BLOCK_N)         # streams 3b (Ō) and 3b + 1 (ℓ) of key block b
             l_i = l_i * alpha + tl.sum(p, 1)
             if ROW_NARROW:
-                l_i = keep_hp(l_i, narrow(l_i, MBITS, SR, seed + blk + 1, rows, INTERP), hp, HP)
-            acc = acc * alpha[:, None] + p_bar_v(p, v, v8, hp, PBAR32, HP, INTERP, PFMT)
+                l_i = keep_hp(l_i, narrow(l_i, FMT, SR, seed + blk + 1, rows, INTERP), hp, HP)
+            acc = acc * alpha[:, None] + p_bar_v(p, v, v8, hp, PBAR32, HP, INTERP, PFMT, FP8_PV)
             if ACC_NARROW:
-                acc = keep_hp(acc, narrow(acc, MBITS, SR, seed + blk, rows[:, None] * acc.shape[1] + offs_d[None, :],
+                acc = keep_hp(acc, narrow(acc, FMT, SR, seed + blk, rows[:, None] * acc.shape[1] + offs_d[None, :],
                                           INTERP), hp, HP)
         else:                                      # log2 units; the scale is applied per row and in one FMA
             rm = tl.max(qk, 1) * scale
             ties = rm * 0.0
-            if STAB == 1 or STAB == 2:             # PAPER, OURS: count entries within eps of the max
+            if STAB == PAPER or STAB == TIE_SHIFT:  # count entries within eps of the max
                 ties = count_ties(qk, (rm - eps) * (1.0 / scale))   # 1/scale: once per program, not per row
             m_new, r_i = shift_from_ties(rm, ties, m_i, r_i, STAB, beta, eps, lo, hi, period)
             p = tl.exp2(qk * scale - m_new[:, None])
             alpha = tl.exp2(m_i - m_new)
             l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + p_bar_v(p, v, v8, hp, PBAR32, HP, INTERP, PFMT)
+            acc = acc * alpha[:, None] + p_bar_v(p, v, v8, hp, PBAR32, HP, INTERP, PFMT, FP8_PV)
             if O16:                                # the 16-bit product beside the policy's, for δ
                 acc16 = acc16 * alpha[:, None] + p_bar_v(p, v, v, hp, False, False, INTERP)
         m_i = m_new
@@ -128,10 +134,10 @@ def attn_fwd_kernel(Q, K, V, V8, O, LSE, O32,
                     stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om,
                     n_heads, group, n_q, n_k, n_bh, scale, beta, eps, lo, hi, period, seed, hp_mask, cap_in, cap_out,
                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    CAUSAL: tl.constexpr, STAB: tl.constexpr, EMU: tl.constexpr, MBITS: tl.constexpr,
+                    CAUSAL: tl.constexpr, STAB: tl.constexpr, EMU: tl.constexpr, FMT: tl.constexpr,
                     SR: tl.constexpr, ACC_NARROW: tl.constexpr, ROW_NARROW: tl.constexpr, O_NARROW: tl.constexpr,
-                    PBAR32: tl.constexpr, HP: tl.constexpr, PFMT: tl.constexpr, SOFTCAP: tl.constexpr,
-                    KEEP_O32: tl.constexpr, PERSISTENT: tl.constexpr,
+                    PBAR32: tl.constexpr, HP: tl.constexpr, PFMT: tl.constexpr, FP8_PV: tl.constexpr,
+                    SOFTCAP: tl.constexpr, DELTA_SRC: tl.constexpr, PERSISTENT: tl.constexpr,
                     TMA: tl.constexpr, INTERP: tl.constexpr):
     """One (query block, batch·head) tile per program on a (query blocks, n_bh) grid; or, with
     PERSISTENT, a 1-D grid of a few programs per SM, each walking tiles program_id, program_id +
@@ -143,8 +149,8 @@ def attn_fwd_kernel(Q, K, V, V8, O, LSE, O32,
                       stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
                       stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om,
                       n_heads, group, n_q, n_k, scale, beta, eps, lo, hi, period, seed, hp_mask, cap_in, cap_out,
-                      HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, STAB, EMU, MBITS, SR, ACC_NARROW, ROW_NARROW, O_NARROW,
-                      PBAR32, HP, PFMT, SOFTCAP, KEEP_O32, TMA, INTERP)
+                      HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, STAB, EMU, FMT, SR, ACC_NARROW, ROW_NARROW, O_NARROW,
+                      PBAR32, HP, PFMT, FP8_PV, SOFTCAP, DELTA_SRC, TMA, INTERP)
     else:
         # the last query blocks see the most keys under a causal mask: launch them first, so that
         # the grid's tail is made of short programs (longest-processing-time-first scheduling)
@@ -152,8 +158,8 @@ def attn_fwd_kernel(Q, K, V, V8, O, LSE, O32,
                   stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
                   stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om,
                   n_heads, group, n_q, n_k, scale, beta, eps, lo, hi, period, seed, hp_mask, cap_in, cap_out,
-                  HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, STAB, EMU, MBITS, SR, ACC_NARROW, ROW_NARROW, O_NARROW,
-                  PBAR32, HP, PFMT, SOFTCAP, KEEP_O32, TMA, INTERP)
+                  HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, STAB, EMU, FMT, SR, ACC_NARROW, ROW_NARROW, O_NARROW,
+                  PBAR32, HP, PFMT, FP8_PV, SOFTCAP, DELTA_SRC, TMA, INTERP)
 
 
 @triton.jit
@@ -162,10 +168,10 @@ def _fwd_tile(start_m, bh, Q, K, V, V8, O, LSE, O32,
               stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om,
               n_heads, group, n_q, n_k, scale, beta, eps, lo, hi, period, seed, hp_mask, cap_in, cap_out,
               HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              CAUSAL: tl.constexpr, STAB: tl.constexpr, EMU: tl.constexpr, MBITS: tl.constexpr,
+              CAUSAL: tl.constexpr, STAB: tl.constexpr, EMU: tl.constexpr, FMT: tl.constexpr,
               SR: tl.constexpr, ACC_NARROW: tl.constexpr, ROW_NARROW: tl.constexpr, O_NARROW: tl.constexpr,
-              PBAR32: tl.constexpr, HP: tl.constexpr, PFMT: tl.constexpr, SOFTCAP: tl.constexpr,
-              KEEP_O32: tl.constexpr, TMA: tl.constexpr, INTERP: tl.constexpr):
+              PBAR32: tl.constexpr, HP: tl.constexpr, PFMT: tl.constexpr, FP8_PV: tl.constexpr,
+              SOFTCAP: tl.constexpr, DELTA_SRC: tl.constexpr, TMA: tl.constexpr, INTERP: tl.constexpr):
     """Query rows [start_m, start_m + BLOCK_M) of batch·head ``bh``: Algorithm 1 and the stores."""
     b, h = bh // n_heads, bh % n_heads
     hk = h // group
@@ -174,7 +180,7 @@ def _fwd_tile(start_m, bh, Q, K, V, V8, O, LSE, O32,
     Q += b * stride_qb + h * stride_qh
     K += b * stride_kb + hk * stride_kh
     V += b * stride_vb + hk * stride_vh
-    if PFMT >= FP8_PV:                         # V8 is (B, H_kv, HEAD_DIM, n_k), contiguous
+    if FP8_PV:                                 # V8 is (B, H_kv, HEAD_DIM, n_k), contiguous
         V8 += (b * (n_heads // group) + hk).to(tl.int64) * (HEAD_DIM * n_k)
     if TMA:     # device-side descriptors (Hopper's tensor memory accelerator) for the key loop
         K = tl.make_tensor_descriptor(K, shape=[n_k, HEAD_DIM], strides=[stride_kn, 1],
@@ -184,15 +190,17 @@ def _fwd_tile(start_m, bh, Q, K, V, V8, O, LSE, O32,
     q = tl.load(Q + offs_m[:, None] * stride_qm + offs_d[None, :], mask=offs_m[:, None] < n_q, other=0.0)
 
     rows = bh * n_q + offs_m                   # this program's rows over the whole grid (SR streams)
-    hp = h < 0                                 # a head the policy keeps in fp32 (hp_heads, heads 0-30)
+    hp = h < 0                                 # a head the policy keeps in fp32 (hp_heads, heads 0-HP_LIMIT)
     if HP:
-        hp = (((hp_mask >> tl.minimum(h, 30)) & 1) != 0) & (h <= 30)
+        hp = (((hp_mask >> tl.minimum(h, HP_LIMIT)) & 1) != 0) & (h <= HP_LIMIT)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     r_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    acc16 = 0.0                                # KEEP_O32 = 3, 5 only: P̄V with P̄ in the input dtype
-    O16: tl.constexpr = KEEP_O32 == 3 or KEEP_O32 == 5
+    acc16 = 0.0                                # DELTA_O16, DELTA_O16_R only: P̄V with P̄ in the input dtype
+    O16: tl.constexpr = DELTA_SRC == DELTA_O16 or DELTA_SRC == DELTA_O16_R
+    RESIDUAL: tl.constexpr = DELTA_SRC == DELTA_O_R or DELTA_SRC == DELTA_O16_R
+    KEEP: tl.constexpr = DELTA_SRC == DELTA_O_FP32 or DELTA_SRC == DELTA_O32 or O16 or RESIDUAL
     if O16:
         acc16 = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
 
@@ -203,12 +211,14 @@ def _fwd_tile(start_m, bh, Q, K, V, V8, O, LSE, O32,
         full = tl.minimum(full, (start_m // BLOCK_N) * BLOCK_N)
     acc, acc16, l_i, m_i, r_i = _fwd_blocks(acc, acc16, l_i, m_i, r_i, q, K, V, V8, stride_kn, stride_vn, offs_m,
                                             offs_d, 0, full, n_k, scale, beta, eps, lo, hi, period, seed, rows, hp,
-                                            cap_in, cap_out, BLOCK_N, CAUSAL, False, STAB, EMU, MBITS, SR, ACC_NARROW,
-                                            ROW_NARROW, PBAR32, HP, PFMT, SOFTCAP, O16, TMA, INTERP)
+                                            cap_in, cap_out, BLOCK_N, CAUSAL, False, STAB, EMU, FMT, SR, ACC_NARROW,
+                                            ROW_NARROW, PBAR32, HP, PFMT, FP8_PV,
+                                            SOFTCAP, O16, TMA, INTERP)
     acc, acc16, l_i, m_i, r_i = _fwd_blocks(acc, acc16, l_i, m_i, r_i, q, K, V, V8, stride_kn, stride_vn, offs_m,
                                             offs_d, full, stop, n_k, scale, beta, eps, lo, hi, period, seed, rows, hp,
-                                            cap_in, cap_out, BLOCK_N, CAUSAL, True, STAB, EMU, MBITS, SR, ACC_NARROW,
-                                            ROW_NARROW, PBAR32, HP, PFMT, SOFTCAP, O16, TMA, INTERP)
+                                            cap_in, cap_out, BLOCK_N, CAUSAL, True, STAB, EMU, FMT, SR, ACC_NARROW,
+                                            ROW_NARROW, PBAR32, HP, PFMT, FP8_PV,
+                                            SOFTCAP, O16, TMA, INTERP)
     if EMU:
         o = acc / l_i[:, None]
         lse = m_i + tl.log(l_i)
@@ -216,17 +226,20 @@ def _fwd_tile(start_m, bh, Q, K, V, V8, O, LSE, O32,
         o = acc / l_i[:, None]
         lse = (m_i + tl.log2(l_i)) * 0.6931471805599453
     # the O store: e8mY, or bf16 rounded stochastically — or a bf16 O that δ reads from the fp32 copy
-    # (fp32 heads beside bf16 ones), rounded here so that the copy holds what the policy stores
-    o32 = o                                    # KEEP_O32 = 2: the O that δ reads is O as computed
-    if O_NARROW and (MBITS > 0 or SR or KEEP_O32 == 1):
-        o = keep_hp(o, narrow(o, MBITS, SR, seed - 1, rows[:, None] * HEAD_DIM + offs_d[None, :], INTERP), hp, HP)
-    if KEEP_O32 == 1:
-        o32 = o                                # KEEP_O32 = 1: O as the policy stores it
+    # (fp32 heads beside bf16 ones), rounded here so that the copy holds what the policy stores. An
+    # O in the format of O's own dtype, nearest-even, needs no rounding before the store's.
+    BY_STORE: tl.constexpr = ((FMT == BF16 and O.dtype.element_ty == tl.bfloat16)
+                              or (FMT == FP16 and O.dtype.element_ty == tl.float16))
+    o32 = o                                    # DELTA_O32: the O that δ reads is O as computed
+    if O_NARROW and (not BY_STORE or SR or DELTA_SRC == DELTA_O_FP32):
+        o = keep_hp(o, narrow(o, FMT, SR, seed - 1, rows[:, None] * HEAD_DIM + offs_d[None, :], INTERP), hp, HP)
+    if DELTA_SRC == DELTA_O_FP32:
+        o32 = o                                # O as the policy stores it
     if O16:
-        o32 = acc16 / l_i[:, None]             # KEEP_O32 = 3, 5: O of the 16-bit product (ℓ is the same sum)
-    if KEEP_O32 == 4 or KEEP_O32 == 5:         # KEEP_O32 = 4, 5: the residual of the O store, in O's dtype
+        o32 = acc16 / l_i[:, None]             # O of the 16-bit product (ℓ is the same sum)
+    if RESIDUAL:                               # the residual of the O store, in O's dtype
         o32 = cast(o32 - cast(o, O.dtype.element_ty, INTERP).to(tl.float32), O32.dtype.element_ty, INTERP)
-    if KEEP_O32:                               # contiguous (B, H, Nq, d), fp32 (or O's dtype: KEEP_O32 = 4, 5)
+    if KEEP:                                   # contiguous (B, H, Nq, d), fp32 (or O's dtype: RESIDUAL)
         tl.store(O32 + (bh * n_q + offs_m[:, None]) * HEAD_DIM + offs_d[None, :], o32, mask=offs_m[:, None] < n_q)
     O += b * stride_ob + h * stride_oh
     tl.store(O + offs_m[:, None] * stride_om + offs_d[None, :], cast(o, O.dtype.element_ty, INTERP),

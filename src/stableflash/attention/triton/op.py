@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Optional
 
 import torch
 import triton
@@ -19,31 +20,13 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from stableflash.attention.triton.backward import (attn_bwd_dkdv_kernel, attn_bwd_dq_kernel,
                                                    delta_dot_kernel, delta_pass_kernel)
-from stableflash.attention.triton.common import E4M3, FP8_PV
+from stableflash.attention.triton.common import NO_FORMAT
+from stableflash.attention.triton.config import OP_FIELDS, Format, KernelConfig
 from stableflash.attention.triton.forward import attn_fwd_kernel
 
 LOG2E = 1.0 / math.log(2.0)
 HEAD_DIMS = (16, 32, 64, 128, 256)
 DTYPES = (torch.float16, torch.bfloat16)
-KEEP_O32 = 3        # δ from dO·O with the O the forward kept in fp32 (a policy's out=fp32, delta dO·O)
-O32_AS_COMPUTED = 4  # δ from dO·O32: the forward keeps O in fp32 before the store's rounding
-O16_AS_COMPUTED = 5  # δ from dO·O16: the forward also computes O with a 16-bit P̄ and keeps it in fp32
-O_PLUS_RESIDUAL = 6  # δ from dO·(O+R): O as stored plus its rounding residual R, kept in the input dtype
-O16_PLUS_RESIDUAL = 7  # δ from dO·(O16+R): the 16-bit product's O, kept as the O store's residual
-DELTA_SOURCES = {"dO·O": 0, "dP·P": 1, "recompute_fp32": 2, "dO·O32": O32_AS_COMPUTED, "dO·O16": O16_AS_COMPUTED,
-                 "dO·(O+R)": O_PLUS_RESIDUAL, "dO·(O16+R)": O16_PLUS_RESIDUAL}
-RESIDUAL_SOURCES = (O_PLUS_RESIDUAL, O16_PLUS_RESIDUAL)   # the forward keeps R in O's dtype, δ reads O + R
-# what the forward keeps for δ, per δ code: nothing, O as stored (in fp32), O as computed, or O as
-# computed with a 16-bit P̄
-KEEP_MODE = {KEEP_O32: 1, O32_AS_COMPUTED: 2, O16_AS_COMPUTED: 3, O_PLUS_RESIDUAL: 4, O16_PLUS_RESIDUAL: 5}
-RESIDUAL_KEEP = tuple(KEEP_MODE[s] for s in RESIDUAL_SOURCES)   # forward modes whose O32 is in O's dtype
-# the forward's precision switches beyond the format (mbits) and rounding mode, as one int for the op:
-# which of Ō, ℓ, O the format narrows, and P̄ multiplied in fp32
-ACC_NARROW, ROW_NARROW, O_NARROW, PBAR32 = 1, 2, 4, 8
-PFMT_SHIFT = 8      # flags >> 8: 1 + the format code P̄ is rounded to before P̄V (0: the input dtype)
-NARROW_ALL = ACC_NARROW | ROW_NARROW | O_NARROW
-HP_HEAD_LIMIT = 30  # hp_heads on the kernels: head indices 0-30 (a bit mask in one int32)
-RULE_CODES = {"standard": 0, "paper": 1, "tie-shift": 2, "all-shift": 3}
 
 
 def interpreting() -> bool:
@@ -70,8 +53,9 @@ DKDV_CONFIGS = [_cfg(32, 64, 4, 3), _cfg(64, 128, 8, 3), _cfg(32, 128, 4, 3), _c
 DQ_CONFIGS = [_cfg(64, 64, 4, 3), _cfg(128, 64, 8, 3), _cfg(128, 64, 8, 2), _cfg(128, 32, 8, 3),
               _cfg(64, 16, 4, 2)]
 _KEY = ["n_q", "n_k", "HEAD_DIM", "CAUSAL"]
-_FWD_MODE = ["STAB", "EMU", "MBITS", "SR", "ACC_NARROW", "ROW_NARROW", "O_NARROW", "PBAR32", "HP", "PFMT", "SOFTCAP",
-             "KEEP_O32", "PERSISTENT"]
+# the forward's switches from the configuration (forward_switches), and its grid
+_FWD_MODE = ["STAB", "EMU", "FMT", "SR", "ACC_NARROW", "ROW_NARROW", "O_NARROW", "PBAR32", "HP", "PFMT", "FP8_PV",
+             "SOFTCAP", "DELTA_SRC", "PERSISTENT"]
 _prune = {"early_config_prune": _fits}
 
 
@@ -248,8 +232,8 @@ def _empty_like_layout(t: torch.Tensor) -> torch.Tensor:
     return torch.empty_permuted(t.shape, order, dtype=t.dtype, device=t.device)
 
 
-def _v_for_fp8_product(v: torch.Tensor, fmt: int) -> torch.Tensor:
-    """V in the fp8 product's format (``fmt``: E4M3 or E5M2), converted once per call instead of
+def _v_for_fp8_product(v: torch.Tensor, fmt: Format) -> torch.Tensor:
+    """V in the fp8 product's format (``fmt``: FP8_E4M3 or FP8_E5M2), converted once per call instead of
     once per query block, and laid out (B, H_kv, d, N), keys contiguous: the operand layout Hopper's
     fp8 tensor cores take, which the kernel can then copy to shared memory as it is. torch's casts
     round to nearest-even as the kernels' ``round_format`` does (tests compare the two); e4m3
@@ -257,92 +241,110 @@ def _v_for_fp8_product(v: torch.Tensor, fmt: int) -> torch.Tensor:
     exact, since every value beyond 448 saturates to it. The interpreter gets the same values in
     V's dtype."""
     B, H, n, d = v.shape
-    e4m3 = fmt == E4M3.value
+    e4m3 = fmt is Format.FP8_E4M3
     v8 = torch.empty(B, H, d, n, dtype=torch.float8_e4m3fn if e4m3 else torch.float8_e5m2, device=v.device)
     v8.copy_(v.transpose(-1, -2).clamp(-448.0, 448.0) if e4m3 else v.transpose(-1, -2))
     return v8.to(v.dtype) if interpreting() else v8
 
 
-def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, rule: int,
-             beta: float, eps: float, min_shift: float, max_shift: float, emu: bool,
-             mbits: int, stochastic: bool = False, flags: int = NARROW_ALL, hp_mask: int = 0,
-             keep_o32: int = 0, softcap: float = 0.0,
-             block_k: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(O, LSE, O32): O like q, LSE (B, H, Nq) fp32 in natural log, O32 the fp32 O for δ when
-    ``keep_o32`` (1: O as the policy stores it, 2: as computed, before the store's rounding; else an
-    empty tensor). ``stochastic`` rounds the narrowing points stochastically, with a seed drawn from
-    torch's default generator (so ``torch.manual_seed`` makes a run reproducible and checkpoints
-    carry the stream on). ``flags``: which of Ō, ℓ, O ``mbits`` narrows
-    (ACC_NARROW, ROW_NARROW, O_NARROW), whether P̄V takes P̄ in fp32 (PBAR32) and, above PFMT_SHIFT,
-    1 + the format P̄ is rounded to first (0: none); ``hp_mask``: bit h set keeps head h's P̄, Ō, ℓ
-    and O in fp32. ``softcap`` > 0 soft-caps the scores to softcap·tanh(S/softcap). ``block_k`` > 0:
-    the forward walks the keys in blocks of that size (``key_block_config``; 0: the kernel's own)."""
+@functools.lru_cache(maxsize=256)
+def forward_switches(config: KernelConfig) -> dict:
+    """The forward kernel's compile-time switches for ``config`` (all but the shapes, tiles and
+    grid): the values of its enums (``common`` names them in the kernels), its bools, and what
+    derives from them — P̄'s format or NO_FORMAT, and DELTA_SRC as the forward sees the δ source.
+    Memoized (one dict per configuration, read and never changed by the launch)."""
+    own = config.p_bar not in (None, Format.FP32)          # P̄ rounded to a format of its own
+    return dict(STAB=config.rule.value, EMU=config.emulated, FMT=config.narrow.value, SR=config.stochastic,
+                ACC_NARROW=config.narrow_acc, ROW_NARROW=config.narrow_row_sum, O_NARROW=config.narrow_out,
+                PBAR32=config.p_bar_fp32, HP=bool(config.hp_heads), PFMT=config.p_bar.value if own else NO_FORMAT.value,
+                FP8_PV=config.fp8_product, SOFTCAP=config.softcap is not None,
+                DELTA_SRC=config.delta.for_forward.value)
+
+
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+             config: KernelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(O, LSE, O32): O like q, LSE (B, H, Nq) fp32 in natural log, O32 what the forward keeps for
+    δ (``config.delta.keeps_o``: an fp32 O, or the O store's residual in O's dtype; else an empty
+    tensor). Stochastic rounding takes a seed drawn from torch's default generator (so
+    ``torch.manual_seed`` makes a run reproducible and checkpoints carry the stream on). The fp32
+    heads reach the kernel as one int, bit h set for head h. A key block (``config.block_k``)
+    walks the keys in blocks of that size (``key_block_config``)."""
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     B, H, n_q, d = q.shape
     n_k = k.shape[2]
+    emu, softcap, delta = config.emulated, config.softcap, config.delta
     o = _empty_like_layout(q)
     lse = torch.empty(B, H, n_q, dtype=torch.float32, device=q.device)
-    o32 = torch.empty(q.shape if keep_o32 else (0,), dtype=q.dtype if keep_o32 in RESIDUAL_KEEP else torch.float32,
+    o32 = torch.empty(q.shape if delta.keeps_o else (0,), dtype=q.dtype if delta.residual else torch.float32,
                       device=q.device)
-    scale_u, eps_u, lo, hi, period = _units(emu, scale, eps, min_shift, max_shift)
+    scale_u, eps_u, lo, hi, period = _units(emu, scale, config.eps, config.min_shift, config.max_shift)
     cap_in = cap_out = 0.0
-    if softcap > 0:     # "paper": S = bf16(QKᵀ·scale) capped in natural units; "fa2": QKᵀ capped into log2 units
+    if softcap is not None:   # "paper": S = bf16(QKᵀ·scale) capped in natural units; "fa2": QKᵀ into log2 units
         cap_in, cap_out = (1.0 / softcap, softcap) if emu else (scale / softcap, softcap * LOG2E)
         scale_u = scale_u if emu else 1.0
     # streams seed − 1 (O) and seed + 3b, seed + 3b + 1 (Ō, ℓ of key block b) stay positive int32
-    seed = int(torch.randint(1, 2**30, (1,))) if stochastic else 0
+    seed = int(torch.randint(1, 2**30, (1,))) if config.stochastic else 0
+    hp_mask = sum(1 << h for h in config.hp_heads)
     if PERSISTENT:
         programs = _programs(q.device)
         grid = lambda meta: (min(triton.cdiv(n_q, meta["BLOCK_M"]) * B * H, programs),)  # noqa: E731
     else:
         grid = lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]), B * H)  # noqa: E731
-    config = key_block_config(block_k, d) if block_k else None
-    pfmt = (flags >> PFMT_SHIFT) - 1
-    v8 = _v_for_fp8_product(v, pfmt - FP8_PV.value) if pfmt >= FP8_PV.value else v
+    tile = key_block_config(config.block_k, d) if config.block_k else None
+    v8 = _v_for_fp8_product(v, config.p_bar) if config.fp8_product else v
     _launch(_fwd_tuned, attn_fwd_kernel, grid, q, k, v, v8, o, lse, o32, *_strides(q), *_strides(k), *_strides(v),
-            *_strides(o), H, H // k.shape[1], n_q, n_k, B * H, scale_u, beta, eps_u, lo, hi, period,
-            seed, hp_mask, cap_in, cap_out, tma_tuned=_fwd_tma_tuned, tma=_use_tma(k, v) and config is None,
-            fixed=emu, config=config, HEAD_DIM=d, CAUSAL=causal, STAB=rule, EMU=emu, MBITS=mbits, SR=stochastic, ACC_NARROW=bool(flags & ACC_NARROW),
-            ROW_NARROW=bool(flags & ROW_NARROW), O_NARROW=bool(flags & O_NARROW), PBAR32=bool(flags & PBAR32),
-            HP=hp_mask != 0, PFMT=pfmt, SOFTCAP=softcap > 0, KEEP_O32=int(keep_o32),
-            PERSISTENT=PERSISTENT > 0)
+            *_strides(o), H, H // k.shape[1], n_q, n_k, B * H, scale_u, config.beta, eps_u, lo, hi, period,
+            seed, hp_mask, cap_in, cap_out, tma_tuned=_fwd_tma_tuned, tma=_use_tma(k, v) and tile is None,
+            fixed=emu, config=tile, HEAD_DIM=d, CAUSAL=causal, **forward_switches(config), PERSISTENT=PERSISTENT > 0)
     return o, lse, o32
 
 
+@functools.lru_cache(maxsize=256)
+def _op_config(*config_args) -> KernelConfig:
+    """``KernelConfig.from_op_args`` memoized: the custom ops rebuild the configuration on every
+    call (hp_heads reaches them as a tuple, hashable)."""
+    return KernelConfig.from_op_args(*config_args)
+
+
+def _config_of(config_args: tuple) -> KernelConfig:
+    """The configuration of a custom op's trailing arguments (``OP_FIELDS`` order)."""
+    *head, hp_heads, softcap, block_k = config_args
+    return _op_config(*head, tuple(hp_heads), softcap, block_k)
+
+
 @torch.library.custom_op("stableflash::attn_fwd", mutates_args=())
-def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, rule: int,
-             beta: float, eps: float, min_shift: float, max_shift: float, emu: bool, mbits: int,
-             stochastic: bool, flags: int, hp_mask: int, softcap: float, delta_src: int,
-             block_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(O, LSE, O32): O like q, LSE (B, H, Nq) fp32 in natural log, O32 the fp32 O that δ reads
-    (``delta_src`` KEEP_O32, O32_AS_COMPUTED or O16_AS_COMPUTED; for RESIDUAL_SOURCES the residual of
-    the O store in O's dtype) or an empty tensor."""
-    return _forward(q, k, v, causal, scale, rule, beta, eps, min_shift, max_shift, emu, mbits, stochastic,
-                    flags, hp_mask, KEEP_MODE.get(delta_src, 0), softcap, block_k)
+def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, arithmetic: str,
+             rule: int, beta: float, eps: float, min_shift: float, max_shift: float, narrow: int, narrow_acc: bool,
+             narrow_row_sum: bool, narrow_out: bool, stochastic: bool, p_bar: Optional[int], fp8_product: bool,
+             delta: int, hp_heads: list[int], softcap: Optional[float],
+             block_k: Optional[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(O, LSE, O32) as ``_forward`` for the KernelConfig whose ``op_args`` these are (``OP_FIELDS``)."""
+    config = _op_config(arithmetic, rule, beta, eps, min_shift, max_shift, narrow, narrow_acc, narrow_row_sum,
+                        narrow_out, stochastic, p_bar, fp8_product, delta, tuple(hp_heads), softcap, block_k)
+    return _forward(q, k, v, causal, scale, config)
 
 
 @attn_fwd.register_fake
-def _(q, k, v, causal, scale, rule, beta, eps, min_shift, max_shift, emu, mbits, stochastic, flags, hp_mask,
-      softcap, delta_src, block_k):
-    o32 = q.new_empty(q.shape if delta_src in KEEP_MODE else (0,),
-                      dtype=q.dtype if delta_src in RESIDUAL_SOURCES else torch.float32)
+def _(q, k, v, causal, scale, *config_args):
+    delta = _config_of(config_args).delta
+    o32 = q.new_empty(q.shape if delta.keeps_o else (0,), dtype=q.dtype if delta.residual else torch.float32)
     return _empty_like_layout(q), q.new_empty(q.shape[:3], dtype=torch.float32), o32
 
 
 def _backward_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-                   residual: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float, emu: bool,
-                   delta_src: int, softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dQ, dK, dV) for the forward that produced ``o`` and ``lse`` (``o``: the fp32 O when the
-    forward kept one, which δ = rowsum(dO ∘ O) then reads; ``residual``: R of δ from dO·(O+R),
-    which the δ kernel adds to O, or an empty tensor); ``softcap`` as in the forward."""
-    cap = dict(SOFTCAP=softcap > 0)
-    delta_src = 0 if delta_src in KEEP_MODE else delta_src   # δ = rowsum(dO ∘ O) from the fp32 O
+                   residual: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float,
+                   config: KernelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dQ, dK, dV) for the forward that produced ``o`` and ``lse`` under ``config`` (``o``: the
+    fp32 O when the forward kept one, which δ = rowsum(dO ∘ O) then reads; ``residual``: R of δ
+    from dO·(O+R), which the δ kernel adds to O, or an empty tensor)."""
+    emu, softcap = config.emulated, config.softcap or 0.0
+    cap = dict(SOFTCAP=config.softcap is not None)
     do, q, k, v, o = (_last_dim_contiguous(t) for t in (do, q, k, v, o))
     B, H, n_q, d = q.shape
     Hk, n_k = k.shape[1], k.shape[2]
     group = H // Hk
     delta = torch.empty(B, H, n_q, dtype=torch.float32, device=q.device)
-    if delta_src == 0:
+    if not config.delta.extra_pass:           # δ = rowsum(dO ∘ O), O as stored, kept in fp32, or plus R
         block = 64
         has_r = residual.numel() > 0
         delta_dot_kernel[(triton.cdiv(n_q, block), B * H)](o, residual.contiguous() if has_r else o, do, delta,
@@ -351,7 +353,7 @@ def _backward_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     else:
         _launch(_delta_tuned, delta_pass_kernel, lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]), B * H),
                 q, k, v, do, lse, delta, *_strides(q), *_strides(k), *_strides(v), *_strides(do), H, group, n_q, n_k,
-                scale, softcap, HEAD_DIM=d, CAUSAL=causal, DELTA_SRC=delta_src, EMU=emu, **cap)
+                scale, softcap, HEAD_DIM=d, CAUSAL=causal, DELTA_SRC=config.delta.value, EMU=emu, **cap)
     dq, dk, dv = _empty_like_layout(q), _empty_like_layout(k), _empty_like_layout(k)   # dK, dV: one set of strides
     common = (*_strides(q), *_strides(k), *_strides(v), *_strides(do))
     _launch(_dkdv_tuned, attn_bwd_dkdv_kernel, lambda meta: (triton.cdiv(n_k, meta["BLOCK_N"]), B * Hk),
@@ -365,36 +367,40 @@ def _backward_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
 
 @torch.library.custom_op("stableflash::attn_bwd", mutates_args=())
 def attn_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-             residual: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float, emu: bool,
-             delta_src: int, softcap: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dQ, dK, dV) for the forward that produced ``o`` and ``lse``."""
-    return _backward_impl(do, q, k, v, o, residual, lse, causal, scale, emu, delta_src, softcap)
+             residual: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float, arithmetic: str, rule: int,
+             beta: float, eps: float, min_shift: float, max_shift: float, narrow: int, narrow_acc: bool,
+             narrow_row_sum: bool, narrow_out: bool, stochastic: bool, p_bar: Optional[int], fp8_product: bool,
+             delta: int, hp_heads: list[int], softcap: Optional[float],
+             block_k: Optional[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dQ, dK, dV) for the forward that produced ``o`` and ``lse``, with the forward's op_args."""
+    config = _op_config(arithmetic, rule, beta, eps, min_shift, max_shift, narrow, narrow_acc, narrow_row_sum,
+                        narrow_out, stochastic, p_bar, fp8_product, delta, tuple(hp_heads), softcap, block_k)
+    return _backward_impl(do, q, k, v, o, residual, lse, causal, scale, config)
 
 
 @attn_bwd.register_fake
-def _(do, q, k, v, o, residual, lse, causal, scale, emu, delta_src, softcap):
+def _(do, q, k, v, o, residual, lse, causal, scale, *config_args):
     return _empty_like_layout(q), _empty_like_layout(k), _empty_like_layout(k)
 
 
-def _for_delta(o: torch.Tensor, o32: torch.Tensor, delta_src: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _for_delta(o: torch.Tensor, o32: torch.Tensor, config: KernelConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """What the backward keeps for δ: (the O it reads, the residual added to it or an empty tensor)."""
-    if delta_src in RESIDUAL_SOURCES:
+    if config.delta.residual:
         return o, o32
-    return (o32 if delta_src in KEEP_MODE else o), o32.new_empty(0)
+    return (o32 if config.delta.keeps_o else o), o32.new_empty(0)
 
 
 def _setup_context(ctx, inputs, output):
-    (q, k, v, causal, scale, _rule, _beta, _eps, _lo, _hi, emu, _mbits, _stochastic, _flags, _hp, softcap,
-     delta_src, _block_k) = inputs
+    q, k, v, causal, scale, *config_args = inputs
     o, lse, o32 = output
-    ctx.save_for_backward(q, k, v, lse, *_for_delta(o, o32, delta_src))
-    ctx.args = (causal, scale, emu, delta_src, softcap)
+    ctx.save_for_backward(q, k, v, lse, *_for_delta(o, o32, _config_of(config_args)))
+    ctx.args = (causal, scale, *config_args)
 
 
 def _backward(ctx, do, _dlse, _do32):
     q, k, v, lse, o, residual = ctx.saved_tensors
     dq, dk, dv = attn_bwd(do, q, k, v, o, residual, lse, *ctx.args)
-    return dq, dk, dv, *[None] * 15
+    return dq, dk, dv, *[None] * (2 + len(OP_FIELDS))
 
 
 attn_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -404,34 +410,23 @@ class _EagerAttention(torch.autograd.Function):
     """The same kernels without the custom-op dispatch, for eager mode."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, rule, beta, eps, min_shift, max_shift, emu, mbits, stochastic,
-                flags, hp_mask, softcap, delta_src, block_k):
-        o, lse, o32 = _forward(q, k, v, causal, scale, rule, beta, eps, min_shift, max_shift, emu, mbits,
-                               stochastic, flags, hp_mask, KEEP_MODE.get(delta_src, 0), softcap, block_k)
-        ctx.save_for_backward(q, k, v, lse, *_for_delta(o, o32, delta_src))
-        ctx.args = (causal, scale, emu, delta_src, softcap)
+    def forward(ctx, q, k, v, causal, scale, config):
+        o, lse, o32 = _forward(q, k, v, causal, scale, config)
+        ctx.save_for_backward(q, k, v, lse, *_for_delta(o, o32, config))
+        ctx.args = (causal, scale, config)
         return o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, lse, o, residual = ctx.saved_tensors
         dq, dk, dv = _backward_impl(do, q, k, v, o, residual, lse, *ctx.args)
-        return dq, dk, dv, *[None] * 15
+        return dq, dk, dv, None, None, None
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, rule: int,
-              beta: float, eps: float, min_shift: float, max_shift: float, emu: bool, mbits: int,
-              delta_src: int, stochastic: bool = False, flags: int = NARROW_ALL, hp_mask: int = 0,
-              softcap: float = 0.0, block_k: int = 0) -> torch.Tensor:
-    """O, differentiable: the custom op under torch.compile, the autograd.Function in eager mode.
-    ``mbits`` > 0 narrows the forward's O (and, with ``emu``, ℓ and Ō) to that many mantissa bits;
-    ``stochastic`` rounds those points (and a bf16 O) stochastically; ``flags`` and ``hp_mask`` as
-    in ``_forward``. ``delta_src`` KEEP_O32 / O32_AS_COMPUTED: the forward keeps an fp32 O (as
-    stored / as computed), which δ reads. ``softcap`` > 0: scores soft-capped to
-    softcap·tanh(S/softcap). ``block_k`` > 0: the forward's key block (``key_block_config``), 0 the
-    kernel's own."""
-    args = (q, k, v, causal, scale, rule, beta, eps, min_shift, max_shift, emu, mbits, stochastic, flags, hp_mask,
-            float(softcap), delta_src, int(block_k))
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+              config: KernelConfig) -> torch.Tensor:
+    """O, differentiable: the custom op under torch.compile (``config`` as its ``op_args``), the
+    autograd.Function in eager mode. ``config``: what ``launch.kernel_config`` built."""
     if torch.compiler.is_compiling():
-        return attn_fwd(*args)[0]
-    return _EagerAttention.apply(*args)
+        return attn_fwd(q, k, v, causal, scale, *config.op_args())[0]
+    return _EagerAttention.apply(q, k, v, causal, scale, config)
