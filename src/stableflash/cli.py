@@ -102,7 +102,7 @@ def _report(result: dict, out: Path, format_table, as_json: bool) -> int:
 
 def _cmd_train(args: argparse.Namespace) -> int:
     from stableflash.train.config import TrainConfig, apply_overrides, load_file, make_config, validate
-    from stableflash.train.loop import train
+    from stableflash.train.loop import Interrupted, train
 
     if args.resume is not None:
         if args.out is not None or args.preset is not None or args.config is not None:
@@ -116,7 +116,16 @@ def _cmd_train(args: argparse.Namespace) -> int:
             raise ValueError("--out DIR is required (where metrics.jsonl, ckpt.pt and batches/ go)")
         cfg = make_config(args.preset or "tiny", args.config, args.set)
         run_dir = args.out
-    summary = train(cfg, run_dir, resume=args.resume is not None, progress=not args.quiet)
+    try:
+        summary = train(cfg, run_dir, resume=args.resume is not None, progress=not args.quiet)
+    except Interrupted as exc:            # SIGINT / SIGTERM: saved and summarised; one line, 128 + signal
+        if args.json:
+            print(json.dumps(exc.summary, indent=2, default=str))
+        print(f"stableflash train: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:             # before training started, or while its summary was written
+        print(f"stableflash train: interrupted; nothing saved beyond what {run_dir} holds", file=sys.stderr)
+        return 130
     if args.json:
         print(json.dumps(summary, indent=2, default=str))
     else:

@@ -210,6 +210,25 @@ def test_malformed_lines_are_skipped_counted_and_logged(tmp_path, caplog):
     assert "config.json is not valid JSON" in text
 
 
+def test_steps_logged_twice_are_reported_unless_a_rollback_ran_them_again(tmp_path, caplog):
+    """Two runs appending to one folder log steps twice: a one-line problem; the steps a monitor
+    rollback runs again (from its checkpoint's step to its own) are no problem."""
+    rows = [{"step": s, "loss": 3.0} for s in range(6)]
+    rollback = {"step": 5, "loss": 3.0, "event": "monitor_action", "action": "rollback", "to_step": 3}
+    cases = {"twice": (rows + rows[:4], "logs 4 step(s) more than once (first: step 0)"),
+             "rollback": (rows + [rollback] + rows[3:], None),
+             "rollback-then-twice": (rows + [rollback] + rows[3:] + rows[3:], "logs 3 step(s) more than once (first: step 3)")}
+    for name, (records, problem) in cases.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="stableflash.report.runs"):
+            run = load_run(tmp_path / name)
+        found = [p for p in run.problems if "more than once" in p]
+        assert found == ([] if problem is None else [found[0]]) and (problem is None or problem in found[0]), name
+        assert (problem is None) == ("more than once" not in caplog.text), name
+
+
 def test_missing_run_folder_or_metrics_raises_naming_it(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"run folder .*nowhere does not exist"):
         load_run(tmp_path / "nowhere")

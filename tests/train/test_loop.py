@@ -1,4 +1,5 @@
 """The training loop end to end on CPU: learning, bit-exact resume, replay, non-finite stop, CLI."""
+import io
 import json
 
 import pytest
@@ -6,7 +7,7 @@ import torch
 
 from stableflash.cli import main
 from stableflash.train.config import make_config
-from stableflash.train.loop import train
+from stableflash.train.loop import build_model, train
 from stableflash.train.metrics import read_metrics
 
 
@@ -28,16 +29,30 @@ def test_tiny_preset_learns(data_dir, tmp_path):
     assert (tmp_path / "run" / "ckpt.pt").exists() and (tmp_path / "run" / "batches" / "rank0.bin").exists()
 
 
-def test_resume_continues_the_same_loss_sequence_bit_for_bit(data_dir, tmp_path):
+def test_resume_continues_the_same_loss_sequence_bit_for_bit(data_dir, tmp_path, caplog):
     # the schedule must not depend on max_iters (which the resume extends): fix its horizon
     fixed = ("ckpt_every=10", "lr_decay_iters=30")
     straight = train(cfg_for(data_dir, "max_iters=30", *fixed), tmp_path / "a", progress=False)
     train(cfg_for(data_dir, "max_iters=20", *fixed), tmp_path / "b", progress=False)
-    resumed = train(cfg_for(data_dir, "max_iters=30", *fixed), tmp_path / "b", resume=True, progress=False)
+    # what a run killed mid-write leaves: a line cut short in each JSON-lines file, temporary files
+    b = tmp_path / "b"
+    for name in ("metrics.jsonl", "probes.jsonl"):
+        with open(b / name, "a") as f:
+            f.write('{"step": 20, "loss": 2.7')
+    stale = [b / ".ckpt.pt.tmp-4242", b / ".metrics.jsonl.tmp-4242", b / ".summary.json.tmp-4242"]
+    for path in stale:
+        path.write_bytes(b"partial")
+    with caplog.at_level("WARNING", logger="stableflash.train.metrics"):
+        resumed = train(cfg_for(data_dir, "max_iters=30", *fixed), b, resume=True, progress=False)
     assert straight["status"] == resumed["status"] == "finished"
-    assert losses(tmp_path / "a") == losses(tmp_path / "b")         # exact equality, 30 steps
-    rows = (tmp_path / "b" / "batches" / "rank0.bin").stat().st_size
+    assert losses(tmp_path / "a") == losses(b)                      # exact equality, 30 steps
+    assert straight["best_val_loss"] == resumed["best_val_loss"] and straight["final_loss"] == resumed["final_loss"]
+    rows = (b / "batches" / "rank0.bin").stat().st_size
     assert rows == (tmp_path / "a" / "batches" / "rank0.bin").stat().st_size
+    assert [r["step"] for r in read_metrics(b / "probes.jsonl")] == [0]          # probe_every=100
+    for name in ("metrics.jsonl", "probes.jsonl"):
+        assert f"{b / name}: dropped line" in caplog.text
+    assert not any(path.exists() for path in stale)
 
 
 def test_replay_consumes_the_recorded_batches(data_dir, tmp_path):
@@ -73,7 +88,7 @@ def test_nonfinite_loss_stops_cleanly_and_keeps_the_checkpoint(data_dir, tmp_pat
     assert summary["status"] == "nonfinite" and summary["steps"] == 8
     events = [r for r in read_metrics(tmp_path / "r" / "metrics.jsonl") if r.get("event") == "nonfinite"]
     assert len(events) == 1 and events[0]["step"] == 8
-    state = torch.load(tmp_path / "r" / "ckpt.pt", weights_only=False)
+    state = torch.load(tmp_path / "r" / "ckpt.pt", weights_only=True)
     assert state["step"] == 8 and all(torch.isfinite(v).all() for v in state["model"].values())
 
 
@@ -147,7 +162,7 @@ def test_a_run_folder_of_the_earlier_spec_grammar_resumes_with_its_meaning(data_
     del config["config_version"]                                   # as the earlier version wrote it
     config.update(attention="sdpa; 1: emulated policy=fa2", monitor_switch_to="delta=auto")
     (out / "config.json").write_text(json.dumps(config))
-    state = torch.load(out / "ckpt.pt", weights_only=False)
+    state = torch.load(out / "ckpt.pt", weights_only=True)
     del state["config"]["config_version"]
     state["attention"] = "sdpa; 1: emulated policy=fa2"
     torch.save(state, out / "ckpt.pt")
@@ -158,3 +173,232 @@ def test_a_run_folder_of_the_earlier_spec_grammar_resumes_with_its_meaning(data_
     saved = json.loads((out / "config.json").read_text())
     assert saved["config_version"] == 2 and saved["monitor_switch_to"] == "delta=consistent"
     assert saved["attention"] == "sdpa; 1: emulated stabilize=none policy=fa2"
+
+
+class RunsCode:
+    """Unpickling it runs code (here: creates a marker file), as a hostile ckpt.pt would."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return exec, (f"open({self.marker!r}, 'w').close()",)
+
+
+def code_running_checkpoint(marker) -> bytes:
+    buf = io.BytesIO()
+    torch.save({"model": RunsCode(marker), "step": 1}, buf)
+    return buf.getvalue()
+
+
+def test_a_damaged_or_hostile_checkpoint_is_a_clear_error_naming_it(data_dir, tmp_path, capsys):
+    """--resume of a ckpt.pt that would run code when unpickled, or is empty, truncated, random,
+    text, another object, or another model's weights under a forged config: exit 2 and one line
+    naming the file; the code never runs. The real checkpoint of a finished run then resumes with
+    nothing to do and leaves its summary's numbers as they were; a malformed line in the middle of
+    metrics.jsonl is an error naming the file and the line."""
+    out = tmp_path / "run"
+    assert main(["train", "--preset", "tiny", "--out", str(out), "-q", "--set", f"data={data_dir}",
+                 "--set", "max_iters=3", "--set", "eval_every=2", "--set", "probe_every=0"]) == 0
+    finished = json.loads((out / "summary.json").read_text())
+    good = (out / "ckpt.pt").read_bytes()
+    state = torch.load(out / "ckpt.pt", weights_only=True)
+    wider = build_model(cfg_for(data_dir, "n_embd=48", "n_head=2"), 256)
+    state["model"] = wider.state_dict()           # the config still says this run's model
+    forged, tensor = io.BytesIO(), io.BytesIO()
+    torch.save(state, forged)
+    torch.save(torch.ones(3), tensor)
+    marker = tmp_path / "MARKER"
+    cases = {"code": (code_running_checkpoint(marker), "was refused unread: it names the Python object exec"),
+             "empty": (b"", "(0 bytes; it is empty)"),
+             "truncated": (good[: len(good) // 2], "damaged or truncated"),
+             "random": (torch.randint(0, 256, (4096,), generator=torch.Generator().manual_seed(0),
+                                      dtype=torch.uint8).numpy().tobytes(), "damaged or truncated"),
+             "text": (b"step = 3\n", "damaged or truncated"),
+             "tensor": (tensor.getvalue(), "holds a Tensor; accepted: a checkpoint written by stableflash train"),
+             "shapes": (forged.getvalue(), "does not fit this model: transformer.wte.weight has shape (256, 48) "
+                                           "in the checkpoint, (256, 64) in the model")}
+    for name, (payload, match) in cases.items():
+        (out / "ckpt.pt").write_bytes(payload)
+        with pytest.raises(SystemExit) as exc:
+            main(["train", "--resume", str(out), "-q"])
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and err.startswith(f"stableflash train: error: checkpoint {out / 'ckpt.pt'} "), (name, err)
+        assert match in err and len(err.splitlines()) == 1, (name, err)
+    assert not marker.exists()
+    # the run's own checkpoint: finished at max_iters, nothing to train; the summary keeps its numbers
+    (out / "ckpt.pt").write_bytes(good)
+    assert main(["train", "--resume", str(out), "-q"]) == 0
+    again = json.loads((out / "summary.json").read_text())
+    assert again["steps"] == 3 and again["status"] == "finished"
+    assert again["final_loss"] == finished["final_loss"] and again["best_val_loss"] == finished["best_val_loss"]
+    assert again["best_val_loss"] is not None and f"best val loss {finished['best_val_loss']:.4f}" in capsys.readouterr().out
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    (out / "metrics.jsonl").write_text("\n".join([lines[0], lines[1][:9], *lines[2:]]) + "\n")
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "--resume", str(out), "-q"])
+    assert exc.value.code == 2 and f"{out / 'metrics.jsonl'} line 2 is not a JSON object" in capsys.readouterr().err
+
+
+def test_monitor_rollback_refuses_a_checkpoint_that_would_run_code(data_dir, tmp_path, monkeypatch, capsys):
+    """The monitor's rollback reads ckpt.pt as --resume does: a hostile file put in place of the
+    checkpoint of step 5 is refused when the rollback at step 7 reads it, and its code never runs."""
+    from stableflash.train import checkpoint
+    from tests.train.test_diagnostics_in_training import TRIGGER
+    marker = tmp_path / "MARKER"
+    real_save = checkpoint.save
+
+    def save_then_replace(run_dir, state):
+        path = real_save(run_dir, state)
+        path.write_bytes(code_running_checkpoint(marker))
+        return path
+
+    monkeypatch.setattr(checkpoint, "save", save_then_replace)
+    out = tmp_path / "r"
+    argv = ["train", "--preset", "tiny", "--out", str(out), "-q", "--set", f"data={data_dir}"]
+    for kv in ("max_iters=20", "ckpt_every=5", "probe_every=7", "monitor=rollback", *TRIGGER, "monitor_patience=2"):
+        argv += ["--set", kv]
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and f"checkpoint {out / 'ckpt.pt'} was refused unread" in err
+    assert not marker.exists()
+
+
+def test_best_val_loss_counts_the_evaluations_before_the_resume(data_dir, tmp_path, capsys):
+    """Resumed at step 10 with a learning rate that makes the model worse, the best validation loss
+    is the one of step 9, before the resume: in summary.json, the CLI line and the report."""
+    out = tmp_path / "r"
+    assert main(["train", "--preset", "tiny", "--out", str(out), "-q", "--set", f"data={data_dir}",
+                 "--set", "max_iters=10", "--set", "eval_every=5", "--set", "ckpt_every=10", "--set", "probe_every=0"]) == 0
+    assert main(["train", "--resume", str(out), "-q", "--set", "max_iters=20", "--set", "lr=0.3",
+                 "--set", "min_lr=0.3"]) == 0
+    vals = {r["step"]: r["val_loss"] for r in read_metrics(out / "metrics.jsonl") if "val_loss" in r}
+    assert sorted(vals) == [4, 9, 14, 19] and min(vals[14], vals[19]) > vals[9]      # worse after the resume
+    best = min(vals.values())
+    assert json.loads((out / "summary.json").read_text())["best_val_loss"] == best == vals[9]
+    assert f"best val loss {best:.4f}" in capsys.readouterr().out
+    from stableflash.report.html import run_summary
+    from stableflash.report.runs import load_run
+    assert run_summary(load_run(out))["best_val_loss"] == best
+
+
+def test_a_run_stopped_before_its_first_checkpoint_is_started_again_not_appended_to(data_dir, tmp_path, capsys):
+    """The same --out again is refused (it would log steps 0.. a second time); --resume starts it
+    again from step 0, its partial records replaced, and draws what it drew."""
+    out = tmp_path / "r"
+    argv = ["train", "--preset", "tiny", "--out", str(out), "-q", "--set", f"data={data_dir}",
+            "--set", "max_iters=8"]
+    assert main(argv) == 0
+    first = losses(out)
+    (out / "ckpt.pt").unlink()                    # as a run killed before its first checkpoint leaves it
+    (out / "summary.json").unlink()
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "already holds a run without a checkpoint (metrics.jsonl, probes.jsonl;" in err
+    assert f"--resume {out}" in err
+    assert main(["train", "--resume", str(out), "-q"]) == 0
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == list(range(8)) and losses(out) == first
+    assert [r["step"] for r in read_metrics(out / "probes.jsonl")] == [0]       # probe_every=100
+
+
+# the CLI with each step slowed down, so that a signal reliably lands in the middle of a run
+SLOW_CLI = """
+import signal, sys, time
+signal.signal(signal.SIGINT, signal.default_int_handler)   # as under a terminal (a background job ignores it)
+from stableflash.train import loop
+lr_at = loop.lr_at
+def slow(step, cfg):
+    time.sleep(0.1)
+    return lr_at(step, cfg)
+loop.lr_at = slow
+from stableflash.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_sigint_and_sigterm_save_the_last_step_and_resume_to_the_same_losses(data_dir, tmp_path):
+    """Ctrl-C and a scheduler's SIGTERM in the middle of a run: the run saves the checkpoint of its
+    last completed step, writes summary.json with status "interrupted", prints one line (no
+    traceback) and exits 130 / 143; --resume then gives the uninterrupted run's losses exactly."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    fixed = ("max_iters=30", "ckpt_every=10", "eval_every=10", "lr_decay_iters=30", "probe_every=0")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    runs = {}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        out = tmp_path / sig.name
+        cmd = [sys.executable, "-c", SLOW_CLI, "train", "--preset", "tiny", "--out", str(out), "-q",
+               "--set", f"data={data_dir}", *(a for kv in fixed for a in ("--set", kv))]
+        runs[sig] = (out, subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    train(cfg_for(data_dir, *fixed), tmp_path / "straight", progress=False)
+    for sig, (out, proc) in runs.items():
+        deadline = time.monotonic() + 120
+        while not (out / "metrics.jsonl").exists() or len((out / "metrics.jsonl").read_text().splitlines()) < 3:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.01)
+        proc.send_signal(sig)
+    for sig, (out, proc) in runs.items():
+        _, err = proc.communicate(timeout=120)
+        summary = json.loads((out / "summary.json").read_text())
+        done = summary["steps"]
+        assert proc.returncode == 128 + sig, err
+        assert "Traceback" not in err and err.splitlines()[-1] == (
+            f"stableflash train: interrupted by {sig.name} after {done} steps: checkpoint of step {done} saved in "
+            f"{out / 'ckpt.pt'}; continue with: stableflash train --resume {out}")
+        assert summary["status"] == "interrupted" and summary["signal"] == sig.name and 3 <= done < 30
+        assert summary["checkpoint_step"] == done and torch.load(out / "ckpt.pt", weights_only=True)["step"] == done
+        assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == list(range(done))
+        assert main(["train", "--resume", str(out), "-q"]) == 0
+        assert losses(out) == losses(tmp_path / "straight")
+
+
+def test_a_second_ctrl_c_during_the_save_stops_at_once_and_keeps_the_last_checkpoint(data_dir, tmp_path, monkeypatch,
+                                                                                     capsys):
+    """Ctrl-C in step 7 asks for a save after it; Ctrl-C again while that save writes stops at once:
+    the checkpoint of step 5 stays whole, no temporary file is left, the previous signal handlers
+    come back, and the run resumes from step 5 to the uninterrupted losses."""
+    import os
+    import signal
+    from stableflash.train import loop
+    fixed = ("max_iters=20", "ckpt_every=5", "lr_decay_iters=20", "probe_every=0")
+    train(cfg_for(data_dir, *fixed), tmp_path / "straight", progress=False)
+    real_lr_at, real_save = loop.lr_at, torch.save
+
+    def lr_at(step, cfg):
+        if step == 7:
+            os.kill(os.getpid(), signal.SIGINT)
+        return real_lr_at(step, cfg)
+
+    def save(obj, f):
+        if obj["step"] == 8:
+            os.kill(os.getpid(), signal.SIGINT)
+        real_save(obj, f)
+
+    monkeypatch.setattr(loop, "lr_at", lr_at)
+    monkeypatch.setattr(torch, "save", save)
+    handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    out = tmp_path / "r"
+    argv = ["train", "--preset", "tiny", "--out", str(out), "-q", "--set", f"data={data_dir}"]
+    assert main([*argv, *(a for kv in fixed for a in ("--set", kv))]) == 130
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == handlers
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.splitlines()[-1] == (
+        f"stableflash train: stopped at once by a second SIGINT after 8 steps: nothing saved since the checkpoint of "
+        f"step 5 ({out / 'ckpt.pt'}); continue with: stableflash train --resume {out}")
+    summary = json.loads((out / "summary.json").read_text())
+    assert (summary["status"], summary["steps"], summary["checkpoint_step"]) == ("interrupted", 8, 5)
+    assert torch.load(out / "ckpt.pt", weights_only=True)["step"] == 5
+    assert not [p.name for p in out.iterdir() if p.name.startswith(".")]
+    monkeypatch.undo()
+    assert main(["train", "--resume", str(out), "-q"]) == 0
+    assert losses(out) == losses(tmp_path / "straight")
+    # what train() raises comes whole through a worker process's result (repro --parallel)
+    import pickle
+    from stableflash.train.loop import Interrupted
+    back = pickle.loads(pickle.dumps(Interrupted(summary, signal.SIGTERM, "stopped")))
+    assert (back.summary, back.exit_code, str(back)) == (summary, 143, "stopped") and isinstance(back, KeyboardInterrupt)

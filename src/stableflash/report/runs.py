@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -123,6 +124,18 @@ def _upgrade_stored(run: Run) -> None:
                        for k, v in run.summary.items()}
 
 
+def _repeated_steps(run: Run) -> list[int]:
+    """Steps with more step records than one plus the monitor rollbacks that ran them again (a
+    rollback to the checkpoint of step c at step s runs steps c..s once more)."""
+    allowed: Counter = Counter()
+    for event in run.events:
+        to_step = _as_step(event.get("to_step"))
+        if event.get("action") == "rollback" and to_step is not None:
+            allowed.update(range(to_step, event["step"] + 1))
+    counts = Counter(record["step"] for record in run.metrics)
+    return sorted(step for step, n in counts.items() if n > 1 + allowed[step])
+
+
 def _read_json(path: Path, run: Run) -> dict | None:
     if not path.is_file():
         run.missing.append(path.name)
@@ -156,6 +169,11 @@ def load_run(path: Path | str) -> Run:
         run.skipped["metrics.jsonl"] = skipped
     for record in records:
         (run.events if "event" in record else run.metrics).append(record)
+    repeated = _repeated_steps(run)
+    if repeated:
+        run.problems.append(f"metrics.jsonl logs {len(repeated)} step(s) more than once (first: step {repeated[0]}), "
+                            "which no monitor rollback explains; two runs may have written into this folder")
+        log.warning("%s: %s", metrics_path, run.problems[-1])
 
     probes_path = path / "probes.jsonl"
     if probes_path.is_file():

@@ -12,6 +12,9 @@ import contextlib
 import json
 import logging
 import math
+import os
+import signal
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -22,12 +25,13 @@ import torch.distributed as torch_dist
 from stableflash.diagnostics.delta import DeltaTracker
 from stableflash.diagnostics.monitor import Monitor, stabilized_choice_spec
 from stableflash.diagnostics.probes import probe_record
+from stableflash.files import remove_stale_temps, write_text_atomic
 from stableflash.model import build_model as _build, model_config
 from stableflash.model.spec import upgrade_stored_spec
 from stableflash.train import checkpoint
 from stableflash.train.config import DistInfo, TrainConfig, monitor_config, validate
 from stableflash.train.data import BatchRecorder, BatchSampler, ReplaySampler, eval_batches, load_split, read_meta
-from stableflash.train.metrics import MetricsWriter, read_metrics, truncate_after
+from stableflash.train.metrics import History, MetricsWriter, truncate_after
 from stableflash.train.stopping import ExplosionStop
 from stableflash.train.optim import build_optimizer, lr_at
 
@@ -100,12 +104,89 @@ def _restore(run_dir: Path, cfg: TrainConfig, model, optimizer, device: torch.de
     """Load run_dir's checkpoint into the model, the optimizer and the RNGs; returns it. Loaded on
     the CPU: the RNG states must stay CPU tensors, and load_state_dict moves the rest."""
     state = checkpoint.load(run_dir, cfg.to_dict(), map_location="cpu")
-    model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
-    torch.set_rng_state(state["rng"]["cpu"])
-    if device.type == "cuda" and state["rng"].get("cuda") is not None:
-        torch.cuda.set_rng_state(state["rng"]["cuda"], device)
+    path = Path(run_dir) / checkpoint.CHECKPOINT
+    checkpoint.check_fits(state, model, path)
+    try:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        checkpoint.check_optimizer_fits(optimizer, path)
+        torch.set_rng_state(state["rng"]["cpu"])
+        if device.type == "cuda" and state["rng"].get("cuda") is not None:
+            torch.cuda.set_rng_state(state["rng"]["cuda"], device)
+    except (RuntimeError, KeyError, IndexError, TypeError) as exc:
+        raise ValueError(f"checkpoint {path} does not fit this run: {str(exc).strip().splitlines()[0]}") from None
     return state
+
+
+# what the main process of a run writes besides config.json and ckpt.pt (a folder holding any of them
+# holds a run); batches/ is left out: the other ranks of a starting run write there
+RUN_FILES = ("metrics.jsonl", "probes.jsonl", "summary.json")
+# the files train() rewrites atomically: temporary files of killed writes of them are removed
+_REWRITTEN = (checkpoint.CHECKPOINT, "metrics.jsonl", "probes.jsonl", "summary.json", "config.json")
+
+
+def _run_files(run_dir: Path) -> list[str]:
+    """The files of RUN_FILES in run_dir."""
+    return [name for name in RUN_FILES if (run_dir / name).exists()]
+
+
+class Interrupted(KeyboardInterrupt):
+    """Raised by :func:`train` once a SIGINT (Ctrl-C) or SIGTERM has stopped it cleanly: the
+    checkpoint of the last completed step is saved and summary.json says "interrupted" (after a
+    second signal, which stops at once, the last checkpoint is the one kept). ``summary`` is that
+    summary, ``signum`` the first signal, ``exit_code`` 128 + signum (130, 143), what shells and
+    schedulers expect. A KeyboardInterrupt, so that code running several trainings stops too."""
+
+    def __init__(self, summary: dict, signum: int, message: str):
+        super().__init__(message)
+        self.summary, self.signum, self.exit_code = summary, signum, 128 + signum
+
+    def __reduce__(self):                 # whole, through a worker process's result (repro --parallel)
+        return type(self), (self.summary, self.signum, str(self))
+
+
+class _StopSignals:
+    """SIGINT and SIGTERM while training: the first asks the loop to stop after the current step
+    (:meth:`requested`), a second raises KeyboardInterrupt at once. Installed in the main thread only
+    (the one signals reach), and not over a signal the process ignores (a background job's SIGINT);
+    :meth:`restore` puts the previous handlers back."""
+
+    def __init__(self):
+        self.signum: int | None = None
+        self._previous: dict = {}
+
+    def install(self) -> "_StopSignals":
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                previous = signal.getsignal(sig)
+                if previous is not signal.SIG_IGN and previous is not None:
+                    self._previous[sig] = previous
+                    signal.signal(sig, self._handle)
+        return self
+
+    def restore(self) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous = {}
+
+    def _handle(self, signum, frame) -> None:
+        if self.signum is not None:
+            raise KeyboardInterrupt
+        self.signum = signum
+        again = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        # os.write: a signal may arrive while the progress bar is writing to the buffered sys.stderr
+        os.write(2, f"\n{signal.Signals(signum).name}: stopping after this step and saving its checkpoint "
+                    f"({again} again stops at once without saving)\n".encode())
+
+    def requested(self, dist: DistInfo, device: torch.device) -> int:
+        """The signal that asked to stop (0 for none), agreed by every rank."""
+        signum = self.signum or 0
+        if dist.world_size > 1:
+            flag = torch.tensor([signum], device=device)
+            torch_dist.all_reduce(flag, op=torch_dist.ReduceOp.MAX)
+            signum = int(flag.item())
+            self.signum = self.signum or signum or None
+        return signum
 
 
 @torch.no_grad()
@@ -158,22 +239,47 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
     val_data = load_split(data_dir, "val", meta["vocab_size"], block)
     optimizer = build_optimizer(model, cfg, device.type)
 
-    step0 = 0
-    if resume:
+    step0, history = 0, History()
+    stopper = ExplosionStop(cfg.stop_after_explosion)
+    has_checkpoint = (run_dir / checkpoint.CHECKPOINT).exists()
+    if resume and not has_checkpoint and (_run_files(run_dir) or (run_dir / "config.json").is_file()):
+        if dist.is_main:                              # it stopped before its first checkpoint: start it again
+            log.warning("%s has no checkpoint (the run stopped before its first one, ckpt_every=%d): starting "
+                        "again from step 0, its earlier records dropped", run_dir, cfg.ckpt_every)
+    elif resume:
         state = _restore(run_dir, cfg, model, optimizer, device)
         step0 = state["step"]
         switched = state.get("attention", cfg.attention)             # a monitor may have switched layers
-        if "config_version" not in state.get("config", {}):          # a checkpoint of the earlier spec grammar
+        if "config_version" not in state["config"]:                  # a checkpoint of the earlier spec grammar
             switched = upgrade_stored_spec(switched)
         model.set_attention(switched)
-        if dist.is_main:
-            truncate_after(run_dir / "metrics.jsonl", step0)
-            truncate_after(run_dir / "probes.jsonl", step0)
-    elif dist.is_main and (run_dir / checkpoint.CHECKPOINT).exists():
+    elif dist.is_main and has_checkpoint:
         raise ValueError(f"{run_dir} already holds a run; resume it (stableflash train --resume {run_dir}) or "
                          "choose another --out")
+    elif dist.is_main and _run_files(run_dir):
+        raise ValueError(f"{run_dir} already holds a run without a checkpoint ({', '.join(_run_files(run_dir))}; "
+                         f"it stopped before its first one); start it again from step 0 with stableflash train "
+                         f"--resume {run_dir}, or choose another --out")
+    if resume and dist.is_main:
+        for name in _REWRITTEN:                       # left by writes that were killed; never valid
+            remove_stale_temps(run_dir / name)
+
+        def keep(record: dict) -> None:               # the records before the checkpoint's step
+            history.add(record)
+            stopper.replay((record,))                 # a resumed run keeps its running minimum and streak
+
+        truncate_after(run_dir / "metrics.jsonl", step0, on_kept=keep)
+        truncate_after(run_dir / "probes.jsonl", step0)
+        if step0 >= cfg.max_iters:
+            log.warning("%s is already at step %d (max_iters=%d): nothing to train; its summary keeps the "
+                        "final and best validation losses of its records (continue it with --set max_iters=N, "
+                        "N > %d)", run_dir, step0, cfg.max_iters, step0)
+    if resume and dist.world_size > 1:               # rank 0 read the records
+        shared = [(stopper.running_min, stopper.above_since, history)]
+        torch_dist.broadcast_object_list(shared, src=0)
+        stopper.running_min, stopper.above_since, history = shared[0]
     if dist.is_main:
-        (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+        write_text_atomic(run_dir / "config.json", json.dumps(cfg.to_dict(), indent=2))
 
     sampler = BatchSampler(train_data, block, cfg.batch_size, cfg.seed)
     source = GlobalReplay(Path(cfg.replay), cfg.batch_size, block, train_data) if cfg.replay else sampler
@@ -200,27 +306,25 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
                     "configurations measured; warned by the largest attention logit "
                     "(--set monitor_max_logit=200, in the units of the GPT-2 and Llama presets) it acts in "
                     "time on every run it was measured on (docs/diagnostics.md)", cfg.monitor)
-    stopper = ExplosionStop(cfg.stop_after_explosion)
-    if step0 and cfg.stop_after_explosion:            # a resumed run keeps its running minimum and streak
-        if dist.is_main and (run_dir / "metrics.jsonl").exists():
-            stopper.replay(read_metrics(run_dir / "metrics.jsonl"))
-        if dist.world_size > 1:                       # rank 0 holds the metrics
-            state = [(stopper.running_min, stopper.above_since)]
-            torch_dist.broadcast_object_list(state, src=0)
-            stopper.running_min, stopper.above_since = state[0]
     tracker = DeltaTracker()
     probes = open(run_dir / "probes.jsonl", "a") if dist.is_main and cfg.probe_every else None
 
+    saved = step0 if resume and has_checkpoint else None     # the step of the checkpoint on disk
+    fresh = True                                      # whether the model, optimizer and RNGs are what it holds
+
     def save_checkpoint(done: int) -> None:
+        nonlocal saved, fresh
         checkpoint.save(run_dir, {
             "model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": done,
             "config": cfg.to_dict(), "attention": str(model.attention_spec),
             "rng": {"cpu": torch.get_rng_state(),
                     "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}})
+        saved, fresh = done, True
 
-    status, last, best_val = "finished", {}, math.inf
+    status, last, best_val = "finished", history.last, history.best_val_loss
     bar = tqdm(total=cfg.max_iters, initial=step0, disable=not (progress and dist.is_main), desc="train")
     step = step0
+    stop, signum, at_once = _StopSignals().install(), 0, False
     try:
         while step < cfg.max_iters:
             lr = lr_at(step, cfg)
@@ -319,6 +423,7 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
                                    "to_step": state["step"], "layers": act,
                                    "message": f"restored the checkpoint of step {state['step']}"})
                     done = state["step"]
+                    fresh = False                     # restored, then switched below: not what is on disk
                     recorder.close()
                     recorder = BatchRecorder(run_dir, dist.rank, batch_size=cfg.batch_size, block_size=block,
                                              seed=cfg.seed, data_path=str(data_dir), start_step=done)
@@ -331,22 +436,52 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
                 save_checkpoint(done)
             bar.n = step = done
             bar.refresh()
+            if step < cfg.max_iters:
+                signum = stop.requested(dist, device)     # SIGINT / SIGTERM: stop here, this step complete
+                if signum:
+                    status = "interrupted"
+                    break
+        if status == "interrupted" and dist.is_main and (saved != step or not fresh):
+            save_checkpoint(step)
+    except KeyboardInterrupt:                         # a second signal: stopped at once, mid-step
+        status, signum, at_once = "interrupted", stop.signum or signal.SIGINT, True
     finally:
         bar.close()
         metrics.close()
         recorder.close()
         if probes is not None:
             probes.close()
-    summary = {"status": status, "steps": (last.get("step", step0 - 1) + 1), "final_loss": last.get("loss"),
+        stop.restore()
+    summary = {"status": status, "steps": step, "final_loss": last.get("loss"),
                "best_val_loss": best_val if math.isfinite(best_val) else None, "attention": cfg.attention,
                "final_attention": str(model.attention_spec), "config_version": cfg.config_version,
                "world_size": dist.world_size, "device": str(device), "data": str(data_dir), "data_meta": meta}
+    if status == "interrupted":
+        summary.update(signal=signal.Signals(signum).name, checkpoint_step=saved)
     if dist.is_main:
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+        write_text_atomic(run_dir / "summary.json", json.dumps(summary, indent=2, default=str))
+    if at_once:                                       # other ranks may be inside a collective: no barrier
+        raise Interrupted(summary, signum, _interrupted_message(summary, run_dir, at_once))
     if dist.world_size > 1:
         # every rank reaches here before any tears the group down (a rank leaving while the main one
         # still saves its checkpoint is the likely cause of a rank-1 abort seen on CPU with gloo in
         # two full test runs; not proven)
         torch_dist.barrier()
         torch_dist.destroy_process_group()
+    if status == "interrupted":
+        raise Interrupted(summary, signum, _interrupted_message(summary, run_dir, at_once))
     return summary
+
+
+def _interrupted_message(summary: dict, run_dir: Path, at_once: bool) -> str:
+    """One line on what an interrupted run kept and how to continue it."""
+    name, done, ckpt = summary["signal"], summary["steps"], summary["checkpoint_step"]
+    path = run_dir / checkpoint.CHECKPOINT
+    if not at_once:
+        head = f"interrupted by {name} after {done} steps: checkpoint of step {ckpt} saved in {path}"
+    elif ckpt is None:
+        head = f"stopped at once by a second {name} after {done} steps, before any checkpoint: nothing saved"
+    else:
+        head = (f"stopped at once by a second {name} after {done} steps: nothing saved since the checkpoint "
+                f"of step {ckpt} ({path})")
+    return f"{head}; continue with: stableflash train --resume {run_dir}"
