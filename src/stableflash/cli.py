@@ -117,7 +117,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
         cfg = make_config(args.preset or "tiny", args.config, args.set)
         run_dir = args.out
     try:
-        summary = train(cfg, run_dir, resume=args.resume is not None, progress=not args.quiet)
+        summary = train(cfg, run_dir, resume=args.resume is not None, progress=not args.quiet,
+                        allow_data_change=args.allow_data_change)
     except Interrupted as exc:            # SIGINT / SIGTERM: saved and summarised; one line, 128 + signal
         if args.json:
             print(json.dumps(exc.summary, indent=2, default=str))
@@ -141,13 +142,13 @@ def _cmd_data_prepare(args: argparse.Namespace) -> int:
     from stableflash.train import corpus
 
     if args.embedded:
-        meta = corpus.prepare_embedded(args.out)
+        meta = corpus.prepare_embedded(args.out, overwrite=args.overwrite)
     elif args.hf_dataset:
         meta = corpus.prepare_hf(args.hf_dataset, args.out, split=args.hf_split, text_field=args.text_field,
-                                 tokenizer=args.tokenizer, val_fraction=args.val_fraction)
+                                 tokenizer=args.tokenizer, val_fraction=args.val_fraction, overwrite=args.overwrite)
     elif args.inputs:
         meta = corpus.prepare_text(args.inputs, args.out, tokenizer=args.tokenizer, val_fraction=args.val_fraction,
-                                   pattern=args.pattern)
+                                   pattern=args.pattern, overwrite=args.overwrite)
     else:
         raise ValueError("nothing to prepare; accepted: INPUT files or folders, --hf-dataset NAME, or --embedded")
     print(json.dumps(meta, indent=2, default=str))
@@ -299,6 +300,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override one key (repeatable), e.g. --set max_iters=100 --set attention='sdpa; 2: emulated policy=paper'")
     p.add_argument("--out", type=Path, help="run folder (must not hold a run already)")
     p.add_argument("--resume", type=Path, metavar="DIR", help="continue the run in DIR from its checkpoint")
+    p.add_argument("--allow-data-change", action="store_true",
+                   help="resume (or replay=RUN) even when the data folder's fingerprint differs from the one "
+                        "the run recorded in its data.json (refused by default)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_train)
@@ -311,10 +315,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="text files, a Hugging Face dataset, or the embedded corpus -> train.bin/val.bin",
         description="Tokenize text into nanoGPT-style token files (uint16 train.bin / val.bin) plus "
                     "meta.json. Tokenizer: tiktoken GPT-2 when its vocabulary is available offline, "
-                    "else bytes (vocab 256).",
+                    "else bytes (vocab 256). A folder that already holds token files is refused unless "
+                    "--overwrite (runs trained on it refuse to resume on the new data). Temporary files "
+                    "left by a killed preparation are removed.",
     )
     p.add_argument("inputs", nargs="*", type=Path, help="text files or folders (searched for --pattern)")
     p.add_argument("--out", type=Path, required=True, help="output folder")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the token files already in --out (refused by default)")
     p.add_argument("--tokenizer", choices=("auto", "bytes", "gpt2"), default="auto")
     p.add_argument("--val-fraction", type=float, default=0.0005, help="share of documents for val.bin")
     p.add_argument("--pattern", default="*.txt", help="file pattern inside folders (default: *.txt)")

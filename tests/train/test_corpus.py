@@ -1,15 +1,20 @@
 """The embedded corpus, text preparation, and the tokenizers."""
 import json
+import logging
+import os
+import subprocess
 import sys
 import types
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+from stableflash.cli import main
 from stableflash.train import corpus
 from stableflash.train.corpus import (corpus_fingerprint, default_data_dir, embedded_corpus,
                                       prepare_embedded, prepare_hf, prepare_text)
-from stableflash.train.data import load_split
+from stableflash.train.data import load_split, read_meta
 from stableflash.train.tokenizer import ByteTokenizer, get_tokenizer, gpt2_tokenizer
 
 SMALL = 2_000_000
@@ -43,9 +48,12 @@ def test_prepare_embedded_sizes_fingerprint_and_reuse(tmp_path):
     mtime = (tmp_path / "emb" / "train.bin").stat().st_mtime_ns
     assert prepare_embedded(tmp_path / "emb", max_bytes=SMALL) == meta
     assert (tmp_path / "emb" / "train.bin").stat().st_mtime_ns == mtime
-    # A damaged preparation is redone.
+    # A damaged preparation is token files all the same: replaced only with overwrite=True.
     (tmp_path / "emb" / "val.bin").write_bytes(b"\0\0")
-    assert prepare_embedded(tmp_path / "emb", max_bytes=SMALL) == meta
+    with pytest.raises(ValueError, match="already holds token files .*overwrite"):
+        prepare_embedded(tmp_path / "emb", max_bytes=SMALL)
+    assert (tmp_path / "emb" / "val.bin").read_bytes() == b"\0\0"
+    assert prepare_embedded(tmp_path / "emb", max_bytes=SMALL, overwrite=True) == meta
     assert (tmp_path / "emb" / "val.bin").stat().st_size == 2 * meta["tokens"]["val"]
 
 
@@ -249,3 +257,84 @@ def test_prepare_hf_with_a_stand_in_dataset(tmp_path, monkeypatch):
     meta = prepare_hf("x", tmp_path / "out", tokenizer="bytes", val_fraction=0.2, max_documents=8)
     assert meta["documents"] == {"train": 6, "val": 2} and meta["source"]["dataset"] == "x"
     assert meta["tokens"]["train"] + meta["tokens"]["val"] == 8 * 6
+
+
+# ------------------------------------------------------------------ preparations cut short
+
+def text_inputs(tmp_path, letter="a"):
+    src = tmp_path / f"src-{letter}"
+    src.mkdir()
+    for i in range(4):
+        (src / f"doc{i}.txt").write_text(f"document {i}: " + letter * 3000)
+    return src
+
+
+def test_a_killed_prepare_leaves_no_temporary_files_behind(tmp_path, monkeypatch, caplog):
+    src, out = text_inputs(tmp_path), tmp_path / "tok"
+
+    class Killed(BaseException):
+        pass
+
+    # A preparation killed while writing its token files: no cleanup runs (as under SIGKILL).
+    real, calls = corpus.write_split, []
+
+    def write_then_die(path, ids, *a, **k):
+        calls.append(path)
+        if len(calls) == 3:
+            real(path, ids[:len(ids) // 2], *a, **k)
+            monkeypatch.setattr(Path, "unlink", lambda *a, **k: None)
+            raise Killed
+        return real(path, ids, *a, **k)
+
+    monkeypatch.setattr(corpus, "write_split", write_then_die)
+    with pytest.raises(Killed):
+        prepare_text([src], out, tokenizer="bytes", val_fraction=0.25)
+    monkeypatch.undo()
+    stale = sorted(p.name for p in out.iterdir())
+    assert stale == [f"train.bin.tmp{os.getpid()}", f"val.bin.tmp{os.getpid()}"] and calls[-1].name in stale
+    # One of them from a process that has ended; beside them a live process's, and another file.
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    os.rename(out / stale[0], out / f"train.bin.tmp{dead.pid}")
+    stale[0] = f"train.bin.tmp{dead.pid}"
+    live = out / f"val.bin.tmp{os.getppid()}"
+    live.write_bytes(b"x")
+    (out / "notes.tmp1").write_bytes(b"y")
+    with caplog.at_level(logging.WARNING, logger="stableflash.train.corpus"):
+        assert main(["data", "prepare", str(src), "--out", str(out), "--tokenizer", "bytes",
+                     "--val-fraction", "0.25"]) == 0
+    kept = ["meta.json", "notes.tmp1", "train.bin", "val.bin", live.name]
+    assert sorted(p.name for p in out.iterdir()) == sorted(kept)
+    assert all(f"removed {out / n}" in caplog.text for n in stale) and f"{live} belongs to process" in caplog.text
+    assert len(load_split(out, "train", check="full")) + len(load_split(out, "val")) == 4 * 3000 + 4 * 12
+
+
+def test_a_prepare_stopped_while_replacing_files_marks_the_folder(tmp_path, monkeypatch):
+    out = tmp_path / "tok"
+    prepare_text(text_inputs(tmp_path, "a"), out, tokenizer="bytes", val_fraction=0.25)
+    old_val = (out / "val.bin").read_bytes()
+
+    class Killed(BaseException):
+        pass
+
+    real, calls = os.replace, []
+
+    def replace(a, b):                 # 1: meta.json's mark, 2: train.bin, 3: val.bin, 4: meta.json
+        calls.append(b)
+        if len(calls) == 3:
+            raise Killed
+        return real(a, b)
+
+    monkeypatch.setattr(os, "replace", replace)
+    with pytest.raises(Killed):
+        prepare_text(text_inputs(tmp_path, "b"), out, tokenizer="bytes", val_fraction=0.25, overwrite=True)
+    monkeypatch.setattr(os, "replace", real)
+    # new train.bin, old val.bin: never read as a preparation, and no silent nanoGPT default either
+    assert (out / "val.bin").read_bytes() == old_val and b"b" * 100 in (out / "train.bin").read_bytes()[::2]
+    with pytest.raises(ValueError, match="meta.json marks a preparation that was stopped while it replaced"):
+        read_meta(out)
+    # The interrupted folder holds nothing to protect: preparing again needs no --overwrite.
+    meta = prepare_text(text_inputs(tmp_path, "c"), out, tokenizer="bytes", val_fraction=0.25)
+    assert read_meta(out)["tokens"] == meta["tokens"]
+    with pytest.raises(ValueError, match="is a file; accepted: a folder"):
+        prepare_text(text_inputs(tmp_path, "d"), out / "meta.json", tokenizer="bytes")

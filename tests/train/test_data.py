@@ -1,12 +1,19 @@
 """Token files, their validation, deterministic batches and record/replay."""
 import json
+import logging
+import os
+import pickle
+import shutil
 
 import numpy as np
 import pytest
 import torch
 
+from stableflash.cli import main
+from stableflash.train import data as data_mod
 from stableflash.train.data import (BatchRecorder, BatchSampler, ReplaySampler, _sample_regions,
-                                    eval_batches, get_batch, load_split, read_meta, write_split)
+                                    data_fingerprint, eval_batches, get_batch, load_split, read_meta,
+                                    write_split)
 
 
 def write_dir(path, train, val=None, meta=None, dtype="<u2"):
@@ -62,7 +69,7 @@ def test_write_split_refuses_ids_that_do_not_fit(tmp_path):
 
 
 def test_missing_directory_and_file(tmp_path):
-    with pytest.raises(FileNotFoundError, match="nowhere.*expected a folder with train.bin and val.bin"):
+    with pytest.raises(FileNotFoundError, match="nowhere.*does not exist.*a data folder holds train.bin and val.bin"):
         load_split(tmp_path / "nowhere", "train")
     write_dir(tmp_path, np.arange(300))
     (tmp_path / "val.bin").unlink()
@@ -275,3 +282,239 @@ def test_replay_errors(tmp_path):
         r.indices(1, 2)
     with pytest.raises(ValueError, match="offsets up to .* beyond the 20 tokens"):
         ReplaySampler(tmp_path / "batches", 0, 4, data=np.arange(20, dtype=np.uint16))
+
+
+# ------------------------------------------------------------------ what a data folder must hold
+
+def cli_error(argv, capsys) -> str:
+    """Run the CLI, expect the one-line error and exit code 2, return the message."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return err
+
+
+def train_argv(tmp_path, data, *extra, out="run"):
+    return ["train", "--preset", "tiny", "--out", str(tmp_path / out), "-q", "--set", f"data={data}",
+            "--set", "max_iters=2", "--set", "eval_iters=1", "--set", "probe_every=0", *extra]
+
+
+def test_a_folder_that_is_not_a_data_folder_says_so(tmp_path, capsys):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    err = cli_error(train_argv(tmp_path, empty), capsys)
+    assert f"{empty} is not a data folder: it holds no train.bin and no val.bin (found: nothing)" in err
+    assert "a data folder holds train.bin and val.bin" in err and "stableflash data prepare" in err
+    assert "vocab_size" not in err                                 # not the wrong problem
+    # A parent of data folders: the subfolder holding token files is suggested.
+    parent = tmp_path / "data"
+    write_dir(parent / "shakespeare_char", np.arange(300), meta={"vocab_size": 300})
+    (parent / "README").write_text("x")
+    err = cli_error(train_argv(tmp_path, parent), capsys)
+    assert f"{parent} is not a data folder" in err and "(found: README, shakespeare_char)" in err
+    assert f"did you mean data={parent / 'shakespeare_char'}?" in err
+    if os.path.isdir("/proc"):
+        err = cli_error(train_argv(tmp_path, "/proc"), capsys)
+        assert "/proc is not a data folder: it holds no train.bin and no val.bin" in err
+        assert "vocab_size" not in err
+
+
+# --------------------------------------------------------------------------- token dtype and ids
+
+def test_token_dtype_is_inferred_or_asked_for(tmp_path):
+    ids = (np.arange(4000) * 7 % 1000).astype(np.uint32)          # ids < 1000: fit either dtype
+    # meta.json's token counts settle it.
+    write_dir(tmp_path / "counts", ids, dtype="<u4", meta={"vocab_size": 1000, "tokens": {"train": 4000, "val": 100}})
+    assert read_meta(tmp_path / "counts")["dtype"] == "uint32"
+    np.testing.assert_array_equal(load_split(tmp_path / "counts", "train", check="full"), ids)
+    # A vocabulary over 65536 needs uint32.
+    write_dir(tmp_path / "big", ids + 65000, dtype="<u4", meta={"vocab_size": 70000})
+    np.testing.assert_array_equal(load_split(tmp_path / "big", "train", check="full"), ids + 65000)
+    # vocab <= 65536 and nothing else said: uint32 files are not read as uint16 (every other id a
+    # spurious 0) but refused, asking for the dtype; the same with no meta.json at all.
+    write_dir(tmp_path / "vague", ids, dtype="<u4", meta={"vocab_size": 1000})
+    with pytest.raises(ValueError, match=r"token files look like uint32 ids .*meta.json gives no dtype.*"
+                                         r"add \"dtype\": \"uint32\""):
+        load_split(tmp_path / "vague", "train")
+    (tmp_path / "vague" / "meta.json").write_text(json.dumps({"vocab_size": 1000, "dtype": "uint32"}))
+    np.testing.assert_array_equal(load_split(tmp_path / "vague", "train", check="full"), ids)
+    write_dir(tmp_path / "bare", ids, dtype="<u4")
+    with pytest.raises(ValueError, match=r"look like uint32 ids .*there is no meta.json to give the dtype"
+                                         r".*write .*meta.json"):
+        read_meta(tmp_path / "bare")
+    # uint16 files (nanoGPT's convention) whose sizes happen to divide by 4 load as uint16.
+    write_dir(tmp_path / "u16", ids.astype(np.uint16), dtype="<u2")
+    assert read_meta(tmp_path / "u16")["dtype"] == "uint16"
+    np.testing.assert_array_equal(load_split(tmp_path / "u16", "train", check="full"), ids)
+    # Sizes that fit neither dtype for the counted tokens, and bad values, are named.
+    write_dir(tmp_path / "odd", ids, dtype="<u4", meta={"vocab_size": 1000, "tokens": {"train": 3999}})
+    with pytest.raises(ValueError, match=r"train.bin is 16000 bytes, neither 2 \(uint16\) nor 4 \(uint32\) "
+                                         r"bytes for each of the 3999 tokens"):
+        read_meta(tmp_path / "odd")
+    for meta, match in (({"vocab_size": "50257"}, r"vocab_size='50257' is invalid"),
+                        ({"vocab_size": 100, "dtype": ["uint16"]}, r"dtype=\['uint16'\] is not supported"),
+                        ({"vocab_size": 70000, "dtype": "uint16"}, "does not fit dtype uint16")):
+        (tmp_path / "u16" / "meta.json").write_text(json.dumps(meta))
+        with pytest.raises(ValueError, match=match):
+            read_meta(tmp_path / "u16")
+    (tmp_path / "u16" / "meta.json").write_bytes(b"\xff\xfe\x00binary")
+    with pytest.raises(ValueError, match="meta.json is not valid JSON"):
+        read_meta(tmp_path / "u16")
+
+
+def make_folder(path, n=400_000, vocab=256, bad_at=None, seed=0):
+    ids = np.random.default_rng(seed).integers(0, vocab, n).astype(np.uint16)
+    if bad_at is not None:
+        ids[bad_at] = vocab + 44
+    write_dir(path, ids, ids[:5000], meta={"vocab_size": vocab, "tokenizer": "bytes", "dtype": "uint16",
+                                           "tokens": {"train": n, "val": 5000}})
+    return path
+
+
+def test_a_run_checks_every_token_id_when_it_starts(tmp_path, capsys, monkeypatch):
+    # An id past the vocabulary off every sampled window: before, the run trained until a batch
+    # touched it and torch raised "IndexError: index out of range in self", naming no file.
+    n = 1_500_000
+    pos = _sample_regions(n)[100][1] + 10
+    assert not any(a <= pos < b for a, b in _sample_regions(n))
+    bad = make_folder(tmp_path / "bad", n, bad_at=pos)
+    err = cli_error(train_argv(tmp_path, bad), capsys)
+    assert f"{bad / 'train.bin'}: token id 300 at position {pos} is >= vocab_size 256 (byte offset {2 * pos})" in err
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    # The full check's result is kept in the run's data.json: a resume over the same files samples.
+    good = make_folder(tmp_path / "good", n)
+    checks = []
+    real = data_mod.check_ids
+    monkeypatch.setattr(data_mod, "check_ids",
+                        lambda d, v, check="sample", name="": (checks.append(check), real(d, v, check, name)))
+    assert main(train_argv(tmp_path, good, out="ok")) == 0
+    assert checks == ["full", "full"]
+    record = json.loads((tmp_path / "ok" / "data.json").read_text())
+    assert record["fingerprint"] == data_fingerprint(good) and set(record["checked"]) == {"train.bin", "val.bin"}
+    checks.clear()
+    assert main(["train", "--resume", str(tmp_path / "ok"), "-q", "--set", "max_iters=3"]) == 0
+    assert checks == ["sample", "sample"]
+    os.utime(good / "val.bin", ns=(1, 1))                     # touched (same content): checked again
+    checks.clear()
+    data_mod.RunData(good, tmp_path / "ok", resume=True).load(256, 64)
+    assert checks == ["sample", "full"]
+
+
+# ---------------------------------------------------------------------- the data a run trained on
+
+def test_resume_and_replay_refuse_changed_data(tmp_path, capsys):
+    src = tmp_path / "txt"
+    src.mkdir()
+    for i in range(4):
+        (src / f"doc{i}.txt").write_text(f"document {i}: " + "the quick brown fox " * 60)
+    data = tmp_path / "tok"
+    prepare = ["data", "prepare", str(src), "--out", str(data), "--tokenizer", "bytes", "--val-fraction", "0.25"]
+    assert main(prepare) == 0
+    assert main(train_argv(tmp_path, data, "--set", "ckpt_every=2", out="r")) == 0
+    before = {f: (data / f).read_bytes() for f in ("train.bin", "val.bin", "meta.json")}
+    # Preparing into the folder again is refused without --overwrite; nothing is touched.
+    for i in range(4):
+        (src / f"doc{i}.txt").write_text(f"document {i}: " + "THE QUICK BROWN FOX " * 60)   # same sizes
+    err = cli_error(prepare, capsys)
+    assert f"{data} already holds token files (train.bin, val.bin, meta.json)" in err and "--overwrite" in err
+    assert {f: (data / f).read_bytes() for f in before} == before
+    assert main([*prepare, "--overwrite"]) == 0
+    assert (data / "meta.json").read_bytes() == before["meta.json"]        # only the tokens differ
+    # The run refuses to resume on them, naming the folder and what changed.
+    err = cli_error(["train", "--resume", str(tmp_path / "r"), "-q", "--set", "max_iters=4"], capsys)
+    assert f"the data in {data} changed since the run in {tmp_path / 'r'} was trained on it" in err
+    assert "train.bin has other content (same" in err and "val.bin has other content" in err
+    assert "--allow-data-change" in err
+    # Replaying its batches on the changed data is refused too.
+    err = cli_error(train_argv(tmp_path, data, "--set", f"replay={tmp_path / 'r'}", out="replay"), capsys)
+    assert f"replay={tmp_path / 'r'}: its batches were recorded on other data than {data} holds now" in err
+    assert main(train_argv(tmp_path, data, "--set", f"replay={tmp_path / 'r'}", "--allow-data-change",
+                           out="replay")) == 0
+    # --allow-data-change resumes, and the record keeps the fingerprint it replaced.
+    old = json.loads((tmp_path / "r" / "data.json").read_text())["fingerprint"]
+    assert main(["train", "--resume", str(tmp_path / "r"), "-q", "--set", "max_iters=4", "--allow-data-change"]) == 0
+    record = json.loads((tmp_path / "r" / "data.json").read_text())
+    assert record["previous"] == [old] and record["fingerprint"] == data_fingerprint(data) != old
+    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+    assert summary["data_fingerprint"] == record["fingerprint"]["sha256"]
+    (tmp_path / "r" / "data.json").write_text('{"fingerprint": ')           # damaged: named, not a traceback
+    err = cli_error(["train", "--resume", str(tmp_path / "r"), "-q", "--set", "max_iters=5"], capsys)
+    assert f"{tmp_path / 'r' / 'data.json'} is damaged" in err
+
+
+def test_fingerprint_of_large_files_samples_them(tmp_path, monkeypatch):
+    monkeypatch.setattr(data_mod, "_FULL_HASH_MAX", 1 << 20)       # files over 1 MiB are sampled here
+    make_folder(tmp_path / "d", n=2_000_000)
+    fp = data_fingerprint(tmp_path / "d")
+    assert fp["files"]["train.bin"]["hashed"] == "sampled" and fp["files"]["val.bin"]["hashed"] == "all"
+    with open(tmp_path / "d" / "train.bin", "r+b") as f:            # one block of the sample changes
+        f.seek(2_000_000)
+        f.write(b"\x07" * (1 << 16))
+    changed = data_fingerprint(tmp_path / "d")
+    assert changed["sha256"] != fp["sha256"]
+    assert data_mod.fingerprint_changes(fp, changed) == ["train.bin has other content (same 4,000,000 bytes)"]
+    # Content only: a copy (new path, new modification times) has the same fingerprint.
+    shutil.copytree(tmp_path / "d", tmp_path / "copy", copy_function=shutil.copyfile)
+    assert data_fingerprint(tmp_path / "copy") == changed
+
+
+# ------------------------------------------------------------------------------ nanoGPT folders
+
+def test_nanogpt_char_meta_pkl_is_read_without_running_code(tmp_path, capsys):
+    text = "First Citizen:\nBefore we proceed any further, hear me speak.\n" * 40
+    chars = sorted(set(text))
+    stoi = {c: i for i, c in enumerate(chars)}
+    meta = {"vocab_size": len(chars), "itos": {i: c for i, c in enumerate(chars)}, "stoi": stoi}
+    ids = np.array([stoi[c] for c in text], dtype=np.uint16)
+    folder = write_dir(tmp_path / "shakespeare_char", ids, ids[:300])
+    with open(folder / "meta.pkl", "wb") as f:
+        pickle.dump(meta, f)                                         # as nanoGPT's prepare.py writes it
+    got = read_meta(folder)
+    v = len(chars)
+    assert got["vocab_size"] == v == 27 and got["tokenizer"] == "char" and got["dtype"] == "uint16"
+    # ids are checked against meta.pkl's vocabulary, not GPT-2's
+    write_dir(tmp_path / "bad_char", np.r_[ids, v].astype(np.uint16), ids[:300])
+    (tmp_path / "bad_char" / "meta.pkl").write_bytes((folder / "meta.pkl").read_bytes())
+    with pytest.raises(ValueError, match=f"token id {v} at position {len(ids)} is >= vocab_size {v}"):
+        load_split(tmp_path / "bad_char", "train", check="full")
+    assert main(train_argv(tmp_path, folder, "--json")) == 0
+    assert json.loads(capsys.readouterr().out)["data_meta"]["vocab_size"] == v
+
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return os.system, (f"touch {marker}",)
+
+    (folder / "meta.pkl").write_bytes(pickle.dumps({"vocab_size": 26, "x": Evil()}))
+    with pytest.raises(ValueError, match=r"meta.pkl was refused: it refers to the global (posix|nt)\.system, "
+                                         r"and loading it would run that code"):
+        read_meta(folder)
+    err = cli_error(train_argv(tmp_path, folder, out="evil"), capsys)
+    assert "meta.pkl was refused" in err and "meta.json" in err
+    assert not marker.exists()
+    (folder / "meta.pkl").write_bytes(pickle.dumps(meta)[:40])       # truncated
+    with pytest.raises(ValueError, match="meta.pkl is not a readable pickle"):
+        read_meta(folder)
+    (folder / "meta.pkl").write_bytes(pickle.dumps([1, 2]))
+    with pytest.raises(ValueError, match="meta.pkl holds a list; accepted: nanoGPT's meta.pkl"):
+        read_meta(folder)
+
+
+def test_openwebtext_style_folder_needs_no_vocab_setting(tmp_path, capsys, caplog):
+    ids = (np.arange(20_000) * 2531 % 50257).astype(np.uint16)      # GPT-2 ids, no meta at all
+    folder = write_dir(tmp_path / "openwebtext", ids, ids[:2000])
+    with caplog.at_level(logging.WARNING, logger="stableflash.train.data"):
+        assert main(train_argv(tmp_path, folder, "--json", "--set", "batch_size=1")) == 0   # tiny: vocab 256
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["status"] == "finished" and summary["data_meta"]["vocab_size"] == 50257
+    assert "has no meta.json or meta.pkl: taken as nanoGPT's GPT-2 token files (vocab_size 50257)" in caplog.text
+    state = torch.load(tmp_path / "run" / "ckpt.pt", weights_only=False)
+    emb = next(v for k, v in state["model"].items() if k.endswith("wte.weight"))
+    assert emb.shape[0] == 50304                                     # 50257 padded to 64, as nanoGPT
+    # A vocab_size set explicitly below the data's is still refused, by name.
+    err = cli_error(train_argv(tmp_path, folder, "--set", "vocab_size=256", out="small"), capsys)
+    assert "vocab_size=256 is smaller than the data's vocabulary (50257)" in err

@@ -19,6 +19,7 @@ import logging
 import math
 import os
 import platform
+import re
 import sysconfig
 from functools import lru_cache
 from pathlib import Path
@@ -28,7 +29,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from stableflash.files import write_text_atomic
-from stableflash.train.data import dtype_for_vocab, write_split
+from stableflash.train.data import INCOMPLETE, META_FILES, SPLITS, dtype_for_vocab, write_split
 from stableflash.train.tokenizer import ByteTokenizer, GPT2Tokenizer, get_tokenizer
 
 log = logging.getLogger(__name__)
@@ -37,6 +38,8 @@ PathLike = Union[str, os.PathLike]
 DEFAULT_MAX_BYTES = 32_000_000
 SKIP_DIRS = frozenset({"test", "tests", "idlelib", "site-packages", "dist-packages", "__pycache__"})
 SPLIT_SEED = 2357          # which documents go to validation (nanoGPT's OpenWebText seed)
+# temporary files of a preparation: "<file>.tmp<pid>" (write_text_atomic names meta.json's so too)
+_TEMP = re.compile(r"^(train\.bin|val\.bin|meta\.json)\.tmp(\d+)$")
 
 
 # ------------------------------------------------------------------------------ embedded corpus
@@ -120,21 +123,87 @@ def _existing_meta(out_dir: Path) -> dict | None:
         return None
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:              # another user's process, running
+        return True
+    except (OverflowError, ValueError):  # not a pid at all
+        return False
+    return True
+
+
+def remove_stale_temp_files(out_dir: PathLike) -> list[Path]:
+    """Delete the temporary files (``train.bin.tmp<pid>`` ...) that a killed preparation left in
+    ``out_dir``: those of this process and of processes no longer running. Returns them."""
+    removed = []
+    for path in sorted(Path(out_dir).iterdir()):
+        m = _TEMP.match(path.name)
+        if not m or not path.is_file():
+            continue
+        pid = int(m.group(2))
+        if pid != os.getpid() and _pid_alive(pid):
+            log.warning("%s belongs to process %d, which is running (another preparation into this "
+                        "folder?): left alone", path, pid)
+            continue
+        size = path.stat().st_size
+        path.unlink(missing_ok=True)
+        removed.append(path)
+        log.warning("removed %s (%d bytes), left by a preparation that was killed", path, size)
+    return removed
+
+
+def _holds_a_preparation(out_dir: Path) -> list[str]:
+    """The token and meta files in out_dir, unless its meta.json marks an interrupted preparation."""
+    present = [n for n in (*(f"{s}.bin" for s in SPLITS), *META_FILES) if (out_dir / n).exists()]
+    try:
+        if json.loads((out_dir / "meta.json").read_text()).get(INCOMPLETE):
+            return []
+    except (OSError, ValueError, AttributeError):
+        pass
+    return present if any(n.endswith(".bin") for n in present) else []
+
+
+def _start(out_dir: Path, overwrite: bool) -> None:
+    """Make out_dir, remove a killed preparation's temporary files, and refuse to replace token
+    files already there unless ``overwrite``."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"out_dir {str(out_dir)!r} is a file; accepted: a folder (created if missing)")
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"out_dir {str(out_dir)!r} cannot be created ({e}); accepted: a folder that can be "
+                         f"written") from e
+    remove_stale_temp_files(out_dir)
+    present = _holds_a_preparation(out_dir)
+    if present and not overwrite:
+        raise ValueError(f"{out_dir} already holds token files ({', '.join(present)}); preparing into it would "
+                         f"replace them, and runs trained on them could not resume. Choose another folder, "
+                         f"or replace them with --overwrite (overwrite=True)")
+
+
 def _replace_outputs(out_dir: Path, tmp: dict[str, Path], meta: dict) -> None:
-    """Move finished temporary files into place, meta.json last (its presence marks completion)."""
-    (out_dir / "meta.json").unlink(missing_ok=True)
+    """Move finished temporary files into place. meta.json first marks the folder as being replaced
+    (a kill among the renames leaves a folder that says so instead of a silent mix of two
+    preparations), and is written last with the new content."""
+    write_text_atomic(out_dir / "meta.json", json.dumps({INCOMPLETE: True, "note": "stableflash data "
+                      "prepare was replacing these files; prepare the data again"}) + "\n")
+    (out_dir / "meta.pkl").unlink(missing_ok=True)       # a nanoGPT vocabulary of the files replaced
     for split, path in tmp.items():
         os.replace(path, out_dir / f"{split}.bin")
     write_text_atomic(out_dir / "meta.json", json.dumps(meta, indent=1) + "\n")
 
 
 def prepare_embedded(out_dir: PathLike, val_fraction: float = 0.01,
-                     max_bytes: int = DEFAULT_MAX_BYTES) -> dict:
+                     max_bytes: int = DEFAULT_MAX_BYTES, overwrite: bool = False) -> dict:
     """Write the embedded corpus as byte-level token files; returns meta.json's content.
 
     The validation split is the last files, cut at the file boundary nearest to the last
     ``val_fraction`` of the bytes (at least one file on each side). When ``out_dir`` already holds
-    a complete preparation with the same fingerprint and val_fraction, it is reused as it is.
+    a complete preparation with the same fingerprint and val_fraction, it is reused as it is;
+    other token files there are replaced only with ``overwrite``.
     """
     val_fraction, max_bytes = _check_fraction(val_fraction), _check_max_bytes(max_bytes)
     out_dir = Path(out_dir)
@@ -149,21 +218,24 @@ def prepare_embedded(out_dir: PathLike, val_fraction: float = 0.01,
         raise ValueError(f"max_bytes={max_bytes} holds {len(rels)} file(s) of the standard library; "
                          f"accepted: enough for at least 2 files (a train and a val split), e.g. "
                          f"the default {DEFAULT_MAX_BYTES}")
+    _start(out_dir, overwrite)
     ends = np.cumsum([len(c) for c in chunks])            # ends[k-1]: bytes in the first k files
     target = (1 - val_fraction) * ends[-1]
     k = int(np.argmin(np.abs(ends[:-1] - target))) + 1    # train: files [0, k); val: [k, n)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tmp = {}
-    for split, part in (("train", chunks[:k]), ("val", chunks[k:])):
-        tmp[split] = out_dir / f"{split}.bin.tmp{os.getpid()}"
-        write_split(tmp[split], np.frombuffer(b"".join(part), dtype=np.uint8), np.uint16)
-    meta = {"vocab_size": 256, "tokenizer": "bytes", "dtype": "uint16",
-            "tokens": {"train": int(ends[k - 1]), "val": int(ends[-1] - ends[k - 1])},
-            "fingerprint": fp,
-            "source": {"kind": "embedded-stdlib", "stdlib": str(root), "max_bytes": max_bytes,
-                       "val_fraction": val_fraction, "files": {"train": k, "val": len(rels) - k},
-                       "first_val_file": rels[k]}}
-    _replace_outputs(out_dir, tmp, meta)
+    tmp = {split: out_dir / f"{split}.bin.tmp{os.getpid()}" for split in ("train", "val")}
+    try:
+        for split, part in (("train", chunks[:k]), ("val", chunks[k:])):
+            write_split(tmp[split], np.frombuffer(b"".join(part), dtype=np.uint8), np.uint16)
+        meta = {"vocab_size": 256, "tokenizer": "bytes", "dtype": "uint16",
+                "tokens": {"train": int(ends[k - 1]), "val": int(ends[-1] - ends[k - 1])},
+                "fingerprint": fp,
+                "source": {"kind": "embedded-stdlib", "stdlib": str(root), "max_bytes": max_bytes,
+                           "val_fraction": val_fraction, "files": {"train": k, "val": len(rels) - k},
+                           "first_val_file": rels[k]}}
+        _replace_outputs(out_dir, tmp, meta)
+    finally:
+        for path in tmp.values():
+            path.unlink(missing_ok=True)
     log.info("prepared the embedded corpus in %s: %d files, %d bytes (train %d, val %d), sha256 %s",
              out_dir, len(rels), fp["bytes"], meta["tokens"]["train"], meta["tokens"]["val"],
              fp["sha256"][:12])
@@ -183,7 +255,7 @@ def default_data_dir(cache_dir: PathLike | None = None, max_bytes: int = DEFAULT
     """
     fp = corpus_fingerprint(max_bytes)
     out = Path(cache_dir if cache_dir is not None else default_cache_dir()) / f"embedded-{fp['sha256'][:12]}"
-    prepare_embedded(out, max_bytes=max_bytes)
+    prepare_embedded(out, max_bytes=max_bytes, overwrite=True)     # its own cache folder: redone if damaged
     return out
 
 
@@ -210,7 +282,6 @@ def _write_documents(docs: Iterable, n_docs: int, out_dir: Path, tok, val_fracti
     if n_docs < 1:
         raise ValueError(f"{desc}: there are no documents to prepare")
     dtype = dtype_for_vocab(int(tok.vocab_size))
-    out_dir.mkdir(parents=True, exist_ok=True)
     tmp = {s: out_dir / f"{s}.bin.tmp{os.getpid()}" for s in ("train", "val")}
     counts = {"train": 0, "val": 0}
     documents = {"train": 0, "val": 0}
@@ -275,17 +346,20 @@ def find_text_files(inputs: Sequence[PathLike] | PathLike, pattern: str = "*.txt
 
 
 def prepare_text(inputs: Sequence[PathLike] | PathLike, out_dir: PathLike, tokenizer="auto",
-                 val_fraction: float = 0.0005, pattern: str = "*.txt", seed: int = SPLIT_SEED) -> dict:
+                 val_fraction: float = 0.0005, pattern: str = "*.txt", seed: int = SPLIT_SEED,
+                 overwrite: bool = False) -> dict:
     """Tokenize text files, one document per file, into ``out_dir``; returns meta.json's content.
 
     The validation split is a seeded random choice of whole documents (``ceil(val_fraction *
     n_docs)``, at least one, order kept); a single file is split at its last val_fraction of
     tokens instead. With gpt2 every document ends with the end-of-text token; with bytes the
-    files' bytes are concatenated as they are.
+    files' bytes are concatenated as they are. Token files already in ``out_dir`` are replaced
+    only with ``overwrite``.
     """
     val_fraction = _check_fraction(val_fraction)
     files = find_text_files(inputs, pattern)
     tok = _resolve_tokenizer(tokenizer)
+    _start(Path(out_dir), overwrite)
     docs = (f.read_bytes() for f in files)
     source = {"kind": "text", "inputs": [str(i) for i in ([inputs] if isinstance(inputs, (str, os.PathLike))
                                                          else inputs)],
@@ -296,13 +370,15 @@ def prepare_text(inputs: Sequence[PathLike] | PathLike, out_dir: PathLike, token
 
 def prepare_hf(dataset: str, out_dir: PathLike, split: str = "train", text_field: str = "text",
                tokenizer="auto", val_fraction: float = 0.0005, name: str | None = None,
-               max_documents: int | None = None, seed: int = SPLIT_SEED, **load_kwargs) -> dict:
+               max_documents: int | None = None, seed: int = SPLIT_SEED, overwrite: bool = False,
+               **load_kwargs) -> dict:
     """Tokenize a Hugging Face dataset (``datasets.load_dataset(dataset, name, split=split)``).
 
     Needs the ``datasets`` package and access to the dataset (the Hub or a local copy). One
-    document per row, taken from ``text_field``; splits as in :func:`prepare_text`.
+    document per row, taken from ``text_field``; splits and ``overwrite`` as in :func:`prepare_text`.
     """
     val_fraction = _check_fraction(val_fraction)
+    _start(Path(out_dir), overwrite)
     try:
         import datasets
     except ImportError as e:

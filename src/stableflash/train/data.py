@@ -1,10 +1,14 @@
 """Token files, deterministic batches, and the record/replay of every batch a run consumed.
 
 Token files are nanoGPT's: ``train.bin`` and ``val.bin`` hold raw little-endian token ids
-(uint16; uint32 when ``meta.json`` says so, for vocabularies over 65536). ``meta.json`` is ours:
-``{"vocab_size", "tokenizer", "dtype", "tokens": {"train", "val"}, "source"}``. A folder without
-it is taken to be a nanoGPT GPT-2 preparation (vocab 50257, uint16), so existing OpenWebText
-files load unchanged.
+(uint16, or uint32 for vocabularies over 65536). The vocabulary comes from the folder:
+``meta.json`` (ours: ``{"vocab_size", "tokenizer", "dtype", "tokens": {"train", "val"},
+"source"}``), else nanoGPT's ``meta.pkl`` (``{"vocab_size", "itos", "stoi"}``, read without
+running code), else the folder is taken to be nanoGPT's GPT-2 preparation (vocab 50257, uint16),
+as nanoGPT's ``train.py`` takes it, so OpenWebText folders load unchanged.
+
+A run records the fingerprint of its data folder in ``run_dir/data.json`` (:class:`RunData`) and
+refuses to resume, or to replay another run's batches, on data that changed since.
 
 Batches are stateless functions of ``(seed, step, micro, rank)``: a run resumed at step ``s``
 draws exactly what an uninterrupted run draws at ``s``. :class:`BatchRecorder` writes each drawn
@@ -14,9 +18,13 @@ kernel, say).
 """
 from __future__ import annotations
 
+import hashlib
+import io
+import itertools
 import json
 import logging
 import os
+import pickle
 from pathlib import Path
 from typing import Union
 
@@ -32,14 +40,21 @@ PathLike = Union[str, os.PathLike]
 SPLITS = ("train", "val")
 CHECKS = ("sample", "full", "none")
 DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
-NANOGPT_META = {"vocab_size": 50257, "tokenizer": "gpt2", "dtype": "uint16", "tokens": None,
-                "source": "nanoGPT token files (no meta.json: assumed GPT-2, vocab 50257, uint16)"}
+NANOGPT_META = {"vocab_size": 50257, "tokenizer": "gpt2", "tokens": None,
+                "source": "nanoGPT token files (no meta.json or meta.pkl: taken as GPT-2, vocab 50257)"}
+META_FILES = ("meta.json", "meta.pkl")
+INCOMPLETE = "incomplete"  # meta.json's key while `data prepare` replaces a folder's files
 _EDGE = 65536             # check="sample": the first and last 64K ids
 _SAMPLE_WINDOWS = 256     # ... plus this many evenly spaced windows
 _SAMPLE_WINDOW = 4096     # ... of this many ids each (~1M ids, page-friendly reads)
 _FULL_CHUNK = 1 << 24     # check="full": ids per chunk
-_PREPARE_HINT = ("prepare one with stableflash.train.corpus (prepare_embedded, prepare_text, "
-                 "prepare_hf) or nanoGPT's data/*/prepare.py")
+_DTYPE_PROBE = 1 << 16    # uint16 words read from each token file to tell uint16 from uint32
+_META_PKL_MAX = 64 << 20  # bytes: a nanoGPT meta.pkl is kilobytes
+_PREPARE_HINT = ("`stableflash data prepare` makes one (or stableflash.train.corpus's prepare_text, "
+                 "prepare_hf, prepare_embedded; or nanoGPT's data/*/prepare.py)")
+_FOLDER_HINT = ("a data folder holds train.bin and val.bin (token ids) and meta.json (or nanoGPT's "
+                "meta.pkl) naming the vocabulary")
+_warned_default: set[str] = set()
 
 
 # ------------------------------------------------------------------------------------------ files
@@ -62,29 +77,218 @@ def _dtype(dtype) -> np.dtype:
     return DTYPES[name]
 
 
-def read_meta(data_dir: PathLike) -> dict:
-    """``data_dir/meta.json``, or nanoGPT's implied GPT-2 meta when there is none."""
+def _listing(folder: Path, limit: int = 10) -> str:
+    try:
+        names = sorted(p.name for p in itertools.islice(folder.iterdir(), 10_000))
+    except OSError:
+        return "unreadable"
+    more = f", ... ({len(names)}{'+' if len(names) == 10_000 else ''} entries)" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more if names else "nothing"
+
+
+def _data_subfolders(folder: Path, depth: int = 2, budget: int = 500) -> list[Path]:
+    """Folders up to ``depth`` levels below ``folder`` that hold a train.bin (a bounded search)."""
+    found, level = [], [folder]
+    for _ in range(depth):
+        nxt = []
+        for d in level:
+            try:
+                children = sorted(itertools.islice(d.iterdir(), budget))
+            except OSError:
+                continue
+            for c in children:
+                if budget <= 0:
+                    return found
+                budget -= 1
+                try:
+                    if c.name.startswith(".") or c.is_symlink() or not c.is_dir():
+                        continue
+                    if (c / "train.bin").is_file():
+                        found.append(c)
+                    else:
+                        nxt.append(c)
+                except OSError:
+                    continue
+        level = nxt
+    return found
+
+
+def check_data_folder(data_dir: PathLike) -> Path:
+    """``data_dir`` as a Path, after checking it is a folder holding train.bin and val.bin.
+
+    The error for a folder that is not a data folder (empty, a parent of data folders, ``/proc``)
+    names it, says what a data folder holds, and suggests subfolders that hold token files.
+    """
     data_dir = Path(data_dir)
     if not data_dir.is_dir():
-        raise FileNotFoundError(f"data_dir {str(data_dir)!r} does not exist or is not a directory; "
-                                f"expected a folder with train.bin and val.bin (token ids) and "
-                                f"optionally meta.json; {_PREPARE_HINT}")
-    path = data_dir / "meta.json"
-    if not path.exists():
-        return dict(NANOGPT_META)
+        raise FileNotFoundError(f"data folder {str(data_dir)!r} does not exist or is not a folder; "
+                                f"{_FOLDER_HINT}; {_PREPARE_HINT}")
+    missing = [s for s in SPLITS if not (data_dir / f"{s}.bin").is_file()]
+    if len(missing) == len(SPLITS):
+        subs = _data_subfolders(data_dir)
+        hint = ""
+        if subs:
+            shown = ", ".join(str(s) for s in subs[:5]) + (", ..." if len(subs) > 5 else "")
+            hint = f"; these subfolders hold token files: {shown} (did you mean data={subs[0]}?)"
+        raise FileNotFoundError(f"{data_dir} is not a data folder: it holds no train.bin and no val.bin "
+                                f"(found: {_listing(data_dir)}); {_FOLDER_HINT}; {_PREPARE_HINT}{hint}")
+    if missing:
+        path = data_dir / f"{missing[0]}.bin"
+        raise FileNotFoundError(f"{path} does not exist or is not a file; expected train.bin and val.bin "
+                                f"in {data_dir} (found: {_listing(data_dir)}); {_PREPARE_HINT}")
+    for name in ("train.bin", "val.bin", *META_FILES):
+        if (data_dir / name).exists() and not os.access(data_dir / name, os.R_OK):
+            raise ValueError(f"{data_dir / name} cannot be read (permission denied); accepted: a readable file")
+    return data_dir
+
+
+def _vocab(value, source: Path) -> int:
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or not 1 <= value <= 1 << 32:
+        raise ValueError(f"{source}: vocab_size={value!r} is invalid; accepted: an int in 1..2**32")
+    return int(value)
+
+
+def _read_meta_json(path: Path) -> dict:
+    if not path.is_file():
+        raise ValueError(f"{path} is not a file; accepted: a JSON object with vocab_size (and "
+                         f"tokenizer, dtype, tokens, source)")
     try:
-        meta = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{path} is not valid JSON ({e}); delete it to treat the folder as "
                          f"nanoGPT GPT-2 files, or prepare the data again") from e
+    except OSError as e:
+        raise ValueError(f"{path} cannot be read ({e})") from e
+    if isinstance(meta, dict) and meta.get(INCOMPLETE):
+        raise ValueError(f"{path} marks a preparation that was stopped while it replaced the folder's "
+                         f"token files, which are now a mix of two preparations; prepare the data again "
+                         f"(stableflash data prepare --out {path.parent} ...)")
     if not isinstance(meta, dict) or "vocab_size" not in meta:
         raise ValueError(f"{path} has no 'vocab_size'; accepted: an object with vocab_size, "
                          f"tokenizer, dtype, tokens, source")
-    meta.setdefault("dtype", dtype_for_vocab(int(meta["vocab_size"])))
-    _dtype(meta["dtype"])
-    if DTYPES[meta["dtype"]].itemsize == 2 and meta["vocab_size"] > 1 << 16:
-        raise ValueError(f"{path}: vocab_size {meta['vocab_size']} does not fit dtype uint16; "
-                         f"accepted: dtype uint32 for vocabularies over 65536")
+    return meta
+
+
+class _RefusedGlobal(pickle.UnpicklingError):
+    pass
+
+
+class _PlainValues(pickle.Unpickler):
+    """An unpickler that loads plain values (dicts, lists, strings, numbers) and nothing else:
+    every global a pickle names (a class, a function such as ``os.system``) is refused, so loading
+    runs no code from the file."""
+
+    def find_class(self, module, name):
+        raise _RefusedGlobal(f"it refers to the global {module}.{name}")
+
+
+def _read_meta_pkl(path: Path) -> dict:
+    """nanoGPT's meta.pkl (``{"vocab_size", "itos", "stoi"}``), read without running code."""
+    size = path.stat().st_size if path.is_file() else -1
+    if not 0 < size <= _META_PKL_MAX:
+        raise ValueError(f"{path} is {'not a file' if size < 0 else f'{size} bytes'}; accepted: nanoGPT's "
+                         f"meta.pkl (a pickled dict with vocab_size, at most {_META_PKL_MAX >> 20} MiB)")
+    try:
+        meta = _PlainValues(io.BytesIO(path.read_bytes())).load()
+    except _RefusedGlobal as e:
+        raise ValueError(f"{path} was refused: {e}, and loading it would run that code. meta.pkl is read "
+                         f"as plain values only (a dict of ints and strings, as nanoGPT writes it); "
+                         f"replace it with a meta.json ({{\"vocab_size\": N}})") from None
+    except Exception as e:        # a damaged pickle: EOFError, ValueError, KeyError, MemoryError...
+        raise ValueError(f"{path} is not a readable pickle ({type(e).__name__}: {e}); accepted: "
+                         f"nanoGPT's meta.pkl, or a meta.json ({{\"vocab_size\": N}}) instead") from None
+    if not isinstance(meta, dict) or "vocab_size" not in meta:
+        what = "a dict without vocab_size" if isinstance(meta, dict) else f"a {type(meta).__name__}"
+        raise ValueError(f"{path} holds {what}; accepted: nanoGPT's meta.pkl, a dict with vocab_size (and "
+                         f"itos, stoi)")
+    char = isinstance(meta.get("stoi"), dict) or isinstance(meta.get("itos"), dict)
+    return {"vocab_size": meta["vocab_size"], "tokenizer": "char" if char else None, "tokens": None,
+            "source": f"nanoGPT meta.pkl{' (character-level)' if char else ''}"}
+
+
+def _looks_uint32(paths: list[Path]) -> tuple[bool, int]:
+    """Whether the files read as uint16 have every second word 0 (and not every word 0): the
+    pattern of uint32 ids below 65536. Returns (looks so, odd words seen)."""
+    odd_words, odd_nonzero, even_nonzero = 0, False, False
+    for path in paths:
+        with open(path, "rb") as f:
+            words = np.frombuffer(f.read(4 * (_DTYPE_PROBE // 2)), dtype="<u2")
+        odd_words += len(words[1::2])
+        odd_nonzero |= bool(words[1::2].any())
+        even_nonzero |= bool(words[0::2].any())
+    return odd_words >= 16 and not odd_nonzero and even_nonzero, odd_words
+
+
+def _infer_dtype(data_dir: Path, meta: dict, origin: str) -> str:
+    """The token files' dtype: meta.json's, else from its token counts and the file sizes, else
+    uint32 for vocabularies over 65536, else nanoGPT's uint16 unless the files look like uint32."""
+    where = data_dir / origin if origin else data_dir
+    vocab = int(meta["vocab_size"])
+    if meta.get("dtype") is not None:
+        name = meta["dtype"]
+        if not isinstance(name, str) or name not in DTYPES:
+            raise ValueError(f"{where}: dtype={name!r} is not supported; accepted: {', '.join(DTYPES)}")
+        if DTYPES[name].itemsize == 2 and vocab > 1 << 16:
+            raise ValueError(f"{where}: vocab_size {vocab} does not fit dtype uint16; "
+                             f"accepted: dtype uint32 for vocabularies over 65536")
+        return name
+    sizes = {s: (data_dir / f"{s}.bin").stat().st_size for s in SPLITS}
+    tokens = meta.get("tokens") if isinstance(meta.get("tokens"), dict) else {}
+    from_counts = set()
+    for split in SPLITS:
+        count = tokens.get(split)
+        if isinstance(count, int) and not isinstance(count, bool) and count > 0:
+            by_size = {2 * count: "uint16", 4 * count: "uint32"}
+            if sizes[split] not in by_size:
+                raise ValueError(f"{data_dir / f'{split}.bin'} is {sizes[split]} bytes, neither 2 (uint16) nor "
+                                 f"4 (uint32) bytes for each of the {count} tokens {where} counts; the file "
+                                 f"is truncated or belongs to another preparation")
+            from_counts.add(by_size[sizes[split]])
+    if len(from_counts) > 1:
+        raise ValueError(f"{data_dir}: by {where}'s token counts train.bin and val.bin have different "
+                         f"dtypes ({sizes}); accepted: files of one preparation (add \"dtype\" to meta.json)")
+    if from_counts:
+        return from_counts.pop()
+    if vocab > 1 << 16:
+        return "uint32"
+    if all(size % 4 == 0 for size in sizes.values()):
+        looks, seen = _looks_uint32([data_dir / f"{s}.bin" for s in SPLITS])
+        if looks:
+            fix = (f"add \"dtype\": \"uint32\" (or \"uint16\") to {data_dir / 'meta.json'}" if origin == "meta.json"
+                   else f"write {data_dir / 'meta.json'} with {{\"vocab_size\": {vocab}, \"dtype\": \"uint32\"}} "
+                        f"(or \"uint16\")")
+            said = f"{origin} gives no dtype" if origin else "there is no meta.json to give the dtype"
+            raise ValueError(f"{data_dir}: the token files look like uint32 ids (every second uint16 word is 0 "
+                             f"in the {seen} checked), but {said} and vocab_size {vocab} fits uint16 "
+                             f"(nanoGPT's convention), so which it is cannot be told; {fix}")
+    return "uint16"
+
+
+def read_meta(data_dir: PathLike) -> dict:
+    """The vocabulary and token dtype of a data folder (see :func:`check_data_folder`).
+
+    From ``meta.json``; else nanoGPT's ``meta.pkl`` (plain values only: a pickle that refers to
+    any class or function is refused unrun); else nanoGPT's GPT-2 default (vocab 50257), logged.
+    ``dtype`` is meta.json's, else inferred (see docs/training.md, "Data"). ``meta_file`` names
+    the file the vocabulary came from (None for the default).
+    """
+    data_dir = check_data_folder(data_dir)
+    origin = next((name for name in META_FILES if (data_dir / name).exists()), None)
+    if origin == "meta.json":
+        meta = _read_meta_json(data_dir / origin)
+    elif origin == "meta.pkl":
+        meta = _read_meta_pkl(data_dir / origin)
+    else:
+        meta = dict(NANOGPT_META)
+        key = str(data_dir.resolve())
+        if key not in _warned_default:
+            _warned_default.add(key)
+            log.warning("%s has no meta.json or meta.pkl: taken as nanoGPT's GPT-2 token files "
+                        "(vocab_size 50257), as nanoGPT's train.py does; write a meta.json to say otherwise",
+                        data_dir)
+    meta["vocab_size"] = _vocab(meta["vocab_size"], data_dir / origin if origin else data_dir)
+    meta["dtype"] = _infer_dtype(data_dir, meta, origin)
+    meta["meta_file"] = origin
     return meta
 
 
@@ -136,7 +340,11 @@ def _sample_regions(n: int) -> list[tuple[int, int]]:
 
 
 def check_ids(data: np.ndarray, vocab_size: int, check: str = "sample", name: str = "data") -> None:
-    """Raise ValueError at the first id >= vocab_size (``check``: "sample", "full" or "none")."""
+    """Raise ValueError at the first id >= vocab_size (``check``: "sample", "full" or "none").
+
+    "full" is one vectorised pass over the memmap in chunks of 16M ids (memory-bound: tens of
+    GB/s from the page cache, the disk's speed otherwise).
+    """
     if check not in CHECKS:
         raise ValueError(f"check={check!r} is invalid; accepted: {', '.join(CHECKS)}")
     n = len(data)
@@ -147,7 +355,8 @@ def check_ids(data: np.ndarray, vocab_size: int, check: str = "sample", name: st
             if bad:
                 break
     elif check == "full":
-        with tqdm(total=n, desc=f"checking {name}", unit="tok", unit_scale=True, leave=False) as bar:
+        with tqdm(total=n, desc=f"checking {name}", unit="tok", unit_scale=True, leave=False,
+                  disable=n <= 8 * _FULL_CHUNK) as bar:
             for a in range(0, n, _FULL_CHUNK):
                 b = min(n, a + _FULL_CHUNK)
                 bad = _first_bad(np.asarray(data[a:b]), vocab_size, a)
@@ -156,10 +365,10 @@ def check_ids(data: np.ndarray, vocab_size: int, check: str = "sample", name: st
                 bar.update(b - a)
     if bad:
         pos, value = bad
-        scope = "" if check == "full" else " (sampled check; check='full' scans every id)"
-        raise ValueError(f"{name}: token id {value} at position {pos} is >= vocab_size {vocab_size}"
-                         f"{scope}; the file is corrupt or was tokenized for a larger vocabulary "
-                         f"(fix meta.json's vocab_size/dtype or prepare the data again)")
+        scope = "" if check == "full" else "; sampled check: check='full' scans every id"
+        raise ValueError(f"{name}: token id {value} at position {pos} is >= vocab_size {vocab_size} (byte "
+                         f"offset {pos * data.dtype.itemsize}{scope}); the file is corrupt or was tokenized "
+                         f"for a larger vocabulary (fix meta.json's vocab_size/dtype or prepare the data again)")
 
 
 def load_split(data_dir: PathLike, split: str, vocab_size: int | None = None,
@@ -167,14 +376,15 @@ def load_split(data_dir: PathLike, split: str, vocab_size: int | None = None,
     """Memory-map ``data_dir/{split}.bin`` after checking size, length and token ids.
 
     Args:
-        data_dir: folder with ``train.bin``/``val.bin`` and optionally ``meta.json``.
+        data_dir: folder with ``train.bin``/``val.bin`` and meta.json or meta.pkl (see
+            :func:`read_meta`).
         split: ``"train"`` or ``"val"``.
-        vocab_size: the model's vocabulary. Without meta.json the ids are checked against it (or
-            50257); with meta.json it must be at least meta's vocab_size, and ids are checked
-            against meta's.
+        vocab_size: the model's vocabulary. It must be at least the folder's (meta.json's or
+            meta.pkl's), and ids are checked against the folder's; for a folder without either,
+            ids are checked against it (or 50257).
         block_size: when given, the file must hold more than ``block_size + 1`` tokens.
         check: ``"sample"`` (first/last 64K ids and ~1M ids spread over the file), ``"full"``
-            (every id, in chunks, with a progress bar) or ``"none"``.
+            (every id, in chunks) or ``"none"``.
     """
     if split not in SPLITS:
         raise ValueError(f"split={split!r} is invalid; accepted: {', '.join(SPLITS)}")
@@ -182,23 +392,19 @@ def load_split(data_dir: PathLike, split: str, vocab_size: int | None = None,
         raise ValueError(f"check={check!r} is invalid; accepted: {', '.join(CHECKS)}")
     data_dir = Path(data_dir)
     meta = read_meta(data_dir)
-    has_meta = (data_dir / "meta.json").exists()
-    if vocab_size is not None and (not isinstance(vocab_size, (int, np.integer)) or vocab_size < 1):
+    if vocab_size is not None and (not isinstance(vocab_size, (int, np.integer)) or isinstance(vocab_size, bool)
+                                   or vocab_size < 1):
         raise ValueError(f"vocab_size={vocab_size!r} is invalid; accepted: a positive int or None")
-    if has_meta:
+    if meta["meta_file"]:
         limit = int(meta["vocab_size"])
         if vocab_size is not None and vocab_size < limit:
             raise ValueError(f"vocab_size={vocab_size} is smaller than the data's vocab_size {limit} "
-                             f"({data_dir / 'meta.json'}, tokenizer {meta.get('tokenizer')!r}); "
+                             f"({data_dir / meta['meta_file']}, tokenizer {meta.get('tokenizer')!r}); "
                              f"accepted: a model vocab_size >= {limit}")
     else:
         limit = int(vocab_size) if vocab_size is not None else NANOGPT_META["vocab_size"]
     dt = DTYPES[meta["dtype"]]
     path = data_dir / f"{split}.bin"
-    if not path.exists():
-        present = sorted(p.name for p in data_dir.iterdir())[:10]
-        raise FileNotFoundError(f"{path} does not exist; expected train.bin and val.bin in {data_dir} "
-                                f"(found: {', '.join(present) or 'nothing'}); {_PREPARE_HINT}")
     size = path.stat().st_size
     if size % dt.itemsize:
         raise ValueError(f"{path} is {size} bytes, not a multiple of {dt.itemsize} ({dt.name} token "
@@ -207,7 +413,7 @@ def load_split(data_dir: PathLike, split: str, vocab_size: int | None = None,
     if n == 0:
         raise ValueError(f"{path} is empty; accepted: a file of {dt.name} token ids; {_PREPARE_HINT}")
     expected = (meta.get("tokens") or {}).get(split) if isinstance(meta.get("tokens"), dict) else None
-    if expected is not None and int(expected) != n:
+    if expected is not None and expected != n:
         raise ValueError(f"{path} holds {n} tokens but meta.json says {expected}; the file is "
                          f"truncated or belongs to another preparation")
     if block_size is not None:
@@ -221,6 +427,189 @@ def load_split(data_dir: PathLike, split: str, vocab_size: int | None = None,
     log.info("loaded %s: %d tokens (%s, vocab %d, tokenizer %s)", path, n, dt.name, limit,
              meta.get("tokenizer"))
     return data
+
+
+# ------------------------------------------------------------------------- the data a run used
+
+FINGERPRINT_SCHEME = "stableflash-data-v1"
+RUN_RECORD = "data.json"
+_FULL_HASH_MAX = 64 << 20     # files up to 64 MiB are hashed whole
+_EDGE_BYTES = 1 << 20         # larger ones: the first and the last MiB,
+_BLOCKS = 62                  # ... and 62 evenly spaced blocks
+_BLOCK = 1 << 16              # ... of 64 KiB (6 MiB read per file, whatever its size)
+_ALLOW_HINT = "--allow-data-change (train(..., allow_data_change=True))"
+
+
+def _file_digest(path: Path) -> dict:
+    """``{"bytes", "sha256", "hashed"}``: the whole file up to 64 MiB, else its size, first and
+    last MiB and 62 evenly spaced 64 KiB blocks."""
+    size = path.stat().st_size
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        if size <= _FULL_HASH_MAX:
+            for chunk in iter(lambda: f.read(1 << 22), b""):
+                h.update(chunk)
+            return {"bytes": size, "sha256": h.hexdigest(), "hashed": "all"}
+        h.update(size.to_bytes(8, "little"))
+        inner = np.linspace(_EDGE_BYTES, size - _EDGE_BYTES - _BLOCK, _BLOCKS).astype(np.int64)
+        for offset, n in [(0, _EDGE_BYTES), *((int(o), _BLOCK) for o in inner), (size - _EDGE_BYTES, _EDGE_BYTES)]:
+            f.seek(offset)
+            h.update(f.read(n))
+    return {"bytes": size, "sha256": h.hexdigest(), "hashed": "sampled"}
+
+
+def data_fingerprint(data_dir: PathLike, meta: dict | None = None) -> dict:
+    """The identity of a data folder's content: ``{"scheme", "sha256", "files", "meta"}``.
+
+    ``files`` has ``{"bytes", "sha256", "hashed"}`` for train.bin, val.bin and the meta file(s)
+    present; ``sha256`` combines them. It depends on content only (not on paths or modification
+    times), so a copied folder has the same fingerprint. Token files over 64 MiB are hashed at
+    their size, first and last MiB and 62 blocks of 64 KiB spread over the file (~6 MiB read):
+    any re-preparation changes that, while a full hash of a multi-GB file would cost seconds on
+    every start. ``meta`` (:func:`read_meta`'s, read when not given) adds the vocabulary, dtype,
+    tokenizer and token counts, for saying what changed.
+    """
+    data_dir = check_data_folder(data_dir)
+    meta = read_meta(data_dir) if meta is None else meta
+    files = {name: _file_digest(data_dir / name)
+             for name in ("train.bin", "val.bin", *META_FILES) if (data_dir / name).is_file()}
+    combined = hashlib.sha256(json.dumps({k: [v["bytes"], v["sha256"]] for k, v in files.items()},
+                                         sort_keys=True).encode()).hexdigest()
+    return {"scheme": FINGERPRINT_SCHEME, "sha256": combined, "files": files,
+            "meta": {k: meta.get(k) for k in ("vocab_size", "dtype", "tokenizer", "tokens")}}
+
+
+def fingerprint_changes(old: dict, new: dict) -> list[str]:
+    """What differs between two :func:`data_fingerprint` results, one phrase per difference."""
+    out = []
+    of, nf = old.get("files") or {}, new.get("files") or {}
+    for name in sorted(set(of) | set(nf)):
+        a, b = of.get(name), nf.get(name)
+        if a is None:
+            out.append(f"{name} added ({b['bytes']:,} bytes)")
+        elif b is None:
+            out.append(f"{name} removed")
+        elif a.get("bytes") != b.get("bytes"):
+            out.append(f"{name} {a.get('bytes'):,} -> {b.get('bytes'):,} bytes")
+        elif a.get("sha256") != b.get("sha256"):
+            out.append(f"{name} has other content (same {b['bytes']:,} bytes)")
+    om, nm = old.get("meta") or {}, new.get("meta") or {}
+    out += [f"{k} {om.get(k)!r} -> {nm.get(k)!r}" for k in ("vocab_size", "dtype", "tokenizer", "tokens")
+            if om.get(k) != nm.get(k)]
+    return out
+
+
+def _record_path(run_or_batches_dir: Path) -> Path:
+    d = Path(run_or_batches_dir)
+    if not (d / RUN_RECORD).exists() and d.name == "batches":
+        return d.parent / RUN_RECORD
+    return d / RUN_RECORD
+
+
+def read_run_record(path: PathLike) -> dict | None:
+    """A run folder's data.json (the record :class:`RunData` writes), or None when there is none."""
+    path = Path(path)
+    if not path.exists():
+        return None
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+        fp = record["fingerprint"]
+        if not isinstance(fp, dict) or not isinstance(fp.get("files"), dict):
+            raise TypeError("fingerprint is not an object with files")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path} is damaged ({type(e).__name__}: {e}); it records the fingerprint of the "
+                         f"data the run was trained on. Delete it to go on without the comparison (the "
+                         f"current data is then recorded)") from None
+    return record
+
+
+class RunData:
+    """The data folder a run trains on, fingerprinted and compared with what runs recorded.
+
+    ``run_dir/data.json`` holds the folder's :func:`data_fingerprint` and the token files that
+    passed the full id-range check. With ``resume=True`` the folder is compared with the run's
+    record, with ``replay=RUN`` with RUN's record (its batch offsets index that data): changed
+    data raises ValueError naming the folder and what changed, unless ``allow_change`` (then a
+    warning, and the record keeps the earlier fingerprints under ``previous``). Nothing is
+    written until :meth:`record`.
+    """
+
+    def __init__(self, data_dir: PathLike, run_dir: PathLike, meta: dict | None = None, *,
+                 resume: bool = False, replay: PathLike | None = None, allow_change: bool = False) -> None:
+        self.data_dir, self.run_dir = Path(data_dir), Path(run_dir)
+        self.meta = read_meta(self.data_dir) if meta is None else meta
+        self.fingerprint = data_fingerprint(self.data_dir, self.meta)
+        self.allow_change = bool(allow_change)
+        self.previous: list[dict] = []
+        self.checked: dict[str, dict] = {}
+        self._passed: dict[str, dict] = {}
+        if resume:
+            path = self.run_dir / RUN_RECORD
+            old = read_run_record(path)
+            if old is None:
+                log.warning("%s does not exist (a run from before data fingerprints were recorded): the data "
+                            "in %s cannot be compared with what the run trained on; recording it now",
+                            path, self.data_dir)
+            elif self._same(old, path, f"the data in {self.data_dir} changed since the run in {self.run_dir} "
+                                       f"was trained on it", "Resuming would train the later steps on other "
+                                       "tokens than the earlier ones. Restore the data the run was trained on, "
+                                       "or resume on the new data anyway with"):
+                self._passed = old.get("checked") or {}
+                self.previous = list(old.get("previous") or [])
+            else:
+                self.previous = [*(old.get("previous") or []), old["fingerprint"]]
+        if replay:
+            path = _record_path(Path(replay))
+            old = read_run_record(path)
+            if old is None:
+                log.warning("replay=%s: no %s there (a run from before data fingerprints were recorded): its "
+                            "data cannot be compared with %s", replay, RUN_RECORD, self.data_dir)
+            else:
+                self._same(old, path, f"replay={replay}: its batches were recorded on other data than "
+                                      f"{self.data_dir} holds now", "Its offsets would point at other tokens. "
+                                      "Replay on the data it was recorded on, or anyway with")
+
+    def _same(self, old: dict, path: Path, what: str, consequence: str) -> bool:
+        fp = old["fingerprint"]
+        if fp.get("scheme") != FINGERPRINT_SCHEME:
+            log.warning("%s: fingerprint scheme %r is not this version's (%s); the data cannot be compared",
+                        path, fp.get("scheme"), FINGERPRINT_SCHEME)
+            return True
+        if fp.get("sha256") == self.fingerprint["sha256"] and fp.get("meta") == self.fingerprint["meta"]:
+            return True
+        changes = "; ".join(fingerprint_changes(fp, self.fingerprint)) or "the fingerprint differs"
+        message = f"{what} (recorded in {path}): {changes}. {consequence} {_ALLOW_HINT}"
+        if not self.allow_change:
+            raise ValueError(message)
+        log.warning("%s (going on: data changes allowed)", message)
+        return False
+
+    def _check_key(self, name: str, vocab_size: int | None) -> dict:
+        st = (self.data_dir / name).stat()
+        return {"vocab_size": vocab_size, "bytes": st.st_size, "mtime_ns": st.st_mtime_ns,
+                "sha256": self.fingerprint["files"][name]["sha256"]}
+
+    def load(self, vocab_size: int | None = None, block_size: int | None = None) -> tuple[np.memmap, np.memmap]:
+        """(train, val) memmaps (:func:`load_split`), every id range-checked: a full pass, unless the
+        run's record shows these files (same fingerprint, size and modification time) passed it
+        for this vocab_size, when the sampled check is enough."""
+        out = []
+        for split in SPLITS:
+            name = f"{split}.bin"
+            key = self._check_key(name, vocab_size)
+            done = self._passed.get(name) == key
+            if done:
+                log.info("%s passed the full id-range check before (%s): sampled check only",
+                         self.data_dir / name, self.run_dir / RUN_RECORD)
+            out.append(load_split(self.data_dir, split, vocab_size, block_size, check="sample" if done else "full"))
+            self.checked[name] = key
+        return out[0], out[1]
+
+    def record(self) -> Path:
+        """Write ``run_dir/data.json`` (atomically): the folder, its fingerprint, the checks passed."""
+        record = {"data": str(self.data_dir), "fingerprint": self.fingerprint, "checked": self.checked,
+                  "previous": self.previous}
+        return write_text_atomic(self.run_dir / RUN_RECORD, json.dumps(record, indent=1) + "\n")
 
 
 # --------------------------------------------------------------------------------------- batches

@@ -30,7 +30,7 @@ from stableflash.model import build_model as _build, model_config
 from stableflash.model.spec import upgrade_stored_spec
 from stableflash.train import checkpoint
 from stableflash.train.config import DistInfo, TrainConfig, monitor_config, validate
-from stableflash.train.data import BatchRecorder, BatchSampler, ReplaySampler, eval_batches, load_split, read_meta
+from stableflash.train.data import BatchRecorder, BatchSampler, ReplaySampler, RunData, eval_batches, read_meta
 from stableflash.train.metrics import History, MetricsWriter, truncate_after
 from stableflash.train.stopping import ExplosionStop
 from stableflash.train.optim import build_optimizer, lr_at
@@ -90,13 +90,19 @@ class GlobalReplay:
 
 
 def build_model(cfg: TrainConfig, vocab_size: int):
-    """The model of ``cfg`` (GPT or Llama, by preset): the preset with the explicit overrides, vocab
-    at least the data's."""
+    """The model of ``cfg`` (GPT or Llama, by preset): the preset with the explicit overrides. The
+    vocabulary is ``cfg.vocab_size`` when set (at least the data's), else the preset's, or the
+    data's rounded up to a multiple of 64 (as nanoGPT pads GPT-2's 50257 to 50304) when the
+    preset's is smaller."""
     mcfg = model_config(cfg.model, **cfg.model_overrides())
     vocab = cfg.vocab_size or mcfg.vocab_size
-    if vocab < vocab_size:
+    if cfg.vocab_size and vocab < vocab_size:
         raise ValueError(f"vocab_size={vocab} is smaller than the data's vocabulary ({vocab_size}); "
-                         f"accepted: >= {vocab_size}")
+                         f"accepted: >= {vocab_size}, or leave vocab_size unset to take the data's")
+    if vocab < vocab_size:
+        vocab = -(-vocab_size // 64) * 64
+        log.info("vocab_size %d: the data's vocabulary (%d) rounded up to a multiple of 64; model %s's "
+                 "preset has %d", vocab, vocab_size, cfg.model, mcfg.vocab_size)
     return _build(replace(mcfg, vocab_size=vocab), attention=cfg.attention)
 
 
@@ -204,13 +210,15 @@ def evaluate(model, sampler: BatchSampler, batches, autocast, device) -> float:
     return sum(losses) / len(losses)
 
 
-def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool = True) -> dict:
-    """Train per ``cfg`` into ``run_dir`` (metrics.jsonl, ckpt.pt, batches/, summary.json).
+def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool = True,
+          allow_data_change: bool = False) -> dict:
+    """Train per ``cfg`` into ``run_dir`` (metrics.jsonl, ckpt.pt, batches/, data.json, summary.json).
 
-    ``resume`` continues from run_dir's checkpoint. Returns the summary (also in summary.json):
-    ``status`` is "finished", "nonfinite" when a loss or gradient norm stopped being finite, or
-    "exploded" when ``stop_after_explosion`` stopped it (either stops before that step's update;
-    the last good checkpoint stays).
+    ``resume`` continues from run_dir's checkpoint. Resuming, or replaying another run, on data
+    whose fingerprint changed since that run recorded it is refused unless ``allow_data_change``.
+    Returns the summary (also in summary.json): ``status`` is "finished", "nonfinite" when a loss
+    or gradient norm stopped being finite, or "exploded" when ``stop_after_explosion`` stopped it
+    (either stops before that step's update; the last good checkpoint stays).
     """
     from tqdm.auto import tqdm
 
@@ -232,11 +240,11 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
         raise FileNotFoundError(f"data={cfg.data!r}: no folder {data_dir}; accepted: 'embedded' or a folder with "
                                 "train.bin and val.bin (stableflash data prepare makes one)")
     meta = read_meta(data_dir)
+    data_check = RunData(data_dir, run_dir, meta, resume=resume, replay=cfg.replay, allow_change=allow_data_change)
     torch.manual_seed(cfg.seed)                       # same initial weights on every rank
     model = build_model(cfg, meta["vocab_size"]).to(device)
     block = model.config.block_size
-    train_data = load_split(data_dir, "train", meta["vocab_size"], block)
-    val_data = load_split(data_dir, "val", meta["vocab_size"], block)
+    train_data, val_data = data_check.load(meta["vocab_size"], block)     # every id range-checked
     optimizer = build_optimizer(model, cfg, device.type)
 
     step0, history = 0, History()
@@ -280,6 +288,7 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
         stopper.running_min, stopper.above_since, history = shared[0]
     if dist.is_main:
         write_text_atomic(run_dir / "config.json", json.dumps(cfg.to_dict(), indent=2))
+        data_check.record()                                                 # run_dir/data.json
 
     sampler = BatchSampler(train_data, block, cfg.batch_size, cfg.seed)
     source = GlobalReplay(Path(cfg.replay), cfg.batch_size, block, train_data) if cfg.replay else sampler
@@ -455,7 +464,8 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
     summary = {"status": status, "steps": step, "final_loss": last.get("loss"),
                "best_val_loss": best_val if math.isfinite(best_val) else None, "attention": cfg.attention,
                "final_attention": str(model.attention_spec), "config_version": cfg.config_version,
-               "world_size": dist.world_size, "device": str(device), "data": str(data_dir), "data_meta": meta}
+               "world_size": dist.world_size, "device": str(device), "data": str(data_dir), "data_meta": meta,
+               "data_fingerprint": data_check.fingerprint["sha256"]}
     if status == "interrupted":
         summary.update(signal=signal.Signals(signum).name, checkpoint_step=saved)
     if dist.is_main:
