@@ -165,8 +165,8 @@ def test_train_names_an_out_or_config_path_it_cannot_use(tmp_path, capsys):
 def test_a_train_that_cannot_start_leaves_no_run_folder(tmp_path, capsys, data_dir):
     for n, (extra, want) in enumerate((
             (["--set", "lr=nan"], "lr=nan is invalid; accepted: a finite number with 0 < lr <= 1e+06"),
-            (["--set", "grad_clip=nan"], "grad_clip=nan is invalid; accepted: a finite number >= 0"),
-            (["--set", "weight_decay=inf"], "weight_decay=inf is invalid; accepted: a finite number >= 0"),
+            (["--set", "grad_clip=nan"], "grad_clip=nan is invalid; accepted: a non-negative finite number"),
+            (["--set", "weight_decay=inf"], "weight_decay=inf is invalid; accepted: a non-negative finite number"),
             (["--set", f"data={tmp_path / 'missing'}"], "no folder"),
             (["--set", f"data={data_dir}", "--set", "vocab_size=100"], "vocab_size=100 is smaller than"))):
         out = tmp_path / "runs" / f"r{n}"

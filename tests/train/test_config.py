@@ -110,13 +110,13 @@ def test_a_non_finite_float_is_refused_by_name_with_its_range(name, text):
 @pytest.mark.parametrize("pairs,message", [
     (["lr=inf"], "lr=inf is invalid; accepted: a finite number with 0 < lr <= 1e+06"),
     (["lr=1e38"], "lr=1e+38 is invalid; accepted: a finite number with 0 < lr <= 1e+06"),     # float32 overflow in the step
-    (["grad_clip=nan"], "grad_clip=nan is invalid; accepted: a finite number >= 0"),
-    (["weight_decay=inf"], "weight_decay=inf is invalid; accepted: a finite number >= 0"),
+    (["grad_clip=nan"], "grad_clip=nan is invalid; accepted: a non-negative finite number"),
+    (["weight_decay=inf"], "weight_decay=inf is invalid; accepted: a non-negative finite number"),
     (["beta2=1"], "beta2=1.0 is invalid; accepted: a finite number with 0 <= beta2 < 1"),
-    (["peak_tflops=-1"], "peak_tflops=-1.0 is invalid; accepted: None or a finite number > 0"),
-    (["seed=-1"], "seed=-1 is invalid; accepted: an integer >= 0"),
-    (["probe_seqs=0"], "probe_seqs=0 is invalid; accepted: an integer > 0"),
-    (["grad_accum=0"], "grad_accum=0 is invalid; accepted: None or an integer > 0"),
+    (["peak_tflops=-1"], "peak_tflops=-1.0 is invalid; accepted: None or a positive finite number"),
+    (["seed=-1"], "seed=-1 is invalid; accepted: a non-negative integer"),
+    (["probe_seqs=0"], "probe_seqs=0 is invalid; accepted: a positive integer"),
+    (["grad_accum=0"], "grad_accum=0 is invalid; accepted: None or a positive integer"),
 ])
 def test_range_errors_say_what_is_accepted(pairs, message):
     with pytest.raises(ValueError) as exc:
@@ -149,13 +149,18 @@ def test_a_config_file_that_is_a_folder_or_not_text_is_named(tmp_path):
             load_file(tmp_path / name)
 
 
-def test_grad_accum_unset_is_one_micro_batch_per_rank_and_set_is_global():
-    tiny = make_config("tiny")
-    assert tiny.grad_accum is None                                        # the tiny preset leaves it unset
-    assert [resolve_grad_accum(tiny, w).grad_accum for w in (1, 2, 8)] == [1, 2, 8]
+def test_grad_accum_unset_is_one_micro_batch_per_rank_and_set_is_global(monkeypatch):
+    assert PRESETS["tiny"].get("grad_accum") is TrainConfig().grad_accum is None     # the tiny preset leaves it unset
+    assert make_config("tiny").grad_accum == 1                                        # one process
+    monkeypatch.setenv("WORLD_SIZE", "4")                                             # rank 1 of a torchrun launch
+    monkeypatch.setenv("RANK", "1")
+    assert make_config("tiny").grad_accum == 4
+    assert make_config("tiny", overrides=["grad_accum=8"]).grad_accum == 8
+    assert [resolve_grad_accum(TrainConfig(), w).grad_accum for w in (1, 2, 8)] == [1, 2, 8]   # train() from Python
     paper = make_config("gpt2-small-paper")                               # 16 micro-batches over all ranks
     assert [resolve_grad_accum(paper, w).grad_accum for w in (1, 2, 8)] == [16, 16, 16]
     with pytest.raises(ValueError, match=r"grad_accum=16 \(micro-batches per step over all ranks\) is not a "
                                          r"multiple of the 3 ranks; accepted: a multiple of 3, or grad_accum unset"):
         resolve_grad_accum(paper, 3)
-    assert make_config("tiny", overrides=["grad_accum=none"]).grad_accum is None
+    monkeypatch.delenv("WORLD_SIZE")
+    assert make_config("tiny", overrides=["grad_accum=none"]).grad_accum == 1

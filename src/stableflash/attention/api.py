@@ -248,7 +248,8 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
         k: (batch, heads_kv, seq_k, head_dim), q's dtype and device; heads_kv divides heads_q.
         v: (batch, heads_kv, seq_k, head_dim), like k.
         causal: bool, default False. Apply the causal mask above.
-        scale: float > 0 or None, default None (1 / sqrt(head_dim)). Multiplies Q·Kᵀ.
+        scale: float > 0 or None, default None (1 / sqrt(head_dim)). Multiplies Q·Kᵀ. Here and in
+            beta, eps and softcap any real number type is taken (a NumPy scalar too), not a tensor.
         stabilize: a stabilization name, True, False or a Stabilization; default True, which is
             "consistent-delta". What is stabilized: the row-maximum rule and the source of δ
             (``stableflash.attention.stabilization`` lists the names).
@@ -264,7 +265,9 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
                 shifted by a bounded amount, so that no tied P̄ is 1 and ℓ cannot underflow; δ as the
                 policy says.
             "paper": the paper's Algorithm 3 as published (a tied row subtracts β·max for a positive
-                max, 0 for a negative one); δ as the policy says.
+                max, 0 for a negative one); δ as the policy says. Where that shift underflows a row
+                (tied at a large max) the row is NaN, and a RuntimeWarning says so once per process
+                (checked without making the GPU wait: ``_NonFiniteWatch``).
             "all-shift": the tie-shift's bounded shift on every row.
             A rule + "+consistent-delta" ("tie-shift+consistent-delta", ...): that rule and the δ of
                 "consistent-delta".

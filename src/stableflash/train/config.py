@@ -249,7 +249,8 @@ def load_file(path: Path) -> dict:
 
 def make_config(preset: str | None = "tiny", config_file: Path | None = None,
                 overrides: list[str] | None = None) -> TrainConfig:
-    """Preset, then file, then --set overrides; validated."""
+    """Preset, then file, then --set overrides; validated. A ``grad_accum`` none of them sets is one
+    micro-batch per rank of this launch (torchrun's WORLD_SIZE; 1 without torchrun)."""
     cfg = TrainConfig()
     if preset is not None:
         if preset not in PRESETS:
@@ -259,11 +260,14 @@ def make_config(preset: str | None = "tiny", config_file: Path | None = None,
         cfg = apply_overrides(cfg, load_file(config_file))
     if overrides:
         cfg = apply_overrides(cfg, overrides)
+    if cfg.grad_accum is None:
+        cfg = dataclasses.replace(cfg, grad_accum=DistInfo.from_env().world_size)
     validate(cfg)
     return cfg
 
 
-# The accepted range of every numeric field: (lowest, lowest allowed?, highest or None, highest allowed?).
+# The accepted range of every numeric field: (lowest, lowest allowed?, highest or None, highest allowed?);
+# every lowest is 0.
 # Floats must also be finite; a field typed ``| None`` may be None (the preset's value, or off).
 RANGES: dict[str, tuple] = {
     **{name: (0, False, None, False) for name in (
@@ -284,11 +288,11 @@ RANGES: dict[str, tuple] = {
 def _accepted(name: str) -> str:
     """What ``RANGES`` accepts for ``name``, in words."""
     low, low_ok, high, high_ok = RANGES[name]
-    kind = "an integer" if _field_base(name) is int else "a finite number"
-    if high is None:
-        bound = f"{kind} {'>=' if low_ok else '>'} {low:g}"
+    kind = "integer" if _field_base(name) is int else "finite number"
+    if high is None:                                  # every range starts at 0
+        bound = f"a {'non-negative' if low_ok else 'positive'} {kind}"
     else:
-        bound = f"{kind} with {low:g} {'<=' if low_ok else '<'} {name} {'<=' if high_ok else '<'} {high:g}"
+        bound = f"a {kind} with {low:g} {'<=' if low_ok else '<'} {name} {'<=' if high_ok else '<'} {high:g}"
     optional = type(None) in typing.get_args(_field_types()[name])
     return f"None or {bound}" if optional else bound
 
