@@ -135,3 +135,87 @@ def test_the_training_bench_table_shows_peak_memory():
     lines = format_table(result).splitlines()
     assert lines[1].split()[-2:] == ["peak", "MiB"]
     assert lines[2].split()[-1] == "20480" and lines[3].split()[-2:] == ["0.98×", "21000"]
+
+
+def train_error(argv, capsys) -> str:
+    """The one-line error of a `stableflash train` that must fail with exit code 2."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "-q", *argv])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.count("\n") == 1, err
+    return err
+
+
+def test_train_names_an_out_or_config_path_it_cannot_use(tmp_path, capsys):
+    afile = tmp_path / "afile"
+    afile.write_text("not a folder")
+    binary = tmp_path / "config.json"
+    binary.write_bytes(bytes(range(256)))
+    new = tmp_path / "new"
+    for argv, want in (
+            (["--out", str(afile)], f"run folder {afile} is a file, not a folder; accepted: a folder"),
+            (["--out", str(afile / "run")], f"run folder {afile / 'run'} is inside {afile}, which is a file"),
+            (["--out", str(new), "--config", str(tmp_path)], f"config file {tmp_path} is a folder; accepted: a TOML"),
+            (["--out", str(new), "--config", str(binary)], f"config file {binary} is not UTF-8 text (byte 128")):
+        assert want in train_error(argv, capsys)
+    assert afile.read_text() == "not a folder" and not new.exists()
+
+
+def test_a_train_that_cannot_start_leaves_no_run_folder(tmp_path, capsys, data_dir):
+    for n, (extra, want) in enumerate((
+            (["--set", "lr=nan"], "lr=nan is invalid; accepted: a finite number with 0 < lr <= 1e+06"),
+            (["--set", "grad_clip=nan"], "grad_clip=nan is invalid; accepted: a non-negative finite number"),
+            (["--set", "weight_decay=inf"], "weight_decay=inf is invalid; accepted: a non-negative finite number"),
+            (["--set", f"data={tmp_path / 'missing'}"], "no folder"),
+            (["--set", f"data={data_dir}", "--set", "vocab_size=100"], "vocab_size=100 is smaller than"))):
+        out = tmp_path / "runs" / f"r{n}"
+        assert want in train_error(["--out", str(out), *extra], capsys)
+        assert not (tmp_path / "runs").exists()
+
+
+# what `python -m stableflash.cli ARGS` runs, then the threads the rank has left: torchrun starts it as a script
+RANK_SCRIPT = """
+import json, os, sys, threading
+from stableflash.cli import main
+code = main(sys.argv[1:])
+tasks = "/proc/self/task"
+native = sorted(open(f"{tasks}/{t}/comm").read().strip() for t in os.listdir(tasks)) if os.path.isdir(tasks) else []
+with open(os.environ["THREADS_OUT"] + os.environ["RANK"], "w") as f:
+    json.dump({"python": sorted(t.name for t in threading.enumerate()), "native": native}, f)
+sys.exit(code)
+"""
+
+
+def test_the_documented_torchrun_command_trains_on_two_cpu_ranks(data_dir, tmp_path):
+    """`torchrun --nproc_per_node 2 -m stableflash.cli train --preset tiny` as the docs write it: the
+    preset leaves grad_accum unset, so each rank takes one micro-batch, and the run names its
+    process-group backend. Both ranks exit 0 (torchrun reports any rank's abort), and neither
+    leaves a gloo worker or tqdm's monitor running into the interpreter's shutdown, where a thread
+    that touches Python ends the process with "terminate called without an active exception"."""
+    import os
+    import subprocess
+    import sys
+    out = tmp_path / "ddp"
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_SCRIPT)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), PYTHONFAULTHANDLER="1", CUDA_VISIBLE_DEVICES="",
+               THREADS_OUT=str(tmp_path / "threads"))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script),
+           "train", "--preset", "tiny", "--out", str(out), "-q", "--set", f"data={data_dir}",
+           "--set", "max_iters=3", "--set", "eval_every=3", "--set", "device=cpu"]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "terminate called" not in res.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert (summary["status"], summary["world_size"], summary["dist_backend"], summary["grad_accum"]) == \
+        ("finished", 2, "gloo", 2)
+    assert json.loads((out / "config.json").read_text())["grad_accum"] == 2       # what --resume will use
+    finished = [line for line in res.stdout.splitlines() if line.startswith("finished")]
+    assert len(finished) == 2 and all(
+        line.startswith("finished: 3 steps on 2 ranks (process-group backend gloo, grad_accum 2), final loss ")
+        for line in finished), res.stdout
+    for rank in (0, 1):
+        threads = json.loads((tmp_path / f"threads{rank}").read_text())
+        assert threads["python"] == ["MainThread"], threads
+        assert not [name for name in threads["native"] if "gloo" in name], threads

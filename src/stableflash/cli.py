@@ -102,7 +102,7 @@ def _report(result: dict, out: Path, format_table, as_json: bool) -> int:
 
 def _cmd_train(args: argparse.Namespace) -> int:
     from stableflash.train.config import TrainConfig, apply_overrides, load_file, make_config, validate
-    from stableflash.train.loop import Interrupted, train
+    from stableflash.train.loop import Interrupted, check_run_dir, train
 
     if args.resume is not None:
         if args.out is not None or args.preset is not None or args.config is not None:
@@ -114,6 +114,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     else:
         if args.out is None:
             raise ValueError("--out DIR is required (where metrics.jsonl, ckpt.pt and batches/ go)")
+        check_run_dir(args.out)
         cfg = make_config(args.preset or "tiny", args.config, args.set)
         run_dir = args.out
     try:
@@ -132,7 +133,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
     else:
         loss = summary["final_loss"]
         val = summary["best_val_loss"]
-        print(f"{summary['status']}: {summary['steps']} steps, final loss "
+        ranks = (f" on {summary['world_size']} ranks (process-group backend {summary['dist_backend']}, grad_accum "
+                 f"{summary['grad_accum']})" if summary.get("world_size", 1) > 1 else "")
+        print(f"{summary['status']}: {summary['steps']} steps{ranks}, final loss "
               f"{'-' if loss is None else f'{loss:.4f}'}, best val loss {'-' if val is None else f'{val:.4f}'}; "
               f"metrics in {Path(run_dir) / 'metrics.jsonl'}")
     return 0 if summary["status"] == "finished" else 3

@@ -1,7 +1,10 @@
 """flash_attention: dispatch, and a clear error for every bad input."""
+import math
 import re
 import warnings
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -104,6 +107,9 @@ BAD_TENSORS = [
      ValueError, r"head_dim=300 is unsupported; accepted: 1 to 256"),
     (lambda q, k, v: (q.numpy(), k, v), TypeError, r"q must be a torch.Tensor; got ndarray"),
     (lambda q, k, v: (q[:, :, :0], k, v), ValueError, r"sequence lengths must be >= 1"),
+    (lambda q, k, v: (q[:, :0], k, v), ValueError, r"q has 0 heads \(dim 1\): shape \(2, 0, 8, 16\); accepted: at least 1"),
+    (lambda q, k, v: (q, k[:, :0], v[:, :0]), ValueError, r"k has 0 heads \(dim 1\): shape \(2, 0, 8, 16\)"),
+    (lambda q, k, v: (q, k, v[:, :0]), ValueError, r"v has 0 heads"),
 ]
 
 
@@ -127,6 +133,11 @@ BAD_OPTIONS = [
     ({"stabilize": "maybe"}, ValueError, r"stabilize='maybe' is invalid; accepted: True"),
     ({"scale": 0.0}, ValueError, r"scale=0.0 is invalid; accepted: None"),
     ({"scale": float("inf")}, ValueError, r"scale=inf is invalid"),
+    ({"scale": np.float32("nan")}, ValueError, r"scale=np.float32\(nan\) is invalid; accepted: None \(1/sqrt\(head_dim\)\) "
+                                               r"or a finite number > 0$"),
+    ({"scale": "0.1"}, ValueError, r"scale='0.1' is invalid"),
+    ({"scale": torch.tensor(0.1)}, ValueError, r"scale=tensor\(0.1000\) is a tensor; accepted: None .* pass float\(t\)"),
+    ({"block_k": np.float32(16)}, ValueError, r"block_k=np.float32\(16.0\) is invalid; accepted: a positive int"),
     ({"causal": 1}, TypeError, r"causal=1 must be a bool"),
     ({"block_k": 0}, ValueError, r"block_k=0 is invalid; accepted: a positive int"),
     ({"policy": PrecisionPolicy.preset("paper").replace(hp_heads=(1, 5))}, ValueError,
@@ -331,3 +342,82 @@ def test_the_docstring_documents_every_argument_and_the_result():
             entry = re.split(r"\n {8}(?=\S)", args[args.index(f"\n        {name}: "):])[1]
             stated = re.search(r"default\s+(\S+?)[.,]?(?:\s|$)", entry)
             assert stated and ast.literal_eval(stated.group(1)) == p.default, (name, entry[:80])
+
+
+@pytest.mark.parametrize("number", [np.float32, np.float64, np.float16, float])
+def test_numeric_arguments_take_any_real_number_type(gen, number):
+    """scale, softcap, beta and eps as NumPy scalars give what Python floats give; block sizes as
+    NumPy integers what ints give."""
+    q, k, v = qkv(gen, 1, 2, 24, 16)
+    kwargs = dict(scale=0.25, softcap=8.0, beta=4.0, eps=0.5, stabilize="tie-shift", block_k=8, block_q=4)
+    want = sf.flash_attention(q, k, v, backend="emulated", **kwargs)
+    got = sf.flash_attention(q, k, v, backend="emulated", **{
+        **kwargs, **{name: number(kwargs[name]) for name in ("scale", "softcap", "beta", "eps")},
+        "block_k": np.int64(8), "block_q": np.int32(4)})
+    assert torch.equal(got, want)
+
+
+def tied_at(top: float, n: int = 6, d: int = 8, device="cpu"):
+    """q, k, v where every query row's two largest scores are tied at ``top`` (scale 1)."""
+    q = torch.zeros(1, 1, n, d, device=device)
+    q[..., 0] = 1.0
+    k = torch.zeros(1, 1, n, d, device=device)
+    k[0, 0, :2, 0] = top
+    v = torch.linspace(-1, 1, n * d, device=device).reshape(1, 1, n, d)
+    return q, k, v
+
+
+@pytest.fixture
+def paper_watch(monkeypatch):
+    """A fresh once-per-process watch for the paper rule's non-finite outputs."""
+    from stableflash.attention import api
+    watch = api._NonFiniteWatch()
+    monkeypatch.setattr(api, "_paper_watch", watch)
+    return watch
+
+
+def test_the_paper_rule_warns_once_when_its_shift_underflows_a_row(paper_watch):
+    """Tied at 120 with beta 2, the paper's rule subtracts 240: every exp underflows in float32 and
+    the row is 0/0 (docs/design.md). The output is still what the rule gives, and it says so, once."""
+    from stableflash.attention.api import PAPER_RULE_NONFINITE
+    q, k, v = tied_at(120.0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        o = sf.flash_attention(q, k, v, scale=1.0, stabilize="paper", backend="emulated")
+        again = sf.flash_attention(q, k, v, scale=1.0, stabilize="paper", backend="emulated")
+    assert torch.isnan(o).all() and torch.isnan(again).all()
+    assert [(w.category, str(w.message)) for w in caught] == [(RuntimeWarning, PAPER_RULE_NONFINITE)]
+    assert caught[0].filename == __file__                       # it points at the call, not at stableflash
+    section = "'Row-maximum rules'"
+    assert "docs/design.md" in PAPER_RULE_NONFINITE and section in PAPER_RULE_NONFINITE
+    design = (Path(__file__).resolve().parents[2] / "docs" / "design.md").read_text()
+    assert "## Row-maximum rules" in design and "NaN at rm = ±120, β = 2" in design
+
+
+def test_the_paper_rule_is_silent_where_its_output_is_finite_or_its_inputs_were_not(paper_watch):
+    q, k, v = tied_at(30.0)                                     # exp(-30) is a float32 number: finite
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert torch.isfinite(sf.flash_attention(q, k, v, scale=1.0, stabilize="paper", backend="emulated")).all()
+        q, k, v = tied_at(120.0)
+        assert torch.isfinite(sf.flash_attention(q, k, v, scale=1.0, stabilize="tie-shift", backend="emulated")).all()
+        v[0, 0, 3, 0] = math.nan                                # NaN in, NaN out: not the rule's doing
+        sf.flash_attention(q, k, v, scale=1.0, stabilize="paper", backend="emulated")
+    assert not paper_watch.warned
+
+
+@pytest.mark.gpu
+def test_the_paper_rule_warning_on_cuda_waits_for_no_kernel(paper_watch):
+    """On CUDA the check is queued: a later call reads it once its event has completed."""
+    q, k, v = (t.to(torch.bfloat16) for t in tied_at(120.0, n=64, d=64, device="cuda"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        o = sf.flash_attention(q, k, v, scale=1.0, stabilize="paper", backend="triton")
+        assert len(paper_watch.pending) == 1
+        torch.cuda.synchronize()
+        fine = sf.flash_attention(q, k, v, scale=1.0, stabilize="tie-shift", backend="triton")
+        assert caught == []                                     # the paper rule's calls alone are watched
+        sf.flash_attention(q / 8, k / 8, v, scale=1.0, stabilize="paper", backend="triton")
+    assert torch.isnan(o).any() and torch.isfinite(fine).all()
+    assert [w.category for w in caught] == [RuntimeWarning] and caught[0].filename == __file__
+    assert paper_watch.warned and not paper_watch.pending

@@ -1,4 +1,5 @@
 """The monitor: which indicator fires when, patience, actions, and no alarm on a healthy run."""
+import json
 import math
 
 import pytest
@@ -37,6 +38,53 @@ def test_one_layer_spectral_norm_blowing_up():
     events = m.observe_probe(1, record([0.0] * 4, [10, 60, 9, 11]))
     assert [(e["indicator"], e["layer"]) for e in events] == [("spectral_q", 1)]
     assert events[0]["threshold"] == pytest.approx(4.0 * 10)
+
+
+def test_non_finite_spectral_norms_are_left_out_not_multiplied():
+    """Weights gone NaN or infinite give a probe record with None norms (JSON has no NaN): those
+    layers are left out, the others are still compared among themselves."""
+    m = Monitor(MonitorConfig(patience=1))
+    assert m.observe_probe(0, record([0.0] * 4, [10, None, 9, 11])) == []
+    events = m.observe_probe(1, record([0.0] * 4, [10, None, 60, 11]))
+    assert [(e["indicator"], e["layer"]) for e in events] == [("spectral_q", 2)]
+    assert events[0]["threshold"] == pytest.approx(4.0 * 10.5)          # median of the finite others
+    assert m.observe_probe(2, record([0.0] * 4, [None, None, None, None])) == []
+    assert m.observe_probe(3, record([0.0] * 4, [None, 60, None, math.inf])) == []     # no finite other
+
+
+def test_weights_gone_non_finite_end_the_run_with_the_non_finite_stop(data_dir, tmp_path, monkeypatch):
+    """An update that leaves the weights NaN (as lr=inf did before it was refused) is probed right
+    after it: the monitor must not fail on the record, and the next step's loss stops the run."""
+    import torch
+
+    from stableflash.train import loop
+    from stableflash.train.config import make_config
+    from stableflash.train.metrics import read_metrics
+    real_build = loop.build_optimizer
+
+    def poisoning(model, cfg, device_type):
+        opt = real_build(model, cfg, device_type)
+        real_step, calls = opt.step, []
+
+        def step():
+            real_step()
+            calls.append(1)
+            if len(calls) == 3:                                  # the update of step 2
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.fill_(math.nan)
+        opt.step = step
+        return opt
+
+    monkeypatch.setattr(loop, "build_optimizer", poisoning)
+    cfg = make_config("tiny", overrides=[f"data={data_dir}", "max_iters=10", "probe_every=1", "monitor=switch",
+                                         "eval_every=100", "ckpt_every=2"])
+    summary = loop.train(cfg, tmp_path / "run", progress=False)
+    assert summary["status"] == "nonfinite" and summary["steps"] == 3
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in rows if r.get("event") == "nonfinite"] == [3]
+    probes = [json.loads(line) for line in (tmp_path / "run" / "probes.jsonl").read_text().splitlines()]
+    assert probes[-1]["step"] == 2 and probes[-1]["spectral"]["q_full"] == [None, None]
 
 
 def test_loss_spike_after_warmup_only_once():

@@ -5,8 +5,11 @@ names the argument, never a crash deep inside a kernel) and dispatches to a back
 """
 from __future__ import annotations
 
+import atexit
+import collections
 import logging
 import math
+import numbers
 import warnings
 
 import torch
@@ -41,6 +44,9 @@ def _check_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     if not (q.shape[0] == k.shape[0] == v.shape[0]):
         raise ValueError(f"q, k, v must have the same batch (dim 0); got q={tuple(q.shape)}, "
                          f"k={tuple(k.shape)}, v={tuple(v.shape)}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.shape[1] < 1:
+            raise ValueError(f"{name} has 0 heads (dim 1): shape {tuple(t.shape)}; accepted: at least 1 head")
     if k.shape[1] != v.shape[1] or q.shape[1] % k.shape[1]:
         raise ValueError(f"k and v must have the same heads (dim 1), and q's heads must be a multiple of "
                          f"them (grouped-query attention); got q={tuple(q.shape)}, k={tuple(k.shape)}, "
@@ -58,29 +64,106 @@ def _check_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError(f"sequence lengths must be >= 1; got q seq={q.shape[2]}, k seq={k.shape[2]}")
 
 
-def _check_options(causal, scale, block_q, block_k) -> float | None:
+def _positive_real(value, name: str, none_means: str) -> float | None:
+    """``value`` as a float when it is a finite real number > 0 of any numeric type (Python, NumPy:
+    ``numbers.Real``, bool excepted), None as None; ValueError naming ``name`` otherwise."""
+    if value is None:
+        return None
+    accepted = f"None ({none_means}) or a finite number > 0"
+    if isinstance(value, torch.Tensor):
+        raise ValueError(f"{name}={value!r} is a tensor; accepted: {accepted} — pass float(t), which reads a GPU "
+                         "tensor back to the host once, outside the call")
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name}={value!r} is invalid; accepted: {accepted}")
+    return float(value)
+
+
+def _check_options(causal, scale, block_q, block_k) -> tuple[float | None, int | None, int]:
     if not isinstance(causal, bool):
         raise TypeError(f"causal={causal!r} must be a bool")
-    if scale is not None:
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
-            raise ValueError(f"scale={scale!r} is invalid; accepted: None (1/sqrt(head_dim)) or a finite number > 0")
-        scale = float(scale)
+    scale = _positive_real(scale, "scale", "1/sqrt(head_dim)")
+    blocks = []
     for name, b in (("block_q", block_q), ("block_k", block_k)):
         if b is None and name == "block_q":
+            blocks.append(None)
             continue
-        if isinstance(b, bool) or not isinstance(b, int) or b < 1:
+        if isinstance(b, bool) or not isinstance(b, numbers.Integral) or b < 1:
             accepted = "a positive int or None" if name == "block_q" else "a positive int"
             raise ValueError(f"{name}={b!r} is invalid; accepted: {accepted}")
-    return scale
+        blocks.append(int(b))
+    return scale, *blocks
 
 
 def check_softcap(value, name: str = "softcap") -> float | None:
     """A logit cap as a float, or None (off); ValueError naming ``name`` for anything else."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name}={value!r} is invalid; accepted: None (off) or a finite number > 0")
-    return float(value)
+    return _positive_real(value, name, "off")
+
+
+PAPER_RULE_NONFINITE = (
+    "flash_attention(stabilize='paper') returned non-finite values. With finite inputs this is the paper's rule "
+    "itself: on a row whose maximum is tied at a large score it subtracts beta times that maximum, every "
+    "exp(score - shift) underflows to 0, and the row's output is 0/0 = NaN (docs/design.md, 'Row-maximum rules'). "
+    "stabilize='tie-shift' bounds the shift and cannot underflow; a smaller beta delays it.")
+
+
+class _NonFiniteWatch:
+    """Warns once per process (RuntimeWarning, ``PAPER_RULE_NONFINITE``) when an output of the
+    paper's rule holds a NaN or infinity, without making the GPU wait.
+
+    On the CPU the output is checked when it is returned (one pass over it, next to the attention's
+    cost), and the warning is skipped when the inputs themselves were not finite. On CUDA the check
+    is queued behind the attention: one reduction over O, its one-byte result copied to pinned host
+    memory and a CUDA event recorded; a later call (or the process's exit) reads the results whose
+    events have completed, and never waits on one that has not. Nothing is checked while
+    torch.compile traces or a CUDA graph is captured, nor after the warning."""
+
+    MAX_PENDING = 64
+
+    def __init__(self) -> None:
+        self.warned = False
+        self.pending: collections.deque = collections.deque()
+        self._exit_hook = False
+
+    def observe(self, o: torch.Tensor, inputs: tuple[torch.Tensor, ...]) -> None:
+        if self.warned or torch.compiler.is_compiling():
+            return
+        if o.device.type != "cuda":
+            if not bool(torch.isfinite(o).all()) and all(bool(torch.isfinite(t).all()) for t in inputs):
+                self._warn(stacklevel=4)
+            return
+        if torch.cuda.is_current_stream_capturing():
+            return
+        self.poll(stacklevel=4)
+        if self.warned or len(self.pending) >= self.MAX_PENDING:
+            return
+        host = torch.empty((), dtype=torch.bool, pin_memory=True)
+        host.copy_(torch.isfinite(o.detach()).all(), non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        self.pending.append((host, done))
+        if not self._exit_hook:
+            self._exit_hook = True
+            atexit.register(self.poll, wait=True)
+
+    def poll(self, wait: bool = False, stacklevel: int = 2) -> None:
+        """Read the queued results that are ready (``wait``: all of them); warn on a non-finite one."""
+        while self.pending and not self.warned:
+            host, done = self.pending[0]
+            if wait:
+                done.synchronize()
+            elif not done.query():
+                return
+            self.pending.popleft()
+            if not bool(host):
+                self._warn(stacklevel + 1)
+                self.pending.clear()
+
+    def _warn(self, stacklevel: int) -> None:
+        self.warned = True
+        warnings.warn(PAPER_RULE_NONFINITE, RuntimeWarning, stacklevel=stacklevel)
+
+
+_paper_watch = _NonFiniteWatch()
 
 
 def _triton_module():
@@ -165,7 +248,8 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
         k: (batch, heads_kv, seq_k, head_dim), q's dtype and device; heads_kv divides heads_q.
         v: (batch, heads_kv, seq_k, head_dim), like k.
         causal: bool, default False. Apply the causal mask above.
-        scale: float > 0 or None, default None (1 / sqrt(head_dim)). Multiplies Q·Kᵀ.
+        scale: float > 0 or None, default None (1 / sqrt(head_dim)). Multiplies Q·Kᵀ. Here and in
+            beta, eps and softcap any real number type is taken (a NumPy scalar too), not a tensor.
         stabilize: a stabilization name, True, False or a Stabilization; default True, which is
             "consistent-delta". What is stabilized: the row-maximum rule and the source of δ
             (``stableflash.attention.stabilization`` lists the names).
@@ -181,7 +265,9 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
                 shifted by a bounded amount, so that no tied P̄ is 1 and ℓ cannot underflow; δ as the
                 policy says.
             "paper": the paper's Algorithm 3 as published (a tied row subtracts β·max for a positive
-                max, 0 for a negative one); δ as the policy says.
+                max, 0 for a negative one); δ as the policy says. Where that shift underflows a row
+                (tied at a large max) the row is NaN, and a RuntimeWarning says so once per process
+                (checked without making the GPU wait: ``_NonFiniteWatch``).
             "all-shift": the tie-shift's bounded shift on every row.
             A rule + "+consistent-delta" ("tie-shift+consistent-delta", ...): that rule and the δ of
                 "consistent-delta".
@@ -222,8 +308,10 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
         input or option a backend cannot take.
     """
     _check_tensors(q, k, v)
-    scale = _check_options(causal, scale, block_q, block_k)
+    scale, block_q, block_k = _check_options(causal, scale, block_q, block_k)
     softcap = check_softcap(softcap)
+    beta, eps = (float(x) if isinstance(x, numbers.Real) and not isinstance(x, (bool, int, float)) else x
+                 for x in (beta, eps))                         # a NumPy scalar as the float it is
     stab = parse_stabilize(stabilize, beta, eps)
     rule = stab.rule
     if backend not in BACKENDS:
@@ -254,6 +342,14 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
                              "backend='triton' or 'emulated'")
         return F.scaled_dot_product_attention(q, _expand_kv(q, k), _expand_kv(q, v), is_causal=causal,
                                               scale=scale_val)
+    o = _attention(q, k, v, backend, causal, scale_val, rule, resolved, block_q, block_k, softcap)
+    if rule.kind == "paper":
+        _paper_watch.observe(o, (q, k, v))
+    return o
+
+
+def _attention(q, k, v, backend, causal, scale_val, rule, resolved, block_q, block_k, softcap) -> torch.Tensor:
+    """The checked call on a backend other than SDPA."""
     if backend == "reference":
         return reference.attention(q, _expand_kv(q, k), _expand_kv(q, v), causal=causal, scale=scale_val,
                                    rule=rule, softcap=softcap).to(q.dtype)

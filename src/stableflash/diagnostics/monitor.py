@@ -155,12 +155,14 @@ class Monitor:
                 yield layer, sum(finite) / len(finite), worst
 
     def _spectral(self, record: dict):
-        norms = (record.get("spectral") or {}).get("q_full")
-        if not norms or len(norms) < 2:
-            return
-        for layer, value in enumerate(norms):
-            others = [n for i, n in enumerate(norms) if i != layer]
-            yield layer, value, self.config.spectral_ratio * statistics.median(others)
+        # a non-finite norm is written as None (probes.probe_record): weights gone NaN or infinite
+        # leave the layer out, and the loss's own non-finite stop ends the run
+        norms = (record.get("spectral") or {}).get("q_full") or []
+        finite = {layer: n for layer, n in enumerate(norms) if isinstance(n, (int, float)) and math.isfinite(n)}
+        for layer, value in finite.items():
+            others = [n for i, n in finite.items() if i != layer]
+            if others:
+                yield layer, value, self.config.spectral_ratio * statistics.median(others)
 
     def _check(self, step, indicator, layer, head, value, limit, use_growth=True) -> list[dict]:
         key = (indicator, layer)

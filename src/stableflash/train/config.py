@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import os
 import tomllib
 import typing
@@ -36,7 +37,7 @@ class TrainConfig:
     data: str = "embedded"
     replay: str | None = None
     batch_size: int = 8
-    grad_accum: int = 1
+    grad_accum: int | None = None               # micro-batches per step over all ranks; None: one per rank
     # optimisation
     optimizer: str = "adamw"
     lr: float = 1e-3
@@ -226,9 +227,17 @@ def load_file(path: Path) -> dict:
     """A config file: TOML (``.toml``) or JSON (anything else), a flat table of TrainConfig keys. A
     run folder's config.json of the earlier grammar is upgraded (``upgrade_stored``)."""
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"config file {path} is a folder; accepted: a TOML (.toml) or JSON file")
     if not path.is_file():
         raise FileNotFoundError(f"config file {path} does not exist")
-    text = path.read_text()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"config file {path} is not UTF-8 text (byte {exc.start}: {exc.reason}); accepted: a "
+                         "TOML (.toml) or JSON file") from None
+    except OSError as exc:
+        raise ValueError(f"config file {path} cannot be read: {exc.strerror or exc}") from None
     try:
         data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
     except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
@@ -240,7 +249,8 @@ def load_file(path: Path) -> dict:
 
 def make_config(preset: str | None = "tiny", config_file: Path | None = None,
                 overrides: list[str] | None = None) -> TrainConfig:
-    """Preset, then file, then --set overrides; validated."""
+    """Preset, then file, then --set overrides; validated. A ``grad_accum`` none of them sets is one
+    micro-batch per rank of this launch (torchrun's WORLD_SIZE; 1 without torchrun)."""
     cfg = TrainConfig()
     if preset is not None:
         if preset not in PRESETS:
@@ -250,30 +260,64 @@ def make_config(preset: str | None = "tiny", config_file: Path | None = None,
         cfg = apply_overrides(cfg, load_file(config_file))
     if overrides:
         cfg = apply_overrides(cfg, overrides)
+    if cfg.grad_accum is None:
+        cfg = dataclasses.replace(cfg, grad_accum=DistInfo.from_env().world_size)
     validate(cfg)
     return cfg
 
 
+# The accepted range of every numeric field: (lowest, lowest allowed?, highest or None, highest allowed?);
+# every lowest is 0.
+# Floats must also be finite; a field typed ``| None`` may be None (the preset's value, or off).
+RANGES: dict[str, tuple] = {
+    **{name: (0, False, None, False) for name in (
+        "batch_size", "grad_accum", "max_iters", "eval_every", "eval_iters", "log_every", "ckpt_every",
+        "n_layer", "n_head", "n_embd", "block_size", "vocab_size", "probe_seqs", "monitor_patience",
+        "peak_tflops", "attn_softcap", "monitor_repeated_max", "monitor_spectral_ratio", "monitor_growth",
+        "monitor_loss_spike", "monitor_delta_drift", "monitor_max_logit")},
+    **{name: (0, True, None, False) for name in (
+        "warmup_iters", "lr_decay_iters", "probe_every", "stop_after_explosion", "seed",
+        "min_lr", "weight_decay", "grad_clip")},                      # grad_clip 0: no clipping
+    **{name: (0, True, 1, False) for name in ("beta1", "beta2", "dropout")},
+    # above about 3e37 the optimizers' float32 step overflows (a RuntimeError inside torch); 1e6 is far
+    # above any learning rate AdamW or Muon trains with, and far below that
+    "lr": (0, False, 1e6, True),
+}
+
+
+def _accepted(name: str) -> str:
+    """What ``RANGES`` accepts for ``name``, in words."""
+    low, low_ok, high, high_ok = RANGES[name]
+    kind = "integer" if _field_base(name) is int else "finite number"
+    if high is None:                                  # every range starts at 0
+        bound = f"a {'non-negative' if low_ok else 'positive'} {kind}"
+    else:
+        bound = f"a {kind} with {low:g} {'<=' if low_ok else '<'} {name} {'<=' if high_ok else '<'} {high:g}"
+    optional = type(None) in typing.get_args(_field_types()[name])
+    return f"None or {bound}" if optional else bound
+
+
+def _field_base(name: str) -> type:
+    tp = _field_types()[name]
+    return next((a for a in typing.get_args(tp) if a is not type(None)), tp)
+
+
+def _check_range(cfg: TrainConfig, name: str) -> None:
+    value = getattr(cfg, name)
+    if value is None and type(None) in typing.get_args(_field_types()[name]):
+        return
+    low, low_ok, high, high_ok = RANGES[name]
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    ok = (number and math.isfinite(value) and (value >= low if low_ok else value > low)
+          and (high is None or (value <= high if high_ok else value < high)))
+    if not ok:
+        raise ValueError(f"{name}={value!r} is invalid; accepted: {_accepted(name)}")
+
+
 def validate(cfg: TrainConfig) -> None:
     """Reject bad values by name before anything runs."""
-    def positive(name, allow_zero=False):
-        value = getattr(cfg, name)
-        if value is None:
-            return
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or (value == 0 and not allow_zero):
-            raise ValueError(f"{name}={value!r} is invalid; accepted: a {'non-negative' if allow_zero else 'positive'} number")
-
-    for name in ("batch_size", "grad_accum", "max_iters", "eval_every", "eval_iters", "log_every", "ckpt_every",
-                 "n_layer", "n_head", "n_embd", "block_size", "vocab_size", "lr", "peak_tflops"):
-        positive(name)
-    for name in ("min_lr", "warmup_iters", "weight_decay", "grad_clip", "lr_decay_iters", "probe_every",
-                 "stop_after_explosion"):
-        positive(name, allow_zero=True)
-    if cfg.dropout is not None and not 0 <= cfg.dropout < 1:
-        raise ValueError(f"dropout={cfg.dropout!r} is invalid; accepted: 0 <= dropout < 1")
-    for name, value in (("beta1", cfg.beta1), ("beta2", cfg.beta2)):
-        if not 0 <= value < 1:
-            raise ValueError(f"{name}={value!r} is invalid; accepted: 0 <= {name} < 1")
+    for name in RANGES:
+        _check_range(cfg, name)
     if cfg.min_lr > cfg.lr:
         raise ValueError(f"min_lr={cfg.min_lr} is above lr={cfg.lr}; accepted: min_lr <= lr")
     for name, value, accepted in (("optimizer", cfg.optimizer, OPTIMIZERS), ("schedule", cfg.schedule, SCHEDULES),

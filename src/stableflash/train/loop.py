@@ -9,6 +9,7 @@ run's record instead (the paper's method for comparing attention variants on ide
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import logging
 import math
@@ -210,6 +211,62 @@ def evaluate(model, sampler: BatchSampler, batches, autocast, device) -> float:
     return sum(losses) / len(losses)
 
 
+def resolve_grad_accum(cfg: TrainConfig, world_size: int) -> TrainConfig:
+    """``cfg`` with ``grad_accum`` for ``world_size`` ranks: unset (None), one micro-batch per rank;
+    set, the micro-batches per step over all ranks (nanoGPT's gradient_accumulation_steps), which
+    the ranks must divide."""
+    if cfg.grad_accum is None:
+        return replace(cfg, grad_accum=world_size)
+    if cfg.grad_accum % world_size:
+        raise ValueError(f"grad_accum={cfg.grad_accum} (micro-batches per step over all ranks) is not a multiple of "
+                         f"the {world_size} ranks; accepted: a multiple of {world_size}, or grad_accum unset (none) "
+                         "for one micro-batch per rank")
+    return cfg
+
+
+def _init_process_group(dist: DistInfo, device: torch.device, cfg: TrainConfig) -> str | None:
+    """Join torchrun's process group (NCCL for CUDA devices, gloo for the CPU); its backend, or None
+    in a one-process run."""
+    if dist.world_size == 1:
+        return None
+    if not torch_dist.is_initialized():
+        # imported before the group exists: its functions take ``group=group.WORLD`` as a default
+        # argument, which would otherwise keep the group (and gloo's threads) alive to the process's
+        # end; DistributedDataParallel imports it
+        import torch.distributed.nn  # noqa: F401
+        torch_dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+    backend = str(torch_dist.get_backend())
+    if dist.is_main:
+        log.info("distributed: %d ranks, process-group backend %s, grad_accum %d (%d per rank per step)",
+                 dist.world_size, backend, cfg.grad_accum, cfg.grad_accum // dist.world_size)
+    return backend
+
+
+def _quiet_monitor(bar_cls):
+    """``bar_cls`` without tqdm's monitor thread, which tqdm starts for every bar, disabled ones too,
+    and leaves running (a daemon thread) into the interpreter's shutdown."""
+    return type(bar_cls.__name__, (bar_cls,), {"monitor_interval": 0})
+
+
+def check_run_dir(run_dir: Path) -> None:
+    """A clear error when ``run_dir`` cannot be a run folder: it, or the first of its parents that
+    exists, is not a folder."""
+    for path in (run_dir, *run_dir.parents):
+        if path.exists():
+            if not path.is_dir():
+                what = "is" if path == run_dir else f"is inside {path}, which is"
+                raise ValueError(f"run folder {run_dir} {what} a file, not a folder; accepted: a folder "
+                                 "(made if missing)")
+            return
+
+
+def _make_run_dir(run_dir: Path) -> None:
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"run folder {run_dir} cannot be made: {exc.strerror or exc}") from None
+
+
 def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool = True,
           allow_data_change: bool = False) -> dict:
     """Train per ``cfg`` into ``run_dir`` (metrics.jsonl, ckpt.pt, batches/, data.json, summary.json).
@@ -223,17 +280,14 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
     from tqdm.auto import tqdm
 
     validate(cfg)
+    run_dir = Path(run_dir)
+    check_run_dir(run_dir)
     dist = DistInfo.from_env()
-    if dist.world_size > 1 and not torch_dist.is_initialized():
-        torch_dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
-    if cfg.grad_accum % dist.world_size:
-        raise ValueError(f"grad_accum={cfg.grad_accum} is not divisible by the {dist.world_size} ranks; accepted: "
-                         "a multiple of the world size (it counts micro-batches per step over all ranks)")
+    cfg = resolve_grad_accum(cfg, dist.world_size)
     device = _device(cfg, dist)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    dist_backend = _init_process_group(dist, device, cfg)
 
     data_dir = resolve_data_dir(cfg.data)
     if not data_dir.is_dir():
@@ -246,6 +300,7 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
     block = model.config.block_size
     train_data, val_data = data_check.load(meta["vocab_size"], block)     # every id range-checked
     optimizer = build_optimizer(model, cfg, device.type)
+    _make_run_dir(run_dir)                # after the checks above: a run that cannot start leaves no folder
 
     step0, history = 0, History()
     stopper = ExplosionStop(cfg.stop_after_explosion)
@@ -331,7 +386,8 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
         saved, fresh = done, True
 
     status, last, best_val = "finished", history.last, history.best_val_loss
-    bar = tqdm(total=cfg.max_iters, initial=step0, disable=not (progress and dist.is_main), desc="train")
+    bar = _quiet_monitor(tqdm)(total=cfg.max_iters, initial=step0, disable=not (progress and dist.is_main),
+                               desc="train")
     step = step0
     stop, signum, at_once = _StopSignals().install(), 0, False
     try:
@@ -464,7 +520,8 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
     summary = {"status": status, "steps": step, "final_loss": last.get("loss"),
                "best_val_loss": best_val if math.isfinite(best_val) else None, "attention": cfg.attention,
                "final_attention": str(model.attention_spec), "config_version": cfg.config_version,
-               "world_size": dist.world_size, "device": str(device), "data": str(data_dir), "data_meta": meta,
+               "world_size": dist.world_size, "dist_backend": dist_backend, "grad_accum": cfg.grad_accum,
+               "device": str(device), "data": str(data_dir), "data_meta": meta,
                "data_fingerprint": data_check.fingerprint["sha256"]}
     if status == "interrupted":
         summary.update(signal=signal.Signals(signum).name, checkpoint_step=saved)
@@ -473,10 +530,13 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
     if at_once:                                       # other ranks may be inside a collective: no barrier
         raise Interrupted(summary, signum, _interrupted_message(summary, run_dir, at_once))
     if dist.world_size > 1:
-        # every rank reaches here before any tears the group down (a rank leaving while the main one
-        # still saves its checkpoint is the likely cause of a rank-1 abort seen on CPU with gloo in
-        # two full test runs; not proven)
+        # every rank reaches here before any tears the group down; then DDP's hold on the group is
+        # released, so that destroying it ends gloo's worker threads now, with the interpreter alive,
+        # rather than leaving them running into its shutdown (_init_process_group says why nothing
+        # else holds it)
         torch_dist.barrier()
+        del net
+        gc.collect()
         torch_dist.destroy_process_group()
     if status == "interrupted":
         raise Interrupted(summary, signum, _interrupted_message(summary, run_dir, at_once))
