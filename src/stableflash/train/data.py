@@ -30,9 +30,9 @@ from typing import Union
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
 
 from stableflash.files import write_text_atomic
+from stableflash.progress import progress_bar
 
 log = logging.getLogger(__name__)
 
@@ -355,7 +355,7 @@ def check_ids(data: np.ndarray, vocab_size: int, check: str = "sample", name: st
             if bad:
                 break
     elif check == "full":
-        with tqdm(total=n, desc=f"checking {name}", unit="tok", unit_scale=True, leave=False,
+        with progress_bar(total=n, desc=f"checking {name}", unit="tok", unit_scale=True, leave=False,
                   disable=n <= 8 * _FULL_CHUNK) as bar:
             for a in range(0, n, _FULL_CHUNK):
                 b = min(n, a + _FULL_CHUNK)

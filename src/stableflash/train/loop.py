@@ -29,6 +29,7 @@ from stableflash.diagnostics.probes import probe_record
 from stableflash.files import remove_stale_temps, write_text_atomic
 from stableflash.model import build_model as _build, model_config
 from stableflash.model.spec import upgrade_stored_spec
+from stableflash.progress import progress_bar
 from stableflash.train import checkpoint
 from stableflash.train.config import DistInfo, TrainConfig, monitor_config, validate
 from stableflash.train.data import BatchRecorder, BatchSampler, ReplaySampler, RunData, eval_batches, read_meta
@@ -242,12 +243,6 @@ def _init_process_group(dist: DistInfo, device: torch.device, cfg: TrainConfig) 
     return backend
 
 
-def _quiet_monitor(bar_cls):
-    """``bar_cls`` without tqdm's monitor thread, which tqdm starts for every bar, disabled ones too,
-    and leaves running (a daemon thread) into the interpreter's shutdown."""
-    return type(bar_cls.__name__, (bar_cls,), {"monitor_interval": 0})
-
-
 def check_run_dir(run_dir: Path) -> None:
     """A clear error when ``run_dir`` cannot be a run folder: it, or the first of its parents that
     exists, is not a folder."""
@@ -277,8 +272,6 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
     or gradient norm stopped being finite, or "exploded" when ``stop_after_explosion`` stopped it
     (either stops before that step's update; the last good checkpoint stays).
     """
-    from tqdm.auto import tqdm
-
     validate(cfg)
     run_dir = Path(run_dir)
     check_run_dir(run_dir)
@@ -386,8 +379,7 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
         saved, fresh = done, True
 
     status, last, best_val = "finished", history.last, history.best_val_loss
-    bar = _quiet_monitor(tqdm)(total=cfg.max_iters, initial=step0, disable=not (progress and dist.is_main),
-                               desc="train")
+    bar = progress_bar(total=cfg.max_iters, initial=step0, disable=not (progress and dist.is_main), desc="train")
     step = step0
     stop, signum, at_once = _StopSignals().install(), 0, False
     try:
