@@ -219,3 +219,9 @@ def test_the_documented_torchrun_command_trains_on_two_cpu_ranks(data_dir, tmp_p
         threads = json.loads((tmp_path / f"threads{rank}").read_text())
         assert threads["python"] == ["MainThread"], threads
         assert not [name for name in threads["native"] if "gloo" in name], threads
+    # The same command again: the folder holds a run, and every rank refuses it (rank 0 decides, the
+    # others follow instead of waiting for it) with exit 2, well inside the time limit.
+    again = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert again.returncode != 0
+    refusals = [line for line in again.stderr.splitlines() if "already holds a run; resume it" in line]
+    assert len(refusals) == 2, again.stderr[-3000:]

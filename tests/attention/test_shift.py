@@ -135,3 +135,17 @@ def test_capped_rule_keeps_pbar_normal_in_fp8():
     rule = ShiftRule("tie-shift").capped_for(2.0 ** -6)   # fp8 e4m3's smallest normal
     assert math.exp(-rule.max_shift) >= 2.0 ** -6
     assert rule.max_shift < ShiftRule("tie-shift").max_shift
+
+
+def test_shift_rule_takes_any_real_number_type():
+    """NumPy scalars and ints are numbers as floats are: stored as plain floats (so equal rules hash
+    alike), bools and non-finite values refused by name."""
+    np = pytest.importorskip("numpy")
+    rule = ShiftRule("tie-shift", beta=np.float32(4.0), eps=np.float64(1e-3), min_shift=np.float32(0.25), max_shift=8)
+    assert rule == ShiftRule("tie-shift", beta=4.0, eps=1e-3, min_shift=0.25, max_shift=8.0)
+    assert all(type(getattr(rule, f)) is float for f in ("beta", "eps", "min_shift", "max_shift"))
+    assert hash(rule) == hash(ShiftRule("tie-shift", beta=4.0, eps=1e-3, min_shift=0.25, max_shift=8.0))
+    with pytest.raises(ValueError, match="beta=True is invalid"):
+        ShiftRule("tie-shift", beta=True)
+    with pytest.raises(ValueError, match="eps=nan is invalid"):
+        ShiftRule("tie-shift", eps=np.float32("nan"))

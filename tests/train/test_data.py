@@ -518,3 +518,26 @@ def test_openwebtext_style_folder_needs_no_vocab_setting(tmp_path, capsys, caplo
     # A vocab_size set explicitly below the data's is still refused, by name.
     err = cli_error(train_argv(tmp_path, folder, "--set", "vocab_size=256", out="small"), capsys)
     assert "vocab_size=256 is smaller than the data's vocabulary (50257)" in err
+
+
+def test_recording_rewrite_out_of_order_is_atomic(tmp_path, monkeypatch):
+    """Rows not in step order (a recording from elsewhere) are rewritten, not cut: a kill during the
+    rewrite (here the final rename failing) leaves the recording byte for byte as it was, and the
+    rewrite keeps exactly the rows before start_step."""
+    rows = np.array([[0, 0, 10, 11], [5, 0, 50, 51], [1, 0, 12, 13], [6, 0, 60, 61], [2, 0, 14, 15]], dtype="<i8")
+    path = tmp_path / "batches" / "rank0.bin"
+    path.parent.mkdir()
+    rows.tofile(path)
+    before = path.read_bytes()
+
+    def fail(*_):
+        raise OSError("killed")
+
+    monkeypatch.setattr("stableflash.files.os.replace", fail)
+    with pytest.raises(OSError, match="killed"):
+        BatchRecorder(tmp_path, 0, batch_size=2, block_size=8, start_step=3)
+    assert path.read_bytes() == before
+    assert not [p for p in path.parent.iterdir() if p.name.startswith(".rank0.bin.tmp")]
+    monkeypatch.undo()
+    BatchRecorder(tmp_path, 0, batch_size=2, block_size=8, start_step=3).close()
+    np.testing.assert_array_equal(np.fromfile(path, dtype="<i8").reshape(-1, 4), rows[[0, 2, 4]])

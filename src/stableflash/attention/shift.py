@@ -44,6 +44,7 @@ every backend calls `next_shift`, so they all apply the same arithmetic:
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, replace
 
 import torch
@@ -73,6 +74,10 @@ class ShiftRule:
         if self.kind not in RULES:
             renamed = f" ({self.kind!r} is the earlier name of {LEGACY_RULES[self.kind]!r})" if self.kind in LEGACY_RULES else ""
             raise ValueError(f"ShiftRule kind={self.kind!r} is not a rule{renamed}; accepted: {', '.join(RULES)}")
+        for name in ("beta", "eps", "min_shift", "max_shift"):    # any real number type (NumPy scalars): a float
+            value = getattr(self, name)
+            if isinstance(value, numbers.Real) and not isinstance(value, bool) and type(value) is not float:
+                object.__setattr__(self, name, float(value))
         if not (isinstance(self.beta, (int, float)) and math.isfinite(self.beta) and self.beta > 1):
             raise ValueError(f"beta={self.beta!r} is invalid; accepted: a finite number > 1 (the paper uses 2 to 8)")
         if not (isinstance(self.eps, (int, float)) and math.isfinite(self.eps) and self.eps >= 0):

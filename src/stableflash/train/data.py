@@ -31,7 +31,7 @@ from typing import Union
 import numpy as np
 import torch
 
-from stableflash.files import write_text_atomic
+from stableflash.files import atomic_write, write_text_atomic
 from stableflash.progress import progress_bar
 
 log = logging.getLogger(__name__)
@@ -760,8 +760,9 @@ class BatchRecorder:
         n_keep = int(keep.sum())
         if keep[:n_keep].all():           # the usual case: steps are in order, cut the tail
             os.truncate(self.path, n_keep * row_bytes)
-        else:
-            rows[keep].astype("<i8").tofile(self.path)
+        else:                             # after a rollback: rewrite the kept rows atomically
+            with atomic_write(self.path, "wb") as f:
+                f.write(rows[keep].astype("<i8").tobytes())
         if n_keep:
             last_step = int(rows[keep][-1, 0])
             self._last = (last_step, int(rows[keep][-1, 1]))

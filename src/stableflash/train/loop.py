@@ -309,13 +309,20 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
         if "config_version" not in state["config"]:                  # a checkpoint of the earlier spec grammar
             switched = upgrade_stored_spec(switched)
         model.set_attention(switched)
-    elif dist.is_main and has_checkpoint:
-        raise ValueError(f"{run_dir} already holds a run; resume it (stableflash train --resume {run_dir}) or "
-                         "choose another --out")
-    elif dist.is_main and _run_files(run_dir):
-        raise ValueError(f"{run_dir} already holds a run without a checkpoint ({', '.join(_run_files(run_dir))}; "
-                         f"it stopped before its first one); start it again from step 0 with stableflash train "
-                         f"--resume {run_dir}, or choose another --out")
+    refusal = None                                    # decided by rank 0, which the other ranks follow
+    if not resume and dist.is_main and has_checkpoint:
+        refusal = (f"{run_dir} already holds a run; resume it (stableflash train --resume {run_dir}) or "
+                   "choose another --out")
+    elif not resume and dist.is_main and _run_files(run_dir):
+        refusal = (f"{run_dir} already holds a run without a checkpoint ({', '.join(_run_files(run_dir))}; "
+                   f"it stopped before its first one); start it again from step 0 with stableflash train "
+                   f"--resume {run_dir}, or choose another --out")
+    if not resume and dist.world_size > 1:
+        shared = [refusal]
+        torch_dist.broadcast_object_list(shared, src=0)
+        refusal = shared[0]
+    if refusal:
+        raise ValueError(refusal)
     if resume and dist.is_main:
         for name in _REWRITTEN:                       # left by writes that were killed; never valid
             remove_stale_temps(run_dir / name)
