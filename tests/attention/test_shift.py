@@ -147,5 +147,5 @@ def test_shift_rule_takes_any_real_number_type():
     assert hash(rule) == hash(ShiftRule("tie-shift", beta=4.0, eps=1e-3, min_shift=0.25, max_shift=8.0))
     with pytest.raises(ValueError, match="beta=True is invalid"):
         ShiftRule("tie-shift", beta=True)
-    with pytest.raises(ValueError, match="eps=nan is invalid"):
+    with pytest.raises(ValueError, match=r"eps=\S*nan\S* is invalid"):
         ShiftRule("tie-shift", eps=np.float32("nan"))
