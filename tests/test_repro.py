@@ -307,3 +307,30 @@ def test_the_stabilized_run_takes_any_stabilization_by_name():
     assert parse_attention_spec(p.baseline).default.stabilize == "none"
     with pytest.raises(ValueError, match="stabilization='ours' is invalid \\('ours' is the earlier name of 'tie-shift'\\)"):
         dataclasses.replace(REPRO_PRESETS["cpu-demo"], stabilization="ours")
+
+
+def test_a_repro_interrupted_by_ctrl_c_resumes_when_run_again(tmp_path, monkeypatch):
+    """Ctrl-C during a reproduction saves the run (status "interrupted"); running the same command
+    again resumes it from its checkpoint to the losses of an uninterrupted reproduction, instead of
+    refusing the folder."""
+    import os
+    import signal
+
+    from stableflash.train import loop
+    straight = run_repro("cpu-demo", tmp_path / "straight", seeds=(0,), steps=6, progress=False, roles=("baseline",))
+    real_lr_at = loop.lr_at
+
+    def lr_at(step, cfg):
+        if step == 4:
+            os.kill(os.getpid(), signal.SIGINT)
+        return real_lr_at(step, cfg)
+
+    monkeypatch.setattr(loop, "lr_at", lr_at)
+    with pytest.raises(KeyboardInterrupt):
+        run_repro("cpu-demo", tmp_path / "r", seeds=(0,), steps=6, progress=False, roles=("baseline",))
+    run_dir = tmp_path / "r" / "seed0" / "baseline"
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "interrupted"
+    monkeypatch.setattr(loop, "lr_at", real_lr_at)
+    again = run_repro("cpu-demo", tmp_path / "r", seeds=(0,), steps=6, progress=False, roles=("baseline",))
+    assert again["rows"][0]["status"] == "finished"
+    assert again["rows"][0]["final_loss"] == straight["rows"][0]["final_loss"]

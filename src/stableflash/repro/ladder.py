@@ -21,22 +21,15 @@ import torch
 
 from stableflash.model.spec import parse_attention_spec, with_settings
 from stableflash.repro.presets import REPRO_PRESETS, ReproPreset
-from stableflash.repro.run import check_parallel, train_job, train_jobs
+from stableflash.repro.run import check_parallel, stored_summary, train_job, train_jobs
 from stableflash.report.runs import explosion_step, load_run
 from stableflash.train.config import TrainConfig, make_config
 
 
 def finished_run(run_dir: Path, cfg: TrainConfig) -> dict | None:
-    """run_dir's summary if it holds a finished run of ``cfg`` (a key its config.json lacks, written
-    before that key existed, must hold the default value); None otherwise."""
-    summary, saved = run_dir / "summary.json", run_dir / "config.json"
-    if not (summary.exists() and saved.exists()):
-        return None
-    stored, wanted, default = json.loads(saved.read_text()), cfg.to_dict(), TrainConfig().to_dict()
-    if any(stored.get(key, default.get(key)) != value for key, value in wanted.items()):
-        return None
-    result = json.loads(summary.read_text())
-    return result if result.get("status") in ("finished", "nonfinite", "exploded") else None
+    """run_dir's summary if it holds a finished run of ``cfg`` (``stored_summary``); None otherwise."""
+    result = stored_summary(run_dir, cfg)
+    return result if result is not None and result.get("status") in ("finished", "nonfinite", "exploded") else None
 
 
 def failing_layer_and_heads(run_dir: Path, n_heads: int = 3) -> tuple[int, list[int]]:

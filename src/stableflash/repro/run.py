@@ -17,7 +17,7 @@ from stableflash.model.spec import parse_attention_spec
 from stableflash.repro.presets import REPRO_PRESETS, ReproPreset
 from stableflash.report import build_report
 from stableflash.report.runs import explosion_step, load_run
-from stableflash.train.config import make_config
+from stableflash.train.config import TrainConfig, make_config
 from stableflash.train.loop import train
 
 ROLES = ("baseline", "stabilized", "control")
@@ -30,10 +30,28 @@ def _same_batches(dirs: list[Path]) -> bool:
     return all(b[:n] == blobs[0][:n] for b in blobs)
 
 
+def stored_summary(run_dir: Path, cfg: TrainConfig) -> dict | None:
+    """run_dir's summary if it holds a run of ``cfg`` that wrote one (a key its config.json lacks,
+    written before that key existed, must hold the default value); None otherwise."""
+    summary, saved = Path(run_dir) / "summary.json", Path(run_dir) / "config.json"
+    if not (summary.exists() and saved.exists()):
+        return None
+    stored, wanted, default = json.loads(saved.read_text()), cfg.to_dict(), TrainConfig().to_dict()
+    if any(stored.get(key, default.get(key)) != value for key, value in wanted.items()):
+        return None
+    return json.loads(summary.read_text())
+
+
 def train_job(job: tuple) -> dict:
-    """One run (top level, so that worker processes can be handed it)."""
+    """One run (top level, so that worker processes can be handed it). A run of the same config
+    that was interrupted (Ctrl-C, SIGTERM) in that folder is resumed from its checkpoint."""
     train_preset, overrides, run_dir, progress = job
-    return train(make_config(train_preset, overrides=overrides), Path(run_dir), progress=progress)
+    cfg = make_config(train_preset, overrides=overrides)
+    earlier = stored_summary(Path(run_dir), cfg)
+    resume = earlier is not None and earlier.get("status") == "interrupted"
+    if resume and progress:
+        print(f"resuming the interrupted run in {run_dir}")
+    return train(cfg, Path(run_dir), resume=resume, progress=progress)
 
 
 def check_parallel(parallel) -> None:
