@@ -64,8 +64,9 @@ def test_paper_rule_leaves_small_maxima_open(gen, rm, why):
     assert (p_bar_bf16 == 1.0).sum(-1).min() >= 2, why
 
 
+@pytest.mark.filterwarnings("ignore:flash_attention\\(stabilize='paper'\\) returned non-finite:RuntimeWarning")
 @pytest.mark.parametrize("rm,beta", [(120.0, 2.0), (-120.0, 2.0), (20.0, 8.0)])
-def test_paper_rule_underflows_and_ours_does_not(gen, rm, beta):
+def test_paper_rule_underflows_and_tie_shift_does_not(gen, rm, beta):
     """Large |rm|: the paper's shift drives ℓ to 0 in fp32 and O to NaN; ours stays exact."""
     q, k, v = (t.float() for t in tied_inputs(gen, rm))
     expected = reference.attention(q, k, v, scale=1.0)
