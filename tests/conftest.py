@@ -81,3 +81,14 @@ def qkv(gen, b, h, n, d, n_k=None, dtype=torch.float32, scale=1.0):
     k = torch.randn(b, h, n_k, d, generator=gen) * scale
     v = torch.randn(b, h, n_k, d, generator=gen)
     return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+@pytest.fixture
+def ctrl_c():
+    """SIGINT raises KeyboardInterrupt in this test, as under a terminal: a process started in the
+    background (a CI step, `cmd &`) inherits SIGINT ignored, and the training loop leaves an ignored
+    signal ignored. The earlier handler comes back after the test."""
+    import signal
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)

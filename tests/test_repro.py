@@ -309,7 +309,7 @@ def test_the_stabilized_run_takes_any_stabilization_by_name():
         dataclasses.replace(REPRO_PRESETS["cpu-demo"], stabilization="ours")
 
 
-def test_a_repro_interrupted_by_ctrl_c_resumes_when_run_again(tmp_path, monkeypatch):
+def test_a_repro_interrupted_by_ctrl_c_resumes_when_run_again(tmp_path, monkeypatch, ctrl_c):
     """Ctrl-C during a reproduction saves the run (status "interrupted"); running the same command
     again resumes it from its checkpoint to the losses of an uninterrupted reproduction, instead of
     refusing the folder."""

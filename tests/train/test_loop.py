@@ -358,7 +358,7 @@ def test_sigint_and_sigterm_save_the_last_step_and_resume_to_the_same_losses(dat
 
 
 def test_a_second_ctrl_c_during_the_save_stops_at_once_and_keeps_the_last_checkpoint(data_dir, tmp_path, monkeypatch,
-                                                                                     capsys):
+                                                                                     capsys, ctrl_c):
     """Ctrl-C in step 7 asks for a save after it; Ctrl-C again while that save writes stops at once:
     the checkpoint of step 5 stays whole, no temporary file is left, the previous signal handlers
     come back, and the run resumes from step 5 to the uninterrupted losses."""
