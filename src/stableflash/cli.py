@@ -102,7 +102,7 @@ def _report(result: dict, out: Path, format_table, as_json: bool) -> int:
 
 def _cmd_train(args: argparse.Namespace) -> int:
     from stableflash.train.config import TrainConfig, apply_overrides, load_file, make_config, validate
-    from stableflash.train.loop import Interrupted, check_run_dir, train
+    from stableflash.train.loop import Interrupted, train
 
     if args.resume is not None:
         if args.out is not None or args.preset is not None or args.config is not None:
@@ -114,7 +114,6 @@ def _cmd_train(args: argparse.Namespace) -> int:
     else:
         if args.out is None:
             raise ValueError("--out DIR is required (where metrics.jsonl, ckpt.pt and batches/ go)")
-        check_run_dir(args.out)
         cfg = make_config(args.preset or "tiny", args.config, args.set)
         run_dir = args.out
     try:

@@ -1,15 +1,13 @@
 """Training config: presets, files, --set overrides, and clear errors."""
 import dataclasses
 import json
-import math
 import re
 import typing
 
 import pytest
 
 from stableflash.train.config import (PRESETS, RANGES, TrainConfig, apply_overrides, load_file, make_config,
-                                      parse_value)
-from stableflash.train.loop import resolve_grad_accum
+                                      parse_value, resolve_grad_accum)
 
 
 def numeric_fields(kind) -> list[str]:

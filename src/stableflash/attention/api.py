@@ -310,8 +310,6 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     _check_tensors(q, k, v)
     scale, block_q, block_k = _check_options(causal, scale, block_q, block_k)
     softcap = check_softcap(softcap)
-    beta, eps = (float(x) if isinstance(x, numbers.Real) and not isinstance(x, (bool, int, float)) else x
-                 for x in (beta, eps))                         # a NumPy scalar as the float it is
     stab = parse_stabilize(stabilize, beta, eps)
     rule = stab.rule
     if backend not in BACKENDS:

@@ -33,11 +33,6 @@ def save(run_dir: Path, state: dict) -> Path:
     return path
 
 
-def remove_stale(run_dir: Path) -> list[Path]:
-    """Remove the temporary files of killed saves (``.ckpt.pt.tmp-PID``) in ``run_dir``."""
-    return remove_stale_temps(Path(run_dir) / CHECKPOINT)
-
-
 def _weights_only_refusal(exc: Exception) -> tuple[bool, str]:
     """Whether torch's weights-only unpickler refused an object that could run code (a Python
     global, a call), and its reason in a few words."""

@@ -16,6 +16,10 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 
+# the grammar of the attention specs in a config (model.spec); see TrainConfig.config_version
+CONFIG_VERSION = 2
+
+
 @dataclass
 class TrainConfig:
     """Everything a run needs. ``None`` for a model field means: take it from the model preset."""
@@ -84,7 +88,7 @@ class TrainConfig:
     notes: str = ""
     # the grammar of the attention specs in this config (model.spec): a run folder's config.json
     # without it was written in the earlier grammar, which ``upgrade_stored`` rewrites on load
-    config_version: int = 2
+    config_version: int = CONFIG_VERSION
 
     def model_overrides(self) -> dict:
         """The model fields this config sets explicitly (None means: the preset's value)."""
@@ -199,8 +203,6 @@ def apply_overrides(cfg: TrainConfig, pairs: dict | list[str]) -> TrainConfig:
     return dataclasses.replace(cfg, **changes)
 
 
-CONFIG_VERSION = 2
-
 
 def upgrade_stored(saved: dict) -> dict:
     """A run's stored config (config.json, or a checkpoint's config) in the current grammar: one
@@ -260,9 +262,20 @@ def make_config(preset: str | None = "tiny", config_file: Path | None = None,
         cfg = apply_overrides(cfg, load_file(config_file))
     if overrides:
         cfg = apply_overrides(cfg, overrides)
-    if cfg.grad_accum is None:
-        cfg = dataclasses.replace(cfg, grad_accum=DistInfo.from_env().world_size)
     validate(cfg)
+    return resolve_grad_accum(cfg, DistInfo.from_env().world_size)
+
+
+def resolve_grad_accum(cfg: TrainConfig, world_size: int) -> TrainConfig:
+    """``cfg`` with ``grad_accum`` for ``world_size`` ranks: unset (None), one micro-batch per rank;
+    set, the micro-batches per step over all ranks (nanoGPT's gradient_accumulation_steps), which
+    the ranks must divide."""
+    if cfg.grad_accum is None:
+        return dataclasses.replace(cfg, grad_accum=world_size)
+    if cfg.grad_accum % world_size:
+        raise ValueError(f"grad_accum={cfg.grad_accum} (micro-batches per step over all ranks) is not a multiple of "
+                         f"the {world_size} ranks; accepted: a multiple of {world_size}, or grad_accum unset (none) "
+                         "for one micro-batch per rank")
     return cfg
 
 

@@ -356,7 +356,7 @@ def check_ids(data: np.ndarray, vocab_size: int, check: str = "sample", name: st
                 break
     elif check == "full":
         with progress_bar(total=n, desc=f"checking {name}", unit="tok", unit_scale=True, leave=False,
-                  disable=n <= 8 * _FULL_CHUNK) as bar:
+                          disable=n <= 8 * _FULL_CHUNK) as bar:
             for a in range(0, n, _FULL_CHUNK):
                 b = min(n, a + _FULL_CHUNK)
                 bad = _first_bad(np.asarray(data[a:b]), vocab_size, a)
@@ -372,7 +372,7 @@ def check_ids(data: np.ndarray, vocab_size: int, check: str = "sample", name: st
 
 
 def load_split(data_dir: PathLike, split: str, vocab_size: int | None = None,
-               block_size: int | None = None, check: str = "sample") -> np.memmap:
+               block_size: int | None = None, check: str = "sample", meta: dict | None = None) -> np.memmap:
     """Memory-map ``data_dir/{split}.bin`` after checking size, length and token ids.
 
     Args:
@@ -385,13 +385,14 @@ def load_split(data_dir: PathLike, split: str, vocab_size: int | None = None,
         block_size: when given, the file must hold more than ``block_size + 1`` tokens.
         check: ``"sample"`` (first/last 64K ids and ~1M ids spread over the file), ``"full"``
             (every id, in chunks) or ``"none"``.
+        meta: the folder's :func:`read_meta`, when the caller has read it already.
     """
     if split not in SPLITS:
         raise ValueError(f"split={split!r} is invalid; accepted: {', '.join(SPLITS)}")
     if check not in CHECKS:
         raise ValueError(f"check={check!r} is invalid; accepted: {', '.join(CHECKS)}")
     data_dir = Path(data_dir)
-    meta = read_meta(data_dir)
+    meta = read_meta(data_dir) if meta is None else meta
     if vocab_size is not None and (not isinstance(vocab_size, (int, np.integer)) or isinstance(vocab_size, bool)
                                    or vocab_size < 1):
         raise ValueError(f"vocab_size={vocab_size!r} is invalid; accepted: a positive int or None")
@@ -601,7 +602,8 @@ class RunData:
             if done:
                 log.info("%s passed the full id-range check before (%s): sampled check only",
                          self.data_dir / name, self.run_dir / RUN_RECORD)
-            out.append(load_split(self.data_dir, split, vocab_size, block_size, check="sample" if done else "full"))
+            out.append(load_split(self.data_dir, split, vocab_size, block_size, check="sample" if done else "full",
+                                  meta=self.meta))
             self.checked[name] = key
         return out[0], out[1]
 

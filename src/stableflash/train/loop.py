@@ -31,7 +31,7 @@ from stableflash.model import build_model as _build, model_config
 from stableflash.model.spec import upgrade_stored_spec
 from stableflash.progress import progress_bar
 from stableflash.train import checkpoint
-from stableflash.train.config import DistInfo, TrainConfig, monitor_config, validate
+from stableflash.train.config import DistInfo, TrainConfig, monitor_config, resolve_grad_accum, validate
 from stableflash.train.data import BatchRecorder, BatchSampler, ReplaySampler, RunData, eval_batches, read_meta
 from stableflash.train.metrics import History, MetricsWriter, truncate_after
 from stableflash.train.stopping import ExplosionStop
@@ -212,19 +212,6 @@ def evaluate(model, sampler: BatchSampler, batches, autocast, device) -> float:
     return sum(losses) / len(losses)
 
 
-def resolve_grad_accum(cfg: TrainConfig, world_size: int) -> TrainConfig:
-    """``cfg`` with ``grad_accum`` for ``world_size`` ranks: unset (None), one micro-batch per rank;
-    set, the micro-batches per step over all ranks (nanoGPT's gradient_accumulation_steps), which
-    the ranks must divide."""
-    if cfg.grad_accum is None:
-        return replace(cfg, grad_accum=world_size)
-    if cfg.grad_accum % world_size:
-        raise ValueError(f"grad_accum={cfg.grad_accum} (micro-batches per step over all ranks) is not a multiple of "
-                         f"the {world_size} ranks; accepted: a multiple of {world_size}, or grad_accum unset (none) "
-                         "for one micro-batch per rank")
-    return cfg
-
-
 def _init_process_group(dist: DistInfo, device: torch.device, cfg: TrainConfig) -> str | None:
     """Join torchrun's process group (NCCL for CUDA devices, gloo for the CPU); its backend, or None
     in a one-process run."""
@@ -310,13 +297,15 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
             switched = upgrade_stored_spec(switched)
         model.set_attention(switched)
     refusal = None                                    # decided by rank 0, which the other ranks follow
-    if not resume and dist.is_main and has_checkpoint:
-        refusal = (f"{run_dir} already holds a run; resume it (stableflash train --resume {run_dir}) or "
-                   "choose another --out")
-    elif not resume and dist.is_main and _run_files(run_dir):
-        refusal = (f"{run_dir} already holds a run without a checkpoint ({', '.join(_run_files(run_dir))}; "
-                   f"it stopped before its first one); start it again from step 0 with stableflash train "
-                   f"--resume {run_dir}, or choose another --out")
+    if not resume and dist.is_main:
+        found = _run_files(run_dir)
+        if has_checkpoint:
+            refusal = (f"{run_dir} already holds a run; resume it (stableflash train --resume {run_dir}) or "
+                       "choose another --out")
+        elif found:
+            refusal = (f"{run_dir} already holds a run without a checkpoint ({', '.join(found)}; it stopped "
+                       f"before its first one); start it again from step 0 with stableflash train --resume "
+                       f"{run_dir}, or choose another --out")
     if not resume and dist.world_size > 1:
         shared = [refusal]
         torch_dist.broadcast_object_list(shared, src=0)
