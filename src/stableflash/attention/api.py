@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from stableflash.attention import emulated, reference
 from stableflash.attention.masking import Alignment, Masking, Window, draw_seed, visible
 from stableflash.attention.policy import PrecisionPolicy, resolve_policy
-from stableflash.attention.shift import ShiftRule
+from stableflash.attention.shift import ShiftRule, finite
 from stableflash.attention.stabilization import Stabilization, parse_stabilize
 
 log = logging.getLogger(__name__)
@@ -74,7 +74,7 @@ def _positive_real(value, name: str, none_means: str) -> float | None:
     if isinstance(value, torch.Tensor):
         raise ValueError(f"{name}={value!r} is a tensor; accepted: {accepted} — pass float(t), which reads a GPU "
                          "tensor back to the host once, outside the call")
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not finite(value) or value <= 0:
         raise ValueError(f"{name}={value!r} is invalid; accepted: {accepted}")
     return float(value)
 
@@ -125,7 +125,7 @@ def check_attn_mask(attn_mask, q: torch.Tensor, n_k: int, name: str = "attn_mask
     if attn_mask.device != q.device:
         raise ValueError(f"{name} is on {attn_mask.device} and q on {q.device}; accepted: a mask on q's device")
     shape = tuple(attn_mask.shape)
-    if len(shape) > 4 or any(a not in (1, b) for a, b in zip(shape[::-1], want[::-1])):
+    if len(shape) > 4 or not all(a == 1 or a == b for a, b in zip(shape[::-1], want[::-1])):
         raise ValueError(f"{name} has shape {shape}, which does not broadcast to (batch, heads, seq_q, seq_k) = "
                          f"{want}; accepted: any shape broadcastable to it (as torch SDPA's attn_mask)")
     return attn_mask.reshape((1,) * (4 - len(shape)) + shape).expand(want)
