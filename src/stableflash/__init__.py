@@ -1,7 +1,8 @@
 """stableflash: stable low-precision flash attention, and the instruments that show why BF16
 flash-attention training fails (arXiv 2510.04212)."""
 from stableflash import numerics
-from stableflash.attention import PrecisionPolicy, ShiftRule, Stabilization, flash_attention
+from stableflash.attention import (PrecisionPolicy, ShiftRule, Stabilization, flash_attention, flash_attn_func,
+                                   flash_attn_varlen_func)
 
 __version__ = "0.1.0"
-__all__ = ["flash_attention", "Stabilization", "PrecisionPolicy", "ShiftRule", "numerics", "__version__"]
+__all__ = ["flash_attention", "flash_attn_func", "flash_attn_varlen_func", "Stabilization", "PrecisionPolicy", "ShiftRule", "numerics", "__version__"]

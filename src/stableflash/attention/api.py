@@ -16,8 +16,9 @@ import torch
 import torch.nn.functional as F
 
 from stableflash.attention import emulated, reference
+from stableflash.attention.masking import Alignment, Masking, Window, draw_seed, visible
 from stableflash.attention.policy import PrecisionPolicy, resolve_policy
-from stableflash.attention.shift import ShiftRule
+from stableflash.attention.shift import ShiftRule, finite
 from stableflash.attention.stabilization import Stabilization, parse_stabilize
 
 log = logging.getLogger(__name__)
@@ -73,7 +74,7 @@ def _positive_real(value, name: str, none_means: str) -> float | None:
     if isinstance(value, torch.Tensor):
         raise ValueError(f"{name}={value!r} is a tensor; accepted: {accepted} — pass float(t), which reads a GPU "
                          "tensor back to the host once, outside the call")
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not finite(value) or value <= 0:
         raise ValueError(f"{name}={value!r} is invalid; accepted: {accepted}")
     return float(value)
 
@@ -97,6 +98,44 @@ def _check_options(causal, scale, block_q, block_k) -> tuple[float | None, int |
 def check_softcap(value, name: str = "softcap") -> float | None:
     """A logit cap as a float, or None (off); ValueError naming ``name`` for anything else."""
     return _positive_real(value, name, "off")
+
+
+def check_dropout(value, name: str = "dropout_p") -> float:
+    """A dropout probability as a float in [0, 1); ValueError naming ``name`` for anything else."""
+    if isinstance(value, torch.Tensor):
+        raise ValueError(f"{name}={value!r} is a tensor; accepted: a number with 0 <= {name} < 1")
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 <= float(value) < 1.0:
+        raise ValueError(f"{name}={value!r} is invalid; accepted: a number with 0 <= {name} < 1")
+    return float(value)
+
+
+def check_attn_mask(attn_mask, q: torch.Tensor, n_k: int, name: str = "attn_mask") -> torch.Tensor | None:
+    """``attn_mask`` expanded (a view, broadcast dims of stride 0) to (batch, heads_q, seq_q, seq_k),
+    or None; TypeError/ValueError naming it for a mask that is not a bool or floating tensor on
+    q's device broadcastable to that shape (as torch SDPA's)."""
+    if attn_mask is None:
+        return None
+    B, H, n_q = q.shape[:3]
+    want = (B, H, n_q, n_k)
+    if not isinstance(attn_mask, torch.Tensor):
+        raise TypeError(f"{name} must be None or a torch.Tensor; got {type(attn_mask).__name__}")
+    if attn_mask.dtype != torch.bool and not attn_mask.dtype.is_floating_point:
+        raise TypeError(f"{name} has dtype {attn_mask.dtype}; accepted: torch.bool (True takes part, as torch SDPA's) "
+                        "or a floating dtype (added to the scores)")
+    if attn_mask.device != q.device:
+        raise ValueError(f"{name} is on {attn_mask.device} and q on {q.device}; accepted: a mask on q's device")
+    shape = tuple(attn_mask.shape)
+    if len(shape) > 4 or not all(a == 1 or a == b for a, b in zip(shape[::-1], want[::-1])):
+        raise ValueError(f"{name} has shape {shape}, which does not broadcast to (batch, heads, seq_q, seq_k) = "
+                         f"{want}; accepted: any shape broadcastable to it (as torch SDPA's attn_mask)")
+    return attn_mask.reshape((1,) * (4 - len(shape)) + shape).expand(want)
+
+
+def check_masking(causal, align, window, name: str = "window", unbounded=(None,)) -> Masking:
+    """The positional mask of ``causal``, ``align`` and ``window``; errors naming the argument."""
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal={causal!r} must be a bool")
+    return Masking(causal, Alignment.parse(align, "align"), Window.parse(window, name, unbounded))
 
 
 PAPER_RULE_NONFINITE = (
@@ -129,11 +168,11 @@ class _NonFiniteWatch:
             return
         if o.device.type != "cuda":
             if not bool(torch.isfinite(o).all()) and all(bool(torch.isfinite(t).all()) for t in inputs):
-                self._warn(stacklevel=4)
+                self._warn(stacklevel=5)       # the caller of flash_attention (or flash_attn_func)
             return
         if torch.cuda.is_current_stream_capturing():
             return
-        self.poll(stacklevel=4)
+        self.poll(stacklevel=5)
         if self.warned or len(self.pending) >= self.MAX_PENDING:
             return
         host = torch.empty((), dtype=torch.bool, pin_memory=True)
@@ -175,7 +214,9 @@ def _triton_module():
     return tri
 
 
-def _triton_reason(q: torch.Tensor, k: torch.Tensor, policy: PrecisionPolicy) -> str | None:
+def _triton_reason(q: torch.Tensor, k: torch.Tensor, policy: PrecisionPolicy, masking: Masking = Masking(),
+                   attn_mask: torch.Tensor | None = None, varlen: bool = False,
+                   dropout_p: float = 0.0) -> str | None:
     """Why the Triton backend cannot take these inputs, or None if it can."""
     tri = _triton_module()
     if tri is None:
@@ -183,7 +224,7 @@ def _triton_reason(q: torch.Tensor, k: torch.Tensor, policy: PrecisionPolicy) ->
     if q.device.type != "cuda":
         return f"the tensors are on {q.device}, not CUDA"
     try:
-        tri.check_inputs(q, k)
+        tri.check_inputs(q, k, masking=masking, attn_mask=attn_mask, varlen=varlen, dropout_p=dropout_p)
         tri.launch.check_policy(policy, q.dtype)
     except (TypeError, ValueError) as exc:
         return str(exc)
@@ -191,22 +232,30 @@ def _triton_reason(q: torch.Tensor, k: torch.Tensor, policy: PrecisionPolicy) ->
 
 
 def _pick_auto(q: torch.Tensor, k: torch.Tensor, rule: ShiftRule, policy, resolved: PrecisionPolicy,
-               softcap: float | None = None, delta_changed: bool = False) -> str:
-    if not rule.stabilized and not delta_changed and policy is None and softcap is None:
+               softcap: float | None = None, delta_changed: bool = False, masking: Masking = Masking(),
+               attn_mask: torch.Tensor | None = None, varlen: bool = False, dropout_p: float = 0.0,
+               return_lse: bool = False) -> str:
+    """"sdpa" where nothing needs stabilizing and SDPA can express the call, else "triton" where
+    the kernels take it, else "emulated" (with a warning, once per reason)."""
+    stabilizing = rule.stabilized or delta_changed or policy is not None or softcap is not None
+    if not stabilizing and not varlen and not return_lse:
         return "sdpa"
-    why_not = _triton_reason(q, k, resolved)
+    why_not = _triton_reason(q, k, resolved, masking, attn_mask, varlen, dropout_p)
     if why_not is None:
         return "triton"
     reason = ("a precision policy was given" if policy is not None else
               f"the stabilized softmax (rule {rule.kind!r}) was asked for" if rule.stabilized else
               f"δ from {resolved.delta} was asked for (a consistent δ)" if delta_changed else
-              "soft-capped scores were asked for")
+              "soft-capped scores were asked for" if softcap is not None else
+              "a varlen batch (cu_seqlens) was given, which torch SDPA cannot take" if varlen else
+              "the log-sum-exp was asked for (return_lse=True), which torch SDPA does not return")
     key = f"auto-emulated:{reason}:{why_not}"
-    if key not in _warned:
+    if key not in _warned and not torch.compiler.is_compiling():
         _warned.add(key)
+        hint = "; pass stabilize='none' to use torch SDPA" if stabilizing and not varlen and not return_lse else ""
         warnings.warn(f"backend='auto' chose 'emulated' (the PyTorch tiled emulation, correct but slow) "
-                      f"because {reason} and the fused Triton kernel cannot run here ({why_not}); pass "
-                      "stabilize='none' to use torch SDPA", stacklevel=3)
+                      f"because {reason} and the fused Triton kernel cannot run here ({why_not}){hint}",
+                      stacklevel=4)
     return "emulated"
 
 
@@ -223,7 +272,10 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
                     scale: float | None = None, stabilize: bool | str | Stabilization = True, beta: float = 2.0,
                     eps: float = 1e-3, backend: str = "auto",
                     policy: PrecisionPolicy | str | None = None, block_q: int | None = None,
-                    block_k: int = DEFAULT_BLOCK_K, softcap: float | None = None) -> torch.Tensor:
+                    block_k: int = DEFAULT_BLOCK_K, softcap: float | None = None,
+                    align: str | Alignment = "top-left", window: tuple[int | None, int | None] | Window | None = None,
+                    attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
+                    return_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention softmax(Q·Kᵀ·scale)·V in torch SDPA's layout, stabilized for low-precision training.
 
     Why it is stabilized: in a bf16 or fp16 flash attention, a softmax row with several equal
@@ -237,11 +289,23 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     Grouped-query attention: k and v may have fewer heads than q when that number divides q's;
     query head h then uses key/value head h // (heads_q // heads_kv).
 
-    The causal mask is aligned to the top left, as SDPA's ``is_causal``: query i sees keys j ≤ i.
-    With seq_q = 2 and seq_k = 5 (1 = kept, 0 = masked):
+    Masks (``stableflash.attention.masking`` defines them for every backend). Query i sees key j
+    when i + offset − left ≤ j ≤ i + offset + right, with ``window=(left, right)`` (None:
+    unbounded), right at most 0 under ``causal``, and offset 0 for ``align="top-left"`` (SDPA's
+    ``is_causal``) or seq_k − seq_q for ``align="bottom-right"`` (FlashAttention's: what decoding
+    and a prefill that continues a KV cache need). With seq_q = 2 and seq_k = 5, causal
+    (1 = kept, 0 = masked):
 
-        1 0 0 0 0
-        1 1 0 0 0
+        top-left        bottom-right
+        1 0 0 0 0       1 1 1 1 0
+        1 1 0 0 0       1 1 1 1 1
+
+    The scores are S = Q·Kᵀ·scale, soft-capped if asked, plus ``attn_mask`` (a boolean one: True
+    takes part, as SDPA's), then the positional mask. A query that sees no key gets output 0,
+    log-sum-exp −inf and no gradient (never NaN). Dropout drops each softmax entry with probability
+    ``dropout_p`` and scales the others by 1/(1 − dropout_p), forward and backward alike; on the
+    stableflash backends the decisions come from a seed drawn from torch's default generator per
+    call (``torch.manual_seed`` reproduces a call; activation checkpointing replays it).
 
     Arguments:
         q: (batch, heads_q, seq_q, head_dim), float16, bfloat16, float32 or float64.
@@ -277,15 +341,17 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
             stabilization given by name).
         backend: default "auto".
             "auto": the fastest backend that honours the other arguments — torch's SDPA where
-                nothing needs stabilizing, else "triton" where it can run, else "emulated" with a
-                warning.
+                nothing needs stabilizing and SDPA can express the call (not with return_lse),
+                else "triton" where it can run, else "emulated" with a warning.
             "triton": the fused kernels; CUDA, float16/bfloat16, head_dim 16, 32, 64, 128 or 256;
                 policies "fa2" and "paper" and the variants
                 ``stableflash.attention.triton.launch.SUPPORT`` lists.
             "emulated": tiled FlashAttention-2 in PyTorch under any ``policy`` (slow; any device).
             "reference": float64, returned in q's dtype.
             "sdpa": torch.nn.functional.scaled_dot_product_attention (cannot be stabilized where
-                stabilizing changes anything).
+                stabilizing changes anything, nor return the log-sum-exp; a window or bottom-right
+                alignment goes to it as a boolean mask, and its dropout draws from torch's own
+                generator).
         policy: a PrecisionPolicy, a preset name ("fa2", "paper", "fp32", "fp64") or None, default
             None (what a real kernel does for q's dtype). Where each intermediate is rounded and to
             which format; honoured by "emulated" and "triton" only.
@@ -298,18 +364,47 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
             ≤ 32768), as in the emulation.
         softcap: float > 0 or None, default None (off). Scores become softcap·tanh(S / softcap)
             before the softmax: an architectural control, not exact softmax attention.
+        align: "top-left" or "bottom-right" (or a ``masking.Alignment``), default "top-left".
+            Where the causal diagonal and the window's centre sit when seq_q ≠ seq_k (above).
+        window: (left, right) or None, default None (no window). A sliding window: query i sees
+            keys from its diagonal − left to its diagonal + right; each side an int ≥ 0 or None
+            (unbounded on that side); a ``masking.Window`` too.
+        attn_mask: a tensor or None, default None. Boolean (True = takes part, as torch SDPA's) or
+            floating (added to the scores after the soft-cap), of any shape broadcastable to
+            (batch, heads_q, seq_q, seq_k), on q's device.
+        dropout_p: float in [0, 1), default 0.0. Attention dropout, applied whenever > 0 (as torch
+            SDPA's; a module passes 0 outside training).
+        return_lse: bool, default False. Also return the log-sum-exp of each row's scores.
 
     Returns:
         O: (batch, heads_q, seq_q, head_dim) in q's dtype and on q's device, differentiable with
-        respect to q, k and v.
+        respect to q, k and v. With ``return_lse``: (O, lse), lse (batch, heads_q, seq_q) float32,
+        the natural log of each row's sum of exp(S) (before dropout), −inf on a row that sees no
+        key; no gradient flows through it.
 
     Raises:
         TypeError or ValueError naming the argument, the value given and what is accepted, for any
         input or option a backend cannot take.
     """
     _check_tensors(q, k, v)
-    scale, block_q, block_k = _check_options(causal, scale, block_q, block_k)
+    masking = check_masking(causal, align, window)
+    attn_mask = check_attn_mask(attn_mask, q, k.shape[2])
+    return attend(q, k, v, masking=masking, scale=scale, stabilize=stabilize, beta=beta, eps=eps, backend=backend,
+                  policy=policy, block_q=block_q, block_k=block_k, softcap=softcap, attn_mask=attn_mask,
+                  dropout_p=dropout_p, return_lse=return_lse)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, masking: Masking, scale, stabilize, beta, eps,
+           backend: str, policy, block_q, block_k, softcap, attn_mask: torch.Tensor | None, dropout_p,
+           return_lse, varlen: tuple | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``flash_attention`` after the tensors, masks and mask argument were checked (``attn_mask``
+    expanded to (B, H, Nq, Nk)); ``varlen``: (cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+    max_seqlen_k) checked, with q, k, v (1, H, total, d)."""
+    scale, block_q, block_k = _check_options(masking.causal, scale, block_q, block_k)
     softcap = check_softcap(softcap)
+    dropout_p = check_dropout(dropout_p)
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse={return_lse!r} must be a bool")
     stab = parse_stabilize(stabilize, beta, eps)
     rule = stab.rule
     if backend not in BACKENDS:
@@ -318,39 +413,84 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     as_asked, resolved = resolved, stab.policy_for(resolved)      # a consistent δ where asked (memoized)
     delta_changed = resolved.delta != as_asked.delta
     if backend == "auto":
-        backend = _pick_auto(q, k, rule, policy, resolved, softcap, delta_changed)
+        backend = _pick_auto(q, k, rule, policy, resolved, softcap, delta_changed, masking, attn_mask,
+                             varlen is not None, dropout_p, return_lse)
         if backend == "triton" and block_k != DEFAULT_BLOCK_K:
             backend = "emulated"                   # the emulation takes any key block
-        log.info("flash_attention: backend='auto' picked %r", backend)
+        if not torch.compiler.is_compiling():
+            log.info("flash_attention: backend='auto' picked %r", backend)
     if policy is not None and backend in ("reference", "sdpa"):
         raise ValueError(f"policy={policy!r} is honoured only by backend='emulated' or 'triton'; "
                          f"got backend={backend!r}")
     scale_val = q.shape[-1] ** -0.5 if scale is None else scale
 
     if backend == "sdpa":
-        if softcap is not None:
-            raise ValueError(f"backend='sdpa' cannot soft-cap the scores (softcap={softcap}); accepted with sdpa: "
-                             "softcap=None — use backend='triton' or 'emulated'")
-        if rule.stabilized:
-            raise ValueError(f"backend='sdpa' cannot apply the row-maximum rule of stabilize={stabilize!r}; "
-                             "pass stabilize='none', or use backend='triton' or 'emulated'")
-        if delta_changed:
-            raise ValueError(f"backend='sdpa' cannot take δ from {resolved.delta} (stabilize={stabilize!r} asks for "
-                             "a consistent δ, and torch's SDPA reads its stored O); pass stabilize='none', or use "
-                             "backend='triton' or 'emulated'")
-        return F.scaled_dot_product_attention(q, _expand_kv(q, k), _expand_kv(q, v), is_causal=causal,
-                                              scale=scale_val)
-    o = _attention(q, k, v, backend, causal, scale_val, rule, resolved, block_q, block_k, softcap)
+        _check_sdpa(stabilize, rule, delta_changed, resolved, softcap, varlen, return_lse)
+        return _sdpa(q, k, v, masking, attn_mask, dropout_p, scale_val)
+    o, lse = _attention(q, k, v, backend, masking, scale_val, rule, resolved, block_q, block_k, softcap,
+                        attn_mask, dropout_p, varlen)
     if rule.kind == "paper":
         _paper_watch.observe(o, (q, k, v))
-    return o
+    if not return_lse:
+        return o
+    if lse is None:
+        raise ValueError("return_lse=True is not supported by backend='triton' yet; accepted with it: "
+                         "backend='emulated' or 'reference'")
+    return o, lse
 
 
-def _attention(q, k, v, backend, causal, scale_val, rule, resolved, block_q, block_k, softcap) -> torch.Tensor:
-    """The checked call on a backend other than SDPA."""
+def _check_sdpa(stabilize, rule, delta_changed, resolved, softcap, varlen, return_lse) -> None:
+    """What torch's SDPA cannot do, refused naming the argument."""
+    if softcap is not None:
+        raise ValueError(f"backend='sdpa' cannot soft-cap the scores (softcap={softcap}); accepted with sdpa: "
+                         "softcap=None — use backend='triton' or 'emulated'")
+    if rule.stabilized:
+        raise ValueError(f"backend='sdpa' cannot apply the row-maximum rule of stabilize={stabilize!r}; "
+                         "pass stabilize='none', or use backend='triton' or 'emulated'")
+    if delta_changed:
+        raise ValueError(f"backend='sdpa' cannot take δ from {resolved.delta} (stabilize={stabilize!r} asks for "
+                         "a consistent δ, and torch's SDPA reads its stored O); pass stabilize='none', or use "
+                         "backend='triton' or 'emulated'")
+    if varlen is not None:
+        raise ValueError("backend='sdpa' cannot take a varlen batch (cu_seqlens); accepted with sdpa: padded "
+                         "(batch, seq) tensors — use backend='auto', 'triton', 'emulated' or 'reference'")
+    if return_lse:
+        raise ValueError("backend='sdpa' cannot return the log-sum-exp (return_lse=True); accepted with sdpa: "
+                         "return_lse=False — use backend='auto', 'triton', 'emulated' or 'reference'")
+
+
+def _sdpa(q, k, v, masking: Masking, attn_mask, dropout_p: float, scale: float) -> torch.Tensor:
+    """torch's SDPA; a mask other than top-left causal goes to it as a boolean mask."""
+    n_q, n_k = q.shape[2], k.shape[2]
+    top_left = masking.align is Alignment.TOP_LEFT or n_q == n_k
+    is_causal = masking.causal and masking.window.unbounded and top_left and attn_mask is None
+    mask = attn_mask
+    if masking.masks_anything and not is_causal:
+        seen = visible(n_q, n_k, masking, q.device)
+        if mask is None:
+            mask = seen
+        elif mask.dtype == torch.bool:
+            mask = mask & seen
+        else:
+            mask = mask.masked_fill(~seen, -math.inf)
+    if mask is not None and mask.dtype != torch.bool and mask.dtype != q.dtype:
+        mask = mask.to(q.dtype)                       # SDPA takes a float mask in q's dtype
+    return F.scaled_dot_product_attention(q, _expand_kv(q, k), _expand_kv(q, v), attn_mask=mask,
+                                          dropout_p=dropout_p, is_causal=is_causal, scale=scale)
+
+
+def _attention(q, k, v, backend, masking, scale_val, rule, resolved, block_q, block_k, softcap, attn_mask,
+               dropout_p, varlen) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The checked call on a backend other than SDPA: (O, LSE)."""
+    cu_q, cu_k, max_q, max_k = varlen if varlen is not None else (None,) * 4
     if backend == "reference":
-        return reference.attention(q, _expand_kv(q, k), _expand_kv(q, v), causal=causal, scale=scale_val,
-                                   rule=rule, softcap=softcap).to(q.dtype)
+        kw = dict(masking=masking, scale=scale_val, rule=rule, softcap=softcap, dropout_p=dropout_p,
+                  seed=draw_seed() if dropout_p > 0 else None, return_lse=True)
+        if varlen is not None:
+            o, lse = reference.attention_varlen(q, _expand_kv(q, k), _expand_kv(q, v), cu_q, cu_k, **kw)
+        else:
+            o, lse = reference.attention(q, _expand_kv(q, k), _expand_kv(q, v), attn_mask=attn_mask, **kw)
+        return o.to(q.dtype), lse.float()
     bad = [h for h in resolved.hp_heads if h >= q.shape[1]]
     if bad:
         raise ValueError(f"policy.hp_heads={resolved.hp_heads} names heads {bad}, but q has "
@@ -359,8 +499,12 @@ def _attention(q, k, v, backend, causal, scale_val, rule, resolved, block_q, blo
         tri = _triton_module()
         if tri is None:
             raise ValueError("backend='triton' needs the triton package (pip install 'stableflash[triton]')")
-        tri.check_inputs(q, k)
-        return tri.triton_attention(q, k, v, causal=causal, scale=scale_val, rule=rule, policy=resolved,
-                                    softcap=softcap, block_k=None if block_k == DEFAULT_BLOCK_K else block_k)
-    return emulated.emulated_attention(q, _expand_kv(q, k), _expand_kv(q, v), causal=causal, scale=scale_val,
-                                       policy=resolved, rule=rule, block_q=block_q, block_k=block_k, softcap=softcap)
+        tri.check_inputs(q, k, masking=masking, attn_mask=attn_mask, varlen=varlen is not None, dropout_p=dropout_p)
+        return tri.triton_attention(q, k, v, masking=masking, scale=scale_val, rule=rule, policy=resolved,
+                                    softcap=softcap, block_k=None if block_k == DEFAULT_BLOCK_K else block_k,
+                                    attn_mask=attn_mask, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q,
+                                    max_seqlen_k=max_k, dropout_p=dropout_p)
+    return emulated.emulated_attention(q, _expand_kv(q, k), _expand_kv(q, v), causal=masking.causal,
+                                       scale=scale_val, policy=resolved, rule=rule, block_q=block_q, block_k=block_k,
+                                       softcap=softcap, masking=masking, attn_mask=attn_mask, dropout_p=dropout_p,
+                                       cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, return_lse=True)

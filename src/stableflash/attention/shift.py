@@ -60,6 +60,13 @@ DEFAULT_MIN_SHIFT = LN_8_7
 DEFAULT_MAX_SHIFT = LN_8_7 + 12.0 * math.log(2.0)
 
 
+def finite(value) -> bool:
+    """math.isfinite for a real number, written with comparisons, which torch.compile traces for a
+    symbolic float too (under dynamic=True a float argument is one; math.isfinite would break the
+    graph)."""
+    return value == value and -math.inf < value < math.inf
+
+
 def _real(value) -> bool:
     """A real number of any type (NumPy scalars included), bool excepted."""
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
@@ -79,11 +86,11 @@ class ShiftRule:
         if self.kind not in RULES:
             renamed = f" ({self.kind!r} is the earlier name of {LEGACY_RULES[self.kind]!r})" if self.kind in LEGACY_RULES else ""
             raise ValueError(f"ShiftRule kind={self.kind!r} is not a rule{renamed}; accepted: {', '.join(RULES)}")
-        if not (_real(self.beta) and math.isfinite(self.beta) and self.beta > 1):
+        if not (_real(self.beta) and finite(self.beta) and self.beta > 1):
             raise ValueError(f"beta={self.beta!r} is invalid; accepted: a finite number > 1 (the paper uses 2 to 8)")
-        if not (_real(self.eps) and math.isfinite(self.eps) and self.eps >= 0):
+        if not (_real(self.eps) and finite(self.eps) and self.eps >= 0):
             raise ValueError(f"eps={self.eps!r} is invalid; accepted: a finite number >= 0 (the paper uses 1e-3)")
-        if not (0 < self.min_shift <= self.max_shift and math.isfinite(self.max_shift)):
+        if not (0 < self.min_shift <= self.max_shift and finite(self.max_shift)):
             raise ValueError(
                 f"min_shift={self.min_shift!r}, max_shift={self.max_shift!r} are invalid; "
                 "accepted: 0 < min_shift <= max_shift < inf")

@@ -5,6 +5,7 @@ from dataclasses import replace
 
 import torch
 
+from stableflash.attention.masking import Alignment, Masking
 from stableflash.attention.policy import PrecisionPolicy, memoize, parse_point, resolve_delta
 from stableflash.attention.shift import ShiftRule
 from stableflash.attention.triton.config import (HP_HEAD_LIMIT, Arithmetic, DeltaSource, Format, KernelConfig,
@@ -23,8 +24,25 @@ SUPPORT = {
 }
 
 
-def check_inputs(q: torch.Tensor, k: torch.Tensor) -> None:
+def _not_yet(masking: Masking, attn_mask, varlen: bool, dropout_p: float, n_q: int, n_k: int) -> None:
+    """ValueError for what the kernels do not take yet: a window, bottom-right alignment where it
+    differs from top-left, an attn_mask, a varlen batch, dropout."""
+    if not masking.window.unbounded:
+        raise ValueError(f"window={(masking.window.left, masking.window.right)} is not supported by backend='triton' yet")
+    if masking.causal and masking.align is not Alignment.TOP_LEFT and n_q != n_k:
+        raise ValueError("align='bottom-right' with seq_q != seq_k is not supported by backend='triton' yet")
+    if attn_mask is not None:
+        raise ValueError("attn_mask is not supported by backend='triton' yet")
+    if varlen:
+        raise ValueError("a varlen batch (cu_seqlens) is not supported by backend='triton' yet")
+    if dropout_p:
+        raise ValueError(f"dropout_p={dropout_p} is not supported by backend='triton' yet")
+
+
+def check_inputs(q: torch.Tensor, k: torch.Tensor, *, masking: Masking = Masking(), attn_mask=None,
+                 varlen: bool = False, dropout_p: float = 0.0) -> None:
     """Raise a clear error for inputs the kernels cannot take (shapes already checked by the API)."""
+    _not_yet(masking, attn_mask, varlen, dropout_p, q.shape[2], k.shape[2])
     if q.device.type != "cuda" and not (q.device.type == "cpu" and interpreting()):
         raise ValueError(f"backend='triton' needs CUDA tensors; got device {q.device} (CPU tensors run only "
                          "under the Triton interpreter, TRITON_INTERPRET=1)")
@@ -142,12 +160,17 @@ def check_key_block(block_k: int | None, policy: PrecisionPolicy, dtype: torch.d
     return block_k
 
 
-def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float,
+def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, masking: Masking, scale: float,
                      rule: ShiftRule, policy: PrecisionPolicy, softcap: float | None = None,
-                     block_k: int | None = None) -> torch.Tensor:
-    """The fused kernels, differentiable. Inputs validated by ``flash_attention`` and ``check_inputs``;
-    ``block_k``: the forward's key block under the "paper" emulation (``kernel_config``)."""
+                     block_k: int | None = None, attn_mask: torch.Tensor | None = None,
+                     cu_seqlens_q: torch.Tensor | None = None, cu_seqlens_k: torch.Tensor | None = None,
+                     max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
+                     dropout_p: float = 0.0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The fused kernels, differentiable: (O, LSE). Inputs validated by ``flash_attention`` and
+    ``check_inputs``; ``block_k``: the forward's key block under the "paper" emulation
+    (``kernel_config``). The log-sum-exp is not returned yet (None)."""
+    _not_yet(masking, attn_mask, cu_seqlens_q is not None, dropout_p, q.shape[2], k.shape[2])
     config = kernel_config(policy, rule, q.dtype, softcap, block_k)
     if config.block_k is not None:
         key_block_config(config.block_k, q.shape[-1])     # the key block's tile holds this head_dim
-    return attention(q, k, v, causal, scale, config)
+    return attention(q, k, v, masking.causal, scale, config), None

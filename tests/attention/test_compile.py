@@ -1,0 +1,79 @@
+"""torch.compile(fullgraph=True) through every public entry with the default options: no graph break.
+
+On the CPU backend="auto" picks the emulation; the GPU's default path, the Triton kernels, is
+compiled here under Triton's interpreter (backend="triton"), with dynamic shapes, and with inductor
+on a GPU."""
+import pytest
+import torch
+
+import stableflash as sf
+from stableflash.attention.dropin import StableAttention, scaled_dot_product_attention
+
+
+def every_entry(backend: str | None):
+    kw = {} if backend is None else {"backend": backend}
+    module = StableAttention(**kw)
+
+    def run(q, k, v):
+        a = sf.flash_attention(q, k, v, causal=True, **kw)
+        b = scaled_dot_product_attention(q, k, v, is_causal=True, **kw)
+        c = module(q, k, v, is_causal=True)
+        d = sf.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True, **kw)
+        return a + b + c + d.transpose(1, 2)
+
+    return run
+
+
+def check(fn, compiled, device="cpu", n=16):
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, n, 16, generator=gen).bfloat16().to(device).requires_grad_(True) for _ in range(3))
+    got = compiled(q, k, v)
+    got.float().sum().backward()
+    grads = [t.grad for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    want = fn(q, k, v)
+    want.float().sum().backward()
+    assert torch.equal(got, want)
+    for g, t in zip(grads, (q, k, v)):
+        assert torch.equal(g, t.grad)
+
+
+def inputs(n=16, d=16, device="cpu"):
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randn(1, 2, n, d, generator=gen).bfloat16().to(device).requires_grad_(True) for _ in range(3)]
+
+
+@pytest.mark.parametrize("backend,dynamic", [(None, False), ("triton", True)])
+def test_no_graph_break_in_any_entry(backend, dynamic):
+    """The defaults (the emulation on the CPU) and the kernels, static and dynamic shapes."""
+    torch._dynamo.reset()
+    entries = every_entry(backend)
+    explained = torch._dynamo.explain(entries)(*inputs(n=4)) if not dynamic else None
+    if explained is not None:
+        assert explained.graph_break_count == 0, explained.break_reasons
+        return
+    fn = every_entry(backend)
+    compiled = torch.compile(fn, backend="eager", fullgraph=True, dynamic=True)
+    assert torch.equal(compiled(*inputs()), fn(*inputs()))
+
+
+@pytest.mark.slow
+def test_fullgraph_compile_runs_forward_and_backward_as_eager():
+    torch._dynamo.reset()
+    fn = lambda q, k, v: sf.flash_attention(q, k, v, causal=True, backend="triton")     # noqa: E731
+    check(fn, torch.compile(fn, backend="aot_eager", fullgraph=True, dynamic=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_fullgraph_compile_with_inductor_on_the_gpu(dynamic):
+    torch._dynamo.reset()
+    fn = every_entry(None)
+    compiled = torch.compile(fn, fullgraph=True, dynamic=dynamic)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 128, 64, generator=gen).bfloat16().cuda().requires_grad_(True) for _ in range(3))
+    got = compiled(q, k, v)
+    got.float().sum().backward()
+    want = fn(*(t.detach().requires_grad_(True) for t in (q, k, v)))
+    assert (got - want).abs().max().item() <= 1e-2
