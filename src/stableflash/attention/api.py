@@ -360,7 +360,9 @@ def _attention(q, k, v, backend, causal, scale_val, rule, resolved, block_q, blo
         if tri is None:
             raise ValueError("backend='triton' needs the triton package (pip install 'stableflash[triton]')")
         tri.check_inputs(q, k)
-        return tri.triton_attention(q, k, v, causal=causal, scale=scale_val, rule=rule, policy=resolved,
-                                    softcap=softcap, block_k=None if block_k == DEFAULT_BLOCK_K else block_k)
+        from stableflash.attention.masking import Masking
+        return tri.triton_attention(q, k, v, masking=Masking(causal=causal), scale=scale_val, rule=rule,
+                                    policy=resolved, softcap=softcap,
+                                    block_k=None if block_k == DEFAULT_BLOCK_K else block_k)[0]
     return emulated.emulated_attention(q, _expand_kv(q, k), _expand_kv(q, v), causal=causal, scale=scale_val,
                                        policy=resolved, rule=rule, block_q=block_q, block_k=block_k, softcap=softcap)
