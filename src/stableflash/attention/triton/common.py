@@ -349,9 +349,10 @@ def load_mask_tile(MP, rows, cols, n_q, n_k, stride_mm, stride_mn, MASK_KIND: tl
 def dropout_keep(seed, threshold, i, j, bh):
     """Dropout's keep decision for query i, key j of sequence·head bh (broadcast together), as
     ``masking.dropout_keep``: the first output of Philox-4x32-10 keyed by ``seed`` with counter (j,
-    i, bh, 0), as uint32, not below ``threshold`` = ⌊p·2³²⌋."""
+    i, bh, 0), as uint32, not below ⌊p·2³²⌋. ``threshold`` is ⌊p·2³²⌋ − 2³¹ (an int32 whatever p):
+    the comparison runs in int32 on r with its top bit flipped, which keeps the unsigned order."""
     c0 = (j + i * 0).to(tl.uint32, bitcast=True)
     c1 = (i + j * 0).to(tl.uint32, bitcast=True)
     c2 = (c0 * 0 + bh).to(tl.uint32, bitcast=True)
     r, _, _, _ = tl.philox(seed, c0, c1, c2, c2 * 0)
-    return r.to(tl.int64) >= threshold
+    return (r ^ 0x80000000).to(tl.int32, bitcast=True) >= threshold

@@ -305,7 +305,7 @@ def _mask_launch(masks: Masks, scale_u: float, seed: int) -> tuple[dict, dict]:
     args = dict(CU_Q=masks.cu_q, CU_K=masks.cu_k, MASK=mask, stride_mb=mstrides[0], stride_mh=mstrides[1],
                 stride_mm=mstrides[2], stride_mn=mstrides[3], mask_mul=LOG2E / scale_u,
                 left=band[0] if band else 0, right=band[1] if band else 0, align_br=int(band[2]) if band else 0,
-                drop_seed=seed, drop_thr=drop_threshold(p), drop_scale=1.0 / (1.0 - p))
+                drop_seed=seed, drop_thr=drop_threshold(p) - 2**31, drop_scale=1.0 / (1.0 - p))
     meta = dict(BAND=band is not None, VARLEN=varlen, MASK_KIND=kind, MASK_ROWS=rows, DROPOUT=p > 0)
     return args, meta
 
