@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from stableflash.attention import emulated, reference
+from stableflash.attention.masking import Masking
 from stableflash.attention.policy import PrecisionPolicy, resolve_policy
 from stableflash.attention.shift import ShiftRule
 from stableflash.attention.stabilization import Stabilization, parse_stabilize
@@ -346,6 +347,9 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     return o
 
 
+# built once: torch.compile cannot construct a Masking (its Window default) inside a traced call
+_MASKINGS = {False: Masking(), True: Masking(causal=True)}
+
 def _attention(q, k, v, backend, causal, scale_val, rule, resolved, block_q, block_k, softcap) -> torch.Tensor:
     """The checked call on a backend other than SDPA."""
     if backend == "reference":
@@ -360,8 +364,7 @@ def _attention(q, k, v, backend, causal, scale_val, rule, resolved, block_q, blo
         if tri is None:
             raise ValueError("backend='triton' needs the triton package (pip install 'stableflash[triton]')")
         tri.check_inputs(q, k)
-        from stableflash.attention.masking import Masking
-        return tri.triton_attention(q, k, v, masking=Masking(causal=causal), scale=scale_val, rule=rule,
+        return tri.triton_attention(q, k, v, masking=_MASKINGS[bool(causal)], scale=scale_val, rule=rule,
                                     policy=resolved, softcap=softcap,
                                     block_k=None if block_k == DEFAULT_BLOCK_K else block_k)[0]
     return emulated.emulated_attention(q, _expand_kv(q, k), _expand_kv(q, v), causal=causal, scale=scale_val,
