@@ -23,9 +23,11 @@ from stableflash.attention.triton.backward import (attn_bwd_dkdv_kernel, attn_bw
 from stableflash.attention.triton.forward import attn_fwd_kernel
 
 FP32_POINTERS = {"LSE", "DELTA", "O32"}
-FLOATS = {"scale", "beta", "eps", "lo", "hi", "period", "cap_in", "cap_out", "softcap"}
-FWD = dict(HEAD_DIM=64, BLOCK_M=64, BLOCK_N=64, CAUSAL=True, PERSISTENT=False, TMA=False, INTERP=False)
-BWD = dict(HEAD_DIM=64, BLOCK_M=64, BLOCK_N=64, CAUSAL=True, EMU=False, SOFTCAP=False, INTERP=False)
+FLOATS = {"scale", "beta", "eps", "lo", "hi", "period", "cap_in", "cap_out", "softcap", "mask_mul", "drop_scale"}
+# the masking switches, all off (a tree whose kernels lack them leaves them out: ``source``)
+NO_MASKS = dict(BAND=False, VARLEN=False, MASK_KIND=0, MASK_ROWS=False, DROPOUT=False)
+FWD = dict(HEAD_DIM=64, BLOCK_M=64, BLOCK_N=64, CAUSAL=True, PERSISTENT=False, TMA=False, INTERP=False, **NO_MASKS)
+BWD = dict(HEAD_DIM=64, BLOCK_M=64, BLOCK_N=64, CAUSAL=True, EMU=False, SOFTCAP=False, INTERP=False, **NO_MASKS)
 BWD_VARIANTS = {"default": {}, "paper emulation": dict(EMU=True), "soft-capped": dict(SOFTCAP=True),
                 "paper, soft-capped": dict(EMU=True, SOFTCAP=True)}
 
@@ -100,6 +102,7 @@ def source(kernel, const: dict, aligned: bool = True, pointers: dict | None = No
     specialize at the benchmarks' shapes: pointers, strides and lengths divisible by 16 (aligned,
     vectorizable loads: what lets the key loop be pipelined)."""
     names = kernel.arg_names
+    const = {k: v for k, v in const.items() if k in names}
     pointers = pointers or {}
     sig = {n: "constexpr" if n in const else pointers[n] if n in pointers else
            ("*fp32" if n in FP32_POINTERS else f"*{dtype}") if n.isupper() else
@@ -134,6 +137,35 @@ def key_block_jobs() -> list[tuple]:
     return jobs
 
 
+def mask_jobs() -> list[tuple]:
+    """The masking switches (positional band, packed sequences, a bool or additive attn_mask,
+    dropout, and combinations) in each kernel, argument types as the launcher passes them (the
+    dropout seed a 64-bit int)."""
+    from dataclasses import replace
+    fa2, _ = forward_variants()["default (fa2, tie-shift)"]
+    e8m5, _ = forward_variants()["paper emulation, e8m5"]
+    types = {"CU_Q": "*i32", "CU_K": "*i32", "drop_seed": "i64"}
+    variants = {
+        "band": dict(BAND=True),
+        "packed sequences": dict(BAND=True, VARLEN=True),
+        "bool attn_mask": dict(MASK_KIND=1, MASK_ROWS=True),
+        "additive key padding": dict(MASK_KIND=2),
+        "dropout": dict(DROPOUT=True),
+        "band, bool mask, dropout": dict(BAND=True, MASK_KIND=1, MASK_ROWS=True, DROPOUT=True),
+        "packed sequences, dropout": dict(BAND=True, VARLEN=True, DROPOUT=True),
+    }
+    jobs = []
+    for name, v in variants.items():
+        ptr = {**types, "MASK": "*u8" if v.get("MASK_KIND") == 1 else "*fp32"}
+        for label, config in (("fa2", fa2), ("paper", replace(e8m5, softcap=30.0))):
+            const, pointers = forward_job(config, {**NO_MASKS, **v, "CAUSAL": False})
+            jobs.append((f"forward {label}: {name}", attn_fwd_kernel, const, 4, 3, {**pointers, **ptr}))
+        for bwd_name, kernel, extra in (("dK/dV", attn_bwd_dkdv_kernel, {"BLOCK_M": 32}), ("dQ", attn_bwd_dq_kernel, {}),
+                                        ("δ pass", delta_pass_kernel, delta_variants()["dP·P"])):
+            jobs.append((f"{bwd_name}: {name}", kernel, {**BWD, **extra, **v, "CAUSAL": False}, 4, 3, ptr))
+    return jobs
+
+
 def main() -> None:
     jobs = [(f"forward: {n}", attn_fwd_kernel, *forward_job(c, launch))
             for n, (c, launch) in forward_variants().items()]
@@ -144,6 +176,7 @@ def main() -> None:
     jobs += [(f"δ pass: {n}", delta_pass_kernel, {**BWD, **v}, 4, 3, None) for n, v in delta_variants().items()]
     jobs += [(f"δ = rowsum(dO ∘ {n})", delta_dot_kernel, dict(HEAD_DIM=64, BLOCK_M=64, HAS_R=r), 4, 3, None)
              for n, r in (("O", False), ("(O + R)", True))]
+    jobs += mask_jobs()
     failed = 0
     for name, kernel, const, warps, stages, pointers in jobs:
         try:

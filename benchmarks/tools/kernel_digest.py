@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import inspect
 import json
 import sys
 import warnings
@@ -145,8 +146,12 @@ def _run(device, kind="standard", policy=None, causal=True, softcap=None, block_
     q, k, v, do = _inputs(shape, dtype, device, q_scale)
     q, k, v = (t.requires_grad_(True) for t in (q, k, v))
     torch.manual_seed(0)                              # the stochastic rounding's seed
-    o = triton_attention(q, k, v, causal=causal, scale=shape[-1] ** -0.5, rule=ShiftRule(kind), policy=policy,
-                         softcap=softcap, block_k=block_k)
+    kw = dict(scale=shape[-1] ** -0.5, rule=ShiftRule(kind), policy=policy, softcap=softcap, block_k=block_k)
+    if "masking" in inspect.signature(triton_attention).parameters:     # a tree with masks: (O, LSE)
+        from stableflash.attention.masking import Masking
+        o = triton_attention(q, k, v, masking=Masking(causal=causal), **kw)[0]
+    else:
+        o = triton_attention(q, k, v, causal=causal, **kw)
     grads = torch.autograd.grad(o, (q, k, v), do)
     return {name: hashlib.sha256(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
             for name, t in zip(("O", "dQ", "dK", "dV"), (o, *grads))}

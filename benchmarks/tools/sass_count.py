@@ -177,7 +177,8 @@ def compile_forward(kernel, const: dict, pointers: dict, tile: dict, dtype: str,
         cfg = key_block_config(tile["block_k"], args.head_dim)
         block_m, block_n, warps, stages = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"], cfg.num_warps, cfg.num_stages
     const = {**const, "HEAD_DIM": args.head_dim, "BLOCK_M": block_m, "BLOCK_N": block_n,
-             "CAUSAL": not args.non_causal, "PERSISTENT": False, "TMA": args.tma, "INTERP": False}
+             "CAUSAL": not args.non_causal, "PERSISTENT": False, "TMA": args.tma, "INTERP": False,
+             **_compile_check().NO_MASKS}
     src = _compile_check().source(kernel, const, aligned=args.aligned, pointers=pointers, dtype=dtype)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 128), options=dict(num_warps=warps, num_stages=stages))
     return compiled.asm["cubin"]

@@ -59,7 +59,7 @@ def fwd_switches(stab: int) -> dict:
 def fwd_lse(q, k, v, scale):
     """(O, LSE) of the standard "fa2" forward, for the backward's inputs."""
     config = fa2_config(0)
-    o, lse, _ = (op._forward(q, k, v, True, scale, config) if config is not None else
+    o, lse, *_ = (op._forward(q, k, v, True, scale, config) if config is not None else
                  op._forward(q, k, v, True, scale, 0, 2.0, 1e-3, 0.13, 8.4, False, 0))
     return o, lse
 

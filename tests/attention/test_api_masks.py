@@ -88,13 +88,19 @@ def test_auto_dispatch(gen, monkeypatch):
     assert run["masking"] == masking and run["dropout_p"] == 0.1 and run["cu_seqlens_q"] is None
 
 
-def test_the_triton_backend_refuses_what_it_does_not_take_yet(gen):
+def test_the_triton_backend_takes_every_mask_through_the_public_call(gen):
+    """The kernels (interpreter) against float64 through flash_attention: window, bottom-right causal
+    with n_q < n_k, a boolean mask; within bf16's bound on O and on the LSE."""
     q, k, v = (t.bfloat16() for t in qkv(gen, 1, 2, 8, 16, n_k=12))
-    for kw, what in ((dict(window=(2, 2)), "window"), (dict(causal=True, align="bottom-right"), "bottom-right"),
-                     (dict(attn_mask=torch.ones(8, 12, dtype=torch.bool)), "attn_mask"),
-                     (dict(dropout_p=0.5), "dropout_p=0.5")):
-        with pytest.raises(ValueError, match=f"{what}.*not supported by backend='triton' yet"):
-            sf.flash_attention(q, k, v, backend="triton", **kw)
+    for kw in (dict(window=(2, 2)), dict(causal=True, align="bottom-right"),
+               dict(attn_mask=torch.rand(8, 12, generator=gen) > 0.3)):
+        o, lse = sf.flash_attention(q, k, v, backend="triton", return_lse=True, **kw)
+        want, want_lse = sf.flash_attention(q.double(), k.double(), v.double(), backend="reference",
+                                            return_lse=True, **kw)
+        assert (o.double() - want).abs().max() <= 1e-2 * want.abs().max(), kw
+        finite = torch.isfinite(want_lse)
+        assert torch.equal(torch.isfinite(lse), finite)
+        assert (lse.double()[finite] - want_lse[finite]).abs().max() <= 1e-2, kw
 
 
 @pytest.mark.parametrize("kwargs,exc,match", [

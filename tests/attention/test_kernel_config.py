@@ -82,10 +82,11 @@ def test_op_args_are_primitive_and_round_trip(policy, dtype, softcap, block_k):
     assert len(args) == len(OP_FIELDS)
     assert all(a is None or type(a) in (bool, int, float, str, list) for a in args)
     assert KernelConfig.from_op_args(*args) == c
-    # the custom ops' schemas name the fields, after (..., causal, scale)
-    for custom_op in (op.attn_fwd, op.attn_bwd):
+    # the custom ops' schemas name the fields after (..., causal, scale), then the masks' arguments
+    # (and, for the backward, dropout's seed)
+    for custom_op, tail in ((op.attn_fwd, op.MASK_ARGS), (op.attn_bwd, (*op.MASK_ARGS, "seed"))):
         names = [a.name for a in custom_op._opoverload._schema.arguments]
-        assert tuple(names[names.index("scale") + 1:]) == OP_FIELDS
+        assert tuple(names[names.index("scale") + 1:]) == OP_FIELDS + tail
 
 
 def test_op_fields_are_the_dataclass_fields_and_the_config_is_frozen():

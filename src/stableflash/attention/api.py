@@ -431,12 +431,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, masking: Maskin
                         attn_mask, dropout_p, varlen)
     if rule.kind == "paper":
         _paper_watch.observe(o, (q, k, v))
-    if not return_lse:
-        return o
-    if lse is None:
-        raise ValueError("return_lse=True is not supported by backend='triton' yet; accepted with it: "
-                         "backend='emulated' or 'reference'")
-    return o, lse
+    return (o, lse) if return_lse else o
 
 
 def _check_sdpa(stabilize, rule, delta_changed, resolved, softcap, varlen, return_lse) -> None:

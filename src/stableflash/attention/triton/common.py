@@ -283,3 +283,76 @@ def mma(a, b, INTERP: tl.constexpr):
     if INTERP:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     return tl.dot(a, b)
+
+
+# the attn_mask switch MASK_KIND: none, boolean (True = take part) or additive (float, natural units)
+MASK_NONE = tl.constexpr(0)
+MASK_BOOL = tl.constexpr(1)
+MASK_ADD = tl.constexpr(2)
+
+
+@triton.jit
+def in_band(i, j, diag, left, right):
+    """Whether key j is visible to query i (``masking.visible``): diag + i − left ≤ j ≤ diag + i + right,
+    diag the diagonal's key for query 0 (0 top-left, n_k − n_q bottom-right), an unbounded side
+    given as a bound beyond every index."""
+    d = i + diag
+    return (j >= d - left) & (j <= d + right)
+
+
+@triton.jit
+def _floor_to(x, BLOCK: tl.constexpr):
+    return (x // BLOCK) * BLOCK
+
+
+@triton.jit
+def key_ranges(first, n_rows, n_cols, lo_of_first, hi_of_first, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """(lo, mid_lo, mid_hi, hi): the columns [lo, hi) that rows [first, first + BLOCK_R) of a band
+    can see, lo and mid_lo, mid_hi multiples of BLOCK_C, split into a masked leading edge [lo,
+    mid_lo), a middle [mid_lo, mid_hi) of blocks every one of these rows sees whole (no mask), and
+    a masked trailing edge [mid_hi, hi). Row r sees columns r + lo_of_first … r + hi_of_first
+    (inclusive; for the forward lo_of_first = diag − left, hi_of_first = diag + right; for a key
+    block's queries the same band read from the other side). ``n_rows``: the rows that exist (a
+    block at or past it sees nothing: a varlen program past its sequence's end). The indices are
+    clamped to [0, n_cols] before any division (Triton's integer division truncates on the GPU
+    and floors in the interpreter)."""
+    last = first + (BLOCK_R - 1)
+    lo = _floor_to(tl.minimum(tl.maximum(first + lo_of_first, 0), n_cols), BLOCK_C)
+    hi = tl.minimum(tl.maximum(last + hi_of_first + 1, 0), n_cols)
+    hi = tl.where(first < n_rows, hi, 0)
+    hi = tl.maximum(hi, lo)
+    mid_lo = _floor_to(tl.minimum(tl.maximum(last + lo_of_first, 0), n_cols) + (BLOCK_C - 1), BLOCK_C)
+    mid_lo = tl.minimum(tl.maximum(mid_lo, lo), _floor_to(hi + (BLOCK_C - 1), BLOCK_C))
+    mid_hi = _floor_to(tl.minimum(tl.maximum(first + hi_of_first + 1, 0), n_cols), BLOCK_C)
+    mid_hi = tl.maximum(tl.minimum(mid_hi, hi), mid_lo)
+    return lo, mid_lo, mid_hi, hi
+
+
+@triton.jit
+def load_mask_tile(MP, rows, cols, n_q, n_k, stride_mm, stride_mn, MASK_KIND: tl.constexpr, MASK_ROWS: tl.constexpr):
+    """The attn_mask tile (rows, cols) at ``MP`` (this batch element's and head's base): booleans
+    (stored as bytes) or fp32 additive values; outside the matrix True or 0. Without MASK_ROWS
+    (row stride 0: a key-padding mask) one row is read and broadcast."""
+    if MASK_ROWS:
+        inside = (rows[:, None] < n_q) & (cols[None, :] < n_k)
+        m = tl.load(MP + rows[:, None] * stride_mm + cols[None, :] * stride_mn, mask=inside, other=1 if MASK_KIND == MASK_BOOL else 0.0)
+    else:
+        m = tl.load(MP + cols * stride_mn, mask=cols < n_k, other=1 if MASK_KIND == MASK_BOOL else 0.0)[None, :]
+    if MASK_KIND == MASK_BOOL:
+        m = m != 0
+    else:
+        m = m.to(tl.float32)
+    return m
+
+
+@triton.jit
+def dropout_keep(seed, threshold, i, j, bh):
+    """Dropout's keep decision for query i, key j of sequence·head bh (broadcast together), as
+    ``masking.dropout_keep``: the first output of Philox-4x32-10 keyed by ``seed`` with counter (j,
+    i, bh, 0), as uint32, not below ⌊p·2³²⌋. ``threshold`` is ⌊p·2³²⌋ − 2³¹ (an int32 whatever p):
+    the comparison runs in int32 on r with its top bit flipped, which keeps the unsigned order."""
+    c0 = (j + i * 0).to(tl.uint32, bitcast=True)
+    c1 = (i + j * 0).to(tl.uint32, bitcast=True)
+    c2 = (c0 * 0 + bh).to(tl.uint32, bitcast=True)
+    r, _, _, _ = tl.philox(seed, c0, c1, c2, c2 * 0)
+    return (r ^ 0x80000000).to(tl.int32, bitcast=True) >= threshold

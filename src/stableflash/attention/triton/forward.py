@@ -43,9 +43,10 @@ import triton
 import triton.language as tl
 
 from stableflash.attention.triton.common import (BF16, DELTA_O16, DELTA_O16_R, DELTA_O32, DELTA_O_FP32, DELTA_O_R,
-                                                 FP16, HP_LIMIT, PAPER, TIE_SHIFT, bound_rounded_shift, cast,
-                                                 count_ties, keep_hp, mma, narrow, next_shift, p_bar_v, round_up_bf16,
-                                                 shift_from_ties, tanh, to_bf16)
+                                                 FP16, HP_LIMIT, MASK_ADD, MASK_BOOL, PAPER, TIE_SHIFT,
+                                                 bound_rounded_shift, cast, count_ties, dropout_keep, in_band,
+                                                 keep_hp, key_ranges, load_mask_tile, mma, narrow, next_shift, p_bar_v,
+                                                 round_up_bf16, shift_from_ties, tanh, to_bf16)
 
 LOG2E = 1.4426950408889634
 
@@ -57,14 +58,26 @@ def _fwd_blocks(acc, acc16, l_i, m_i, r_i, q, K, V, V8, stride_kn, stride_vn, of
                 STAB: tl.constexpr, EMU: tl.constexpr, FMT: tl.constexpr, SR: tl.constexpr,
                 ACC_NARROW: tl.constexpr, ROW_NARROW: tl.constexpr, PBAR32: tl.constexpr, HP: tl.constexpr,
                 PFMT: tl.constexpr, FP8_PV: tl.constexpr, SOFTCAP: tl.constexpr, O16: tl.constexpr,
-                TMA: tl.constexpr, INTERP: tl.constexpr):
+                TMA: tl.constexpr, INTERP: tl.constexpr,
+                n_q=0, n_k8=0, diag=0, left=0, right=0, MP=0, stride_mm=0, stride_mn=0, mask_mul=1.0,
+                drop_seed=0, drop_thr=0, drop_bh=0,
+                BAND: tl.constexpr = False, MASK_KIND: tl.constexpr = 0, MASK_ROWS: tl.constexpr = False,
+                DROPOUT: tl.constexpr = False, SAFE: tl.constexpr = False):
     """Lines 6-11 of Algorithm 1 for key blocks [start, stop). TMA: K and V are tensor
     descriptors (rows past n_k come back as zeros) instead of pointers. ``rows``: the rows' indices
     over the whole (batch, head, query) grid, which with ``seed`` and the key block number pick the
     random streams of stochastic rounding (SR). ``hp`` (with HP): this head keeps P̄, Ō and ℓ in fp32.
     O16 ("fa2" mode): ``acc16`` accumulates P̄V with P̄ in the input dtype beside ``acc``. An fp8
     product (FP8_PV) reads V from ``V8``, V converted to fp8 with the keys contiguous (what
-    the fp8 tensor cores take), and V itself only where the 16-bit product or an fp32 head needs it."""
+    the fp8 tensor cores take), and V itself only where the 16-bit product or an fp32 head needs it.
+
+    The masks (each behind its switch; ``common.masking_tile`` applies them): BAND, key j visible
+    to query i when diag + i − left ≤ j ≤ diag + i + right (in MASKED blocks only: the launcher's
+    ranges leave the unmasked ones out); MASK_KIND (BOOL or ADD) an attn_mask tile read at ``MP``
+    through its strides (one row per block without MASK_ROWS), in every block; SAFE: a row may
+    have seen no key yet (running maximum −inf), so the exponentials subtract 0 there instead.
+    DROPOUT: P̄ enters P̄V through the Philox keep mask of (drop_seed; j, i, drop_bh, 0); ℓ sums
+    the undropped P (the 1/(1 − p) is applied to O at the end)."""
     offs_n = tl.arange(0, BLOCK_N)
     BF16_V: tl.constexpr = not FP8_PV or O16 or HP
     for start_n in range(start, stop, BLOCK_N):
@@ -85,29 +98,47 @@ def _fwd_blocks(acc, acc16, l_i, m_i, r_i, q, K, V, V8, stride_kn, stride_vn, of
                 v = tl.load(V + cols[:, None] * stride_vn + offs_d[None, :])
         if FP8_PV:                                 # V8: (HEAD_DIM, n_k) per head, keys contiguous
             if MASKED:
-                v8 = tl.load(V8 + offs_d[None, :] * n_k + cols[:, None], mask=cols[:, None] < n_k, other=0.0)
+                v8 = tl.load(V8 + offs_d[None, :] * n_k8 + cols[:, None], mask=cols[:, None] < n_k, other=0.0)
             else:
-                v8 = tl.load(V8 + offs_d[None, :] * n_k + cols[:, None])
+                v8 = tl.load(V8 + offs_d[None, :] * n_k8 + cols[:, None])
         qk = mma(q, k, INTERP)
         if SOFTCAP and not EMU:                # capped scores in log2 units: cap_out·tanh(qk·cap_in); scale = 1
             qk = cap_out * tanh(qk * cap_in, not INTERP)
+        mv = 0.0
+        if MASK_KIND != 0:
+            mv = load_mask_tile(MP, offs_m, cols, n_q, n_k, stride_mm, stride_mn, MASK_KIND, MASK_ROWS)
+            if MASK_KIND == MASK_ADD and not EMU:   # natural units into the kernel's: qk·scale + mv·log2 e
+                qk = qk + mv * mask_mul
+            if MASK_KIND == MASK_BOOL:
+                qk = tl.where(mv, qk, float("-inf"))
         if MASKED:
             keep = cols[None, :] < n_k
             if CAUSAL:
                 keep = keep & (cols[None, :] <= offs_m[:, None])
+            if BAND:
+                keep = keep & in_band(offs_m[:, None], cols[None, :], diag, left, right)
             qk = tl.where(keep, qk, float("-inf"))
         if EMU:                                    # the "paper" policy: bf16 scores, natural units
             s = to_bf16(qk * scale, INTERP)
             if SOFTCAP:                            # natural units: softcap·tanh(S/softcap), rounded again
                 s = tl.where(s > float("-inf"), to_bf16(cap_out * tanh(s * cap_in, False), INTERP), s)
+            if MASK_KIND == MASK_ADD:              # S + attn_mask, held in bf16 as S is
+                s = to_bf16(s + mv, INTERP)
             m_new, r_i = next_shift(s, m_i, r_i, STAB, beta, eps, lo, hi, period)
             m_new = bound_rounded_shift(round_up_bf16(m_new), m_i, r_i, STAB)
-            p = tl.exp2(to_bf16(s - m_new[:, None], INTERP) * 1.4426950408889634)
-            alpha = tl.exp2((m_i - m_new) * 1.4426950408889634)
+            if SAFE:                               # no key seen yet: subtract 0, not −inf
+                m_use = tl.where(m_new > float("-inf"), m_new, 0.0)
+                p = tl.exp2(to_bf16(s - m_use[:, None], INTERP) * 1.4426950408889634)
+                alpha = tl.exp2((m_i - m_use) * 1.4426950408889634)
+            else:
+                p = tl.exp2(to_bf16(s - m_new[:, None], INTERP) * 1.4426950408889634)
+                alpha = tl.exp2((m_i - m_new) * 1.4426950408889634)
             blk = 3 * (start_n // BLOCK_N)         # streams 3b (Ō) and 3b + 1 (ℓ) of key block b
             l_i = l_i * alpha + tl.sum(p, 1)
             if ROW_NARROW:
                 l_i = keep_hp(l_i, narrow(l_i, FMT, SR, seed + blk + 1, rows, INTERP), hp, HP)
+            if DROPOUT:
+                p = tl.where(dropout_keep(drop_seed, drop_thr, offs_m[:, None], cols[None, :], drop_bh), p, 0.0)
             acc = acc * alpha[:, None] + p_bar_v(p, v, v8, hp, PBAR32, HP, INTERP, PFMT, FP8_PV)
             if ACC_NARROW:
                 acc = keep_hp(acc, narrow(acc, FMT, SR, seed + blk, rows[:, None] * acc.shape[1] + offs_d[None, :],
@@ -118,13 +149,76 @@ def _fwd_blocks(acc, acc16, l_i, m_i, r_i, q, K, V, V8, stride_kn, stride_vn, of
             if STAB == PAPER or STAB == TIE_SHIFT:  # count entries within eps of the max
                 ties = count_ties(qk, (rm - eps) * (1.0 / scale))   # 1/scale: once per program, not per row
             m_new, r_i = shift_from_ties(rm, ties, m_i, r_i, STAB, beta, eps, lo, hi, period)
-            p = tl.exp2(qk * scale - m_new[:, None])
-            alpha = tl.exp2(m_i - m_new)
+            if SAFE:                               # no key seen yet: subtract 0, not −inf
+                m_use = tl.where(m_new > float("-inf"), m_new, 0.0)
+                p = tl.exp2(qk * scale - m_use[:, None])
+                alpha = tl.exp2(m_i - m_use)
+            else:
+                p = tl.exp2(qk * scale - m_new[:, None])
+                alpha = tl.exp2(m_i - m_new)
             l_i = l_i * alpha + tl.sum(p, 1)
+            if DROPOUT:
+                p = tl.where(dropout_keep(drop_seed, drop_thr, offs_m[:, None], cols[None, :], drop_bh), p, 0.0)
             acc = acc * alpha[:, None] + p_bar_v(p, v, v8, hp, PBAR32, HP, INTERP, PFMT, FP8_PV)
             if O16:                                # the 16-bit product beside the policy's, for δ
                 acc16 = acc16 * alpha[:, None] + p_bar_v(p, v, v, hp, False, False, INTERP)
         m_i = m_new
+    return acc, acc16, l_i, m_i, r_i
+
+
+@triton.jit
+def _fwd_masked(acc, acc16, l_i, m_i, r_i, q, K, V, V8, stride_kn, stride_vn, offs_m, offs_d, start_m, n_q, n_k, n_k8,
+                scale, beta, eps, lo, hi, period, seed, rows, hp, cap_in, cap_out,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STAB: tl.constexpr, EMU: tl.constexpr,
+                FMT: tl.constexpr, SR: tl.constexpr, ACC_NARROW: tl.constexpr, ROW_NARROW: tl.constexpr,
+                PBAR32: tl.constexpr, HP: tl.constexpr, PFMT: tl.constexpr, FP8_PV: tl.constexpr,
+                SOFTCAP: tl.constexpr, O16: tl.constexpr, TMA: tl.constexpr, INTERP: tl.constexpr,
+                CAUSAL: tl.constexpr, bh, b, h, MASK, stride_mb, stride_mh, stride_mm, stride_mn, mask_mul,
+                left, right, align_br, drop_seed, drop_thr,
+                BAND: tl.constexpr, VARLEN: tl.constexpr, MASK_KIND: tl.constexpr, MASK_ROWS: tl.constexpr,
+                DROPOUT: tl.constexpr):
+    """The key loop with any of the masking switches on: the keys this block of rows can see, in
+    three ranges — a masked leading edge, a middle of whole blocks every row sees (no positional
+    mask), a masked trailing edge (the band's far side and the ragged tail). Blocks no row sees
+    are skipped. CAUSAL (top-left, no window) uses the kernel's own two ranges."""
+    SAFE: tl.constexpr = BAND or VARLEN or MASK_KIND != 0
+    diag = align_br * (n_k - n_q)
+    if BAND:
+        k_lo, mid_lo, mid_hi, k_hi = key_ranges(start_m, n_q, n_k, diag - left, diag + right, BLOCK_M, BLOCK_N)
+    elif CAUSAL:
+        k_lo = 0
+        k_hi = tl.minimum(n_k, start_m + BLOCK_M)
+        k_hi = tl.where(start_m < n_q, k_hi, 0)
+        mid_lo = 0
+        mid_hi = tl.minimum((n_k // BLOCK_N) * BLOCK_N, (start_m // BLOCK_N) * BLOCK_N)
+        mid_hi = tl.minimum(mid_hi, k_hi)
+    else:
+        k_lo = 0
+        k_hi = tl.where(start_m < n_q, n_k, 0)
+        mid_lo = 0
+        mid_hi = (k_hi // BLOCK_N) * BLOCK_N
+    MP = MASK
+    if MASK_KIND != 0:
+        MP = MASK + b.to(tl.int64) * stride_mb + h.to(tl.int64) * stride_mh
+    acc, acc16, l_i, m_i, r_i = _fwd_blocks(acc, acc16, l_i, m_i, r_i, q, K, V, V8, stride_kn, stride_vn, offs_m,
+                                            offs_d, k_lo, mid_lo, n_k, scale, beta, eps, lo, hi, period, seed, rows,
+                                            hp, cap_in, cap_out, BLOCK_N, CAUSAL, True, STAB, EMU, FMT, SR, ACC_NARROW,
+                                            ROW_NARROW, PBAR32, HP, PFMT, FP8_PV, SOFTCAP, O16, TMA, INTERP,
+                                            n_q, n_k8, diag, left, right, MP, stride_mm, stride_mn, mask_mul,
+                                            drop_seed, drop_thr, bh, BAND, MASK_KIND, MASK_ROWS, DROPOUT, SAFE)
+    acc, acc16, l_i, m_i, r_i = _fwd_blocks(acc, acc16, l_i, m_i, r_i, q, K, V, V8, stride_kn, stride_vn, offs_m,
+                                            offs_d, mid_lo, mid_hi, n_k, scale, beta, eps, lo, hi, period, seed, rows,
+                                            hp, cap_in, cap_out, BLOCK_N, CAUSAL, False, STAB, EMU, FMT, SR,
+                                            ACC_NARROW, ROW_NARROW, PBAR32, HP, PFMT, FP8_PV, SOFTCAP, O16, TMA,
+                                            INTERP, n_q, n_k8, diag, left, right, MP, stride_mm, stride_mn, mask_mul,
+                                            drop_seed, drop_thr, bh, BAND, MASK_KIND, MASK_ROWS, DROPOUT,
+                                            MASK_KIND != 0)
+    acc, acc16, l_i, m_i, r_i = _fwd_blocks(acc, acc16, l_i, m_i, r_i, q, K, V, V8, stride_kn, stride_vn, offs_m,
+                                            offs_d, mid_hi, k_hi, n_k, scale, beta, eps, lo, hi, period, seed, rows,
+                                            hp, cap_in, cap_out, BLOCK_N, CAUSAL, True, STAB, EMU, FMT, SR, ACC_NARROW,
+                                            ROW_NARROW, PBAR32, HP, PFMT, FP8_PV, SOFTCAP, O16, TMA, INTERP,
+                                            n_q, n_k8, diag, left, right, MP, stride_mm, stride_mn, mask_mul,
+                                            drop_seed, drop_thr, bh, BAND, MASK_KIND, MASK_ROWS, DROPOUT, SAFE)
     return acc, acc16, l_i, m_i, r_i
 
 
@@ -138,10 +232,21 @@ def attn_fwd_kernel(Q, K, V, V8, O, LSE, O32,
                     SR: tl.constexpr, ACC_NARROW: tl.constexpr, ROW_NARROW: tl.constexpr, O_NARROW: tl.constexpr,
                     PBAR32: tl.constexpr, HP: tl.constexpr, PFMT: tl.constexpr, FP8_PV: tl.constexpr,
                     SOFTCAP: tl.constexpr, DELTA_SRC: tl.constexpr, PERSISTENT: tl.constexpr,
-                    TMA: tl.constexpr, INTERP: tl.constexpr):
+                    TMA: tl.constexpr, INTERP: tl.constexpr,
+                    CU_Q=0, CU_K=0, MASK=0, stride_mb=0, stride_mh=0, stride_mm=0, stride_mn=0, mask_mul=1.0,
+                    left=0, right=0, align_br=0, drop_seed=0, drop_thr=0, drop_scale=1.0,
+                    BAND: tl.constexpr = False, VARLEN: tl.constexpr = False, MASK_KIND: tl.constexpr = 0,
+                    MASK_ROWS: tl.constexpr = False, DROPOUT: tl.constexpr = False):
     """One (query block, batch·head) tile per program on a (query blocks, n_bh) grid; or, with
     PERSISTENT, a 1-D grid of a few programs per SM, each walking tiles program_id, program_id +
-    num_programs, ... of one list ordered longest first over every head (a persistent grid)."""
+    num_programs, ... of one list ordered longest first over every head (a persistent grid).
+
+    The masking switches (all off: the kernel is the one without them): BAND, a causal diagonal
+    off the top-left or a window (bounds ``left``, ``right``, the diagonal bottom-right aligned
+    when ``align_br``); VARLEN, sequences packed along the token axis with boundaries ``CU_Q`` and
+    ``CU_K`` (int32, n_seq + 1), the grid's second axis then sequence·head and n_q, n_k the
+    totals; MASK_KIND, an attn_mask at ``MASK`` (B, H, Nq, Nk) with strides (0 where broadcast);
+    DROPOUT, attention dropout (seed, threshold ⌊p·2³²⌋, 1/(1 − p)). Not with PERSISTENT."""
     if PERSISTENT:
         n_m = tl.cdiv(n_q, BLOCK_M)
         for tile in range(tl.program_id(0), n_m * n_bh, tl.num_programs(0)):
@@ -159,7 +264,10 @@ def attn_fwd_kernel(Q, K, V, V8, O, LSE, O32,
                   stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om,
                   n_heads, group, n_q, n_k, scale, beta, eps, lo, hi, period, seed, hp_mask, cap_in, cap_out,
                   HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, STAB, EMU, FMT, SR, ACC_NARROW, ROW_NARROW, O_NARROW,
-                  PBAR32, HP, PFMT, FP8_PV, SOFTCAP, DELTA_SRC, TMA, INTERP)
+                  PBAR32, HP, PFMT, FP8_PV, SOFTCAP, DELTA_SRC, TMA, INTERP,
+                  CU_Q, CU_K, MASK, stride_mb, stride_mh, stride_mm, stride_mn, mask_mul,
+                  left, right, align_br, drop_seed, drop_thr, drop_scale,
+                  BAND, VARLEN, MASK_KIND, MASK_ROWS, DROPOUT)
 
 
 @triton.jit
@@ -171,17 +279,39 @@ def _fwd_tile(start_m, bh, Q, K, V, V8, O, LSE, O32,
               CAUSAL: tl.constexpr, STAB: tl.constexpr, EMU: tl.constexpr, FMT: tl.constexpr,
               SR: tl.constexpr, ACC_NARROW: tl.constexpr, ROW_NARROW: tl.constexpr, O_NARROW: tl.constexpr,
               PBAR32: tl.constexpr, HP: tl.constexpr, PFMT: tl.constexpr, FP8_PV: tl.constexpr,
-              SOFTCAP: tl.constexpr, DELTA_SRC: tl.constexpr, TMA: tl.constexpr, INTERP: tl.constexpr):
-    """Query rows [start_m, start_m + BLOCK_M) of batch·head ``bh``: Algorithm 1 and the stores."""
+              SOFTCAP: tl.constexpr, DELTA_SRC: tl.constexpr, TMA: tl.constexpr, INTERP: tl.constexpr,
+              CU_Q=0, CU_K=0, MASK=0, stride_mb=0, stride_mh=0, stride_mm=0, stride_mn=0, mask_mul=1.0,
+              left=0, right=0, align_br=0, drop_seed=0, drop_thr=0, drop_scale=1.0,
+              BAND: tl.constexpr = False, VARLEN: tl.constexpr = False, MASK_KIND: tl.constexpr = 0,
+              MASK_ROWS: tl.constexpr = False, DROPOUT: tl.constexpr = False):
+    """Query rows [start_m, start_m + BLOCK_M) of batch·head ``bh``: Algorithm 1 and the stores.
+    VARLEN: ``bh`` is sequence·head, and the rows are the sequence's."""
     b, h = bh // n_heads, bh % n_heads
     hk = h // group
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
+    n_k8 = n_k                                 # V8's row length (the keys of one head)
+    if VARLEN:                                 # sequence b of the packed batch; b = 0 for the strides
+        q_start = tl.load(CU_Q + b)
+        k_start = tl.load(CU_K + b)
+        row0 = h * n_q + q_start               # LSE and O32 rows: (1, H, total_q)
+        n_q = tl.load(CU_Q + b + 1) - q_start
+        n_k = tl.load(CU_K + b + 1) - k_start
+        b = 0
+        Q += q_start.to(tl.int64) * stride_qm
+        K += k_start.to(tl.int64) * stride_kn
+        V += k_start.to(tl.int64) * stride_vn
+        O += q_start.to(tl.int64) * stride_om
+    else:
+        row0 = bh * n_q
     Q += b * stride_qb + h * stride_qh
     K += b * stride_kb + hk * stride_kh
     V += b * stride_vb + hk * stride_vh
     if FP8_PV:                                 # V8 is (B, H_kv, HEAD_DIM, n_k), contiguous
-        V8 += (b * (n_heads // group) + hk).to(tl.int64) * (HEAD_DIM * n_k)
+        if VARLEN:
+            V8 += hk.to(tl.int64) * (HEAD_DIM * n_k8) + k_start
+        else:
+            V8 += (b * (n_heads // group) + hk).to(tl.int64) * (HEAD_DIM * n_k)
     if TMA:     # device-side descriptors (Hopper's tensor memory accelerator) for the key loop
         K = tl.make_tensor_descriptor(K, shape=[n_k, HEAD_DIM], strides=[stride_kn, 1],
                                       block_shape=[BLOCK_N, HEAD_DIM])
@@ -189,7 +319,7 @@ def _fwd_tile(start_m, bh, Q, K, V, V8, O, LSE, O32,
                                       block_shape=[BLOCK_N, HEAD_DIM])
     q = tl.load(Q + offs_m[:, None] * stride_qm + offs_d[None, :], mask=offs_m[:, None] < n_q, other=0.0)
 
-    rows = bh * n_q + offs_m                   # this program's rows over the whole grid (SR streams)
+    rows = row0 + offs_m                       # this program's rows over the whole grid (SR streams)
     hp = h < 0                                 # a head the policy keeps in fp32 (hp_heads, heads 0-HP_LIMIT)
     if HP:
         hp = (((hp_mask >> tl.minimum(h, HP_LIMIT)) & 1) != 0) & (h <= HP_LIMIT)
@@ -204,27 +334,45 @@ def _fwd_tile(start_m, bh, Q, K, V, V8, O, LSE, O32,
     if O16:
         acc16 = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
 
-    # keys [0, full) need no mask; [full, stop) hold the causal diagonal and the ragged tail
-    stop = tl.minimum(n_k, start_m + BLOCK_M) if CAUSAL else n_k
-    full = (n_k // BLOCK_N) * BLOCK_N
-    if CAUSAL:
-        full = tl.minimum(full, (start_m // BLOCK_N) * BLOCK_N)
-    acc, acc16, l_i, m_i, r_i = _fwd_blocks(acc, acc16, l_i, m_i, r_i, q, K, V, V8, stride_kn, stride_vn, offs_m,
-                                            offs_d, 0, full, n_k, scale, beta, eps, lo, hi, period, seed, rows, hp,
-                                            cap_in, cap_out, BLOCK_N, CAUSAL, False, STAB, EMU, FMT, SR, ACC_NARROW,
-                                            ROW_NARROW, PBAR32, HP, PFMT, FP8_PV,
-                                            SOFTCAP, O16, TMA, INTERP)
-    acc, acc16, l_i, m_i, r_i = _fwd_blocks(acc, acc16, l_i, m_i, r_i, q, K, V, V8, stride_kn, stride_vn, offs_m,
-                                            offs_d, full, stop, n_k, scale, beta, eps, lo, hi, period, seed, rows, hp,
-                                            cap_in, cap_out, BLOCK_N, CAUSAL, True, STAB, EMU, FMT, SR, ACC_NARROW,
-                                            ROW_NARROW, PBAR32, HP, PFMT, FP8_PV,
-                                            SOFTCAP, O16, TMA, INTERP)
+    if BAND or VARLEN or MASK_KIND != 0 or DROPOUT:
+        acc, acc16, l_i, m_i, r_i = _fwd_masked(acc, acc16, l_i, m_i, r_i, q, K, V, V8, stride_kn, stride_vn, offs_m,
+                                                offs_d, start_m, n_q, n_k, n_k8, scale, beta, eps, lo, hi, period, seed,
+                                                rows, hp, cap_in, cap_out, BLOCK_M, BLOCK_N, STAB, EMU, FMT, SR,
+                                                ACC_NARROW, ROW_NARROW, PBAR32, HP, PFMT, FP8_PV, SOFTCAP, O16, TMA,
+                                                INTERP, CAUSAL, bh, b, h, MASK, stride_mb, stride_mh, stride_mm,
+                                                stride_mn, mask_mul, left, right, align_br, drop_seed, drop_thr,
+                                                BAND, VARLEN, MASK_KIND, MASK_ROWS, DROPOUT)
+    else:
+        # keys [0, full) need no mask; [full, stop) hold the causal diagonal and the ragged tail
+        stop = tl.minimum(n_k, start_m + BLOCK_M) if CAUSAL else n_k
+        full = (n_k // BLOCK_N) * BLOCK_N
+        if CAUSAL:
+            full = tl.minimum(full, (start_m // BLOCK_N) * BLOCK_N)
+        acc, acc16, l_i, m_i, r_i = _fwd_blocks(acc, acc16, l_i, m_i, r_i, q, K, V, V8, stride_kn, stride_vn, offs_m,
+                                                offs_d, 0, full, n_k, scale, beta, eps, lo, hi, period, seed, rows, hp,
+                                                cap_in, cap_out, BLOCK_N, CAUSAL, False, STAB, EMU, FMT, SR, ACC_NARROW,
+                                                ROW_NARROW, PBAR32, HP, PFMT, FP8_PV,
+                                                SOFTCAP, O16, TMA, INTERP, n_k8=n_k8)
+        acc, acc16, l_i, m_i, r_i = _fwd_blocks(acc, acc16, l_i, m_i, r_i, q, K, V, V8, stride_kn, stride_vn, offs_m,
+                                                offs_d, full, stop, n_k, scale, beta, eps, lo, hi, period, seed, rows, hp,
+                                                cap_in, cap_out, BLOCK_N, CAUSAL, True, STAB, EMU, FMT, SR, ACC_NARROW,
+                                                ROW_NARROW, PBAR32, HP, PFMT, FP8_PV,
+                                                SOFTCAP, O16, TMA, INTERP, n_k8=n_k8)
+    if BAND or VARLEN or MASK_KIND != 0:       # a row that saw no key: O = 0, L = −inf
+        seen = l_i > 0.0
+        l_i = tl.where(seen, l_i, 1.0)
     if EMU:
         o = acc / l_i[:, None]
         lse = m_i + tl.log(l_i)
     else:
         o = acc / l_i[:, None]
         lse = (m_i + tl.log2(l_i)) * 0.6931471805599453
+    if BAND or VARLEN or MASK_KIND != 0:
+        lse = tl.where(seen, lse, float("-inf"))
+    if DROPOUT:                                # the kept entries' 1/(1 − p), once on O
+        o = o * drop_scale
+        if O16:
+            acc16 = acc16 * drop_scale
     # the O store: e8mY, or bf16 rounded stochastically — or a bf16 O that δ reads from the fp32 copy
     # (fp32 heads beside bf16 ones), rounded here so that the copy holds what the policy stores. An
     # O in the format of O's own dtype, nearest-even, needs no rounding before the store's.
@@ -240,8 +388,8 @@ def _fwd_tile(start_m, bh, Q, K, V, V8, O, LSE, O32,
     if RESIDUAL:                               # the residual of the O store, in O's dtype
         o32 = cast(o32 - cast(o, O.dtype.element_ty, INTERP).to(tl.float32), O32.dtype.element_ty, INTERP)
     if KEEP:                                   # contiguous (B, H, Nq, d), fp32 (or O's dtype: RESIDUAL)
-        tl.store(O32 + (bh * n_q + offs_m[:, None]) * HEAD_DIM + offs_d[None, :], o32, mask=offs_m[:, None] < n_q)
+        tl.store(O32 + (row0 + offs_m[:, None]) * HEAD_DIM + offs_d[None, :], o32, mask=offs_m[:, None] < n_q)
     O += b * stride_ob + h * stride_oh
     tl.store(O + offs_m[:, None] * stride_om + offs_d[None, :], cast(o, O.dtype.element_ty, INTERP),
              mask=offs_m[:, None] < n_q)
-    tl.store(LSE + bh * n_q + offs_m, lse, mask=offs_m < n_q)
+    tl.store(LSE + row0 + offs_m, lse, mask=offs_m < n_q)

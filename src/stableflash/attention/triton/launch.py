@@ -10,8 +10,8 @@ from stableflash.attention.policy import PrecisionPolicy, memoize, parse_point, 
 from stableflash.attention.shift import ShiftRule
 from stableflash.attention.triton.config import (HP_HEAD_LIMIT, Arithmetic, DeltaSource, Format, KernelConfig,
                                                  RuleKind)
-from stableflash.attention.triton.op import (DTYPES, HEAD_DIMS, KEY_BLOCKS, attention, interpreting,
-                                             key_block_config)
+from stableflash.attention.triton.op import (DTYPES, HEAD_DIMS, KEY_BLOCKS, UNBOUNDED, Masks, attention,
+                                             interpreting, key_block_config)
 
 SUPPORT = {
     "head_dims": HEAD_DIMS,
@@ -21,28 +21,20 @@ SUPPORT = {
                 "for bf16 also hp_heads 0-30, p_bar in fp32, e8m1-e8m6, fp16, fp8_e5m2 or fp8_e4m3, and 'fa2' "
                 "with out or 'paper' with acc, row_sum and out each in fp32 or in one shared format bf16, "
                 "e8m1-e8m6, fp16, fp8_e5m2 or fp8_e4m3 (each nearest-even, or ':stochastic')",
+    "masks": "causal top-left or bottom-right, a window (left, right), packed sequences (cu_seqlens), "
+             "an attn_mask (bool or float, broadcast to (B, H, Nq, Nk), no gradient; not with packed sequences), "
+             "dropout 0 ≤ p < 1",
 }
+MASK_DTYPES = (torch.bool, torch.float32, torch.float16, torch.bfloat16)
 
 
-def _not_yet(masking: Masking, attn_mask, varlen: bool, dropout_p: float, n_q: int, n_k: int) -> None:
-    """ValueError for what the kernels do not take yet: a window, bottom-right alignment where it
-    differs from top-left, an attn_mask, a varlen batch, dropout."""
-    if not masking.window.unbounded:
-        raise ValueError(f"window={(masking.window.left, masking.window.right)} is not supported by backend='triton' yet")
-    if masking.causal and masking.align is not Alignment.TOP_LEFT and n_q != n_k:
-        raise ValueError("align='bottom-right' with seq_q != seq_k is not supported by backend='triton' yet")
-    if attn_mask is not None:
-        raise ValueError("attn_mask is not supported by backend='triton' yet")
-    if varlen:
-        raise ValueError("a varlen batch (cu_seqlens) is not supported by backend='triton' yet")
-    if dropout_p:
-        raise ValueError(f"dropout_p={dropout_p} is not supported by backend='triton' yet")
-
-
-def check_inputs(q: torch.Tensor, k: torch.Tensor, *, masking: Masking = Masking(), attn_mask=None,
-                 varlen: bool = False, dropout_p: float = 0.0) -> None:
-    """Raise a clear error for inputs the kernels cannot take (shapes already checked by the API)."""
-    _not_yet(masking, attn_mask, varlen, dropout_p, q.shape[2], k.shape[2])
+def check_inputs(q: torch.Tensor, k: torch.Tensor, *, masking: Masking = Masking(),
+                 attn_mask: torch.Tensor | None = None, varlen: bool = False, dropout_p: float = 0.0) -> None:
+    """Raise a clear error for inputs the kernels cannot take (shapes already checked by the API):
+    the device, dtype, head_dim and head grouping; an ``attn_mask`` that is not bool or float,
+    not of shape (B, H, Nq, Nk) (expand a broadcastable one first), requires a gradient, or
+    comes with packed sequences (``varlen``: then q is (1, H, total, d)); a dropout probability
+    outside [0, 1)."""
     if q.device.type != "cuda" and not (q.device.type == "cpu" and interpreting()):
         raise ValueError(f"backend='triton' needs CUDA tensors; got device {q.device} (CPU tensors run only "
                          "under the Triton interpreter, TRITON_INTERPRET=1)")
@@ -54,6 +46,31 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, *, masking: Masking = Masking
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"q heads ({q.shape[1]}) must be a multiple of k/v heads ({k.shape[1]}) "
                          "for grouped-query attention")
+    if not isinstance(masking, Masking):
+        raise TypeError(f"masking={masking!r} is invalid; accepted: a stableflash.attention.masking.Masking")
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p={dropout_p!r} is invalid; backend='triton' takes a float with 0 ≤ dropout_p < 1")
+    if varlen and q.shape[0] != 1:
+        raise ValueError(f"packed sequences (cu_seqlens) take q as (1, H, total, d); got q of shape {tuple(q.shape)}")
+    if attn_mask is None:
+        return
+    if not isinstance(attn_mask, torch.Tensor):
+        raise TypeError(f"attn_mask of type {type(attn_mask).__name__} is invalid; accepted: None or a tensor")
+    if varlen:
+        raise ValueError("attn_mask with packed sequences (cu_seqlens) is not supported by backend='triton'; "
+                         "accepted: attn_mask=None with cu_seqlens (the sequences' boundaries are the mask)")
+    if attn_mask.dtype not in MASK_DTYPES:
+        raise TypeError(f"attn_mask of dtype {attn_mask.dtype} is invalid; accepted: torch.bool (True = take part) "
+                        "or a float additive mask (float32, float16, bfloat16)")
+    if attn_mask.requires_grad:
+        raise ValueError("attn_mask requires a gradient, which backend='triton' does not compute; accepted: "
+                         "a mask without gradient (attn_mask.detach()), or backend='emulated'")
+    want = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    if tuple(attn_mask.shape) != want:
+        raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} is invalid; accepted: shape {want} "
+                         "(B, H, Nq, Nk), broadcast dimensions expanded (attn_mask.expand(...), stride 0)")
+    if attn_mask.device != q.device:
+        raise ValueError(f"attn_mask on {attn_mask.device} is invalid; accepted: on q's device {q.device}")
 
 
 def _point(point: str) -> tuple[Format, bool] | None:
@@ -160,17 +177,58 @@ def check_key_block(block_k: int | None, policy: PrecisionPolicy, dtype: torch.d
     return block_k
 
 
+def _masks(masking: Masking, n_q: int, n_k: int, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+           max_seqlen_k, dropout_p: float) -> tuple[bool, Masks]:
+    """(the kernels' CAUSAL switch, the rest of the call's masks). A causal mask whose diagonal
+    starts at the top-left corner (top-left alignment, or n_q = n_k), without a window and
+    without packed sequences, is the kernels' own CAUSAL switch; any other band is BAND's."""
+    varlen = cu_seqlens_q is not None
+    left, right = masking.bounds
+    corner = masking.align is Alignment.TOP_LEFT or n_q == n_k
+    causal = masking.causal and masking.window.unbounded and corner and not varlen
+    band = None
+    if not causal and (left, right) != (None, None):
+        band = (UNBOUNDED if left is None else min(left, UNBOUNDED), UNBOUNDED if right is None else min(right, UNBOUNDED),
+                masking.align is Alignment.BOTTOM_RIGHT)
+    return causal, Masks(band, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q if varlen else 0,
+                         max_seqlen_k if varlen else 0, float(dropout_p))
+
+
 def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, masking: Masking, scale: float,
                      rule: ShiftRule, policy: PrecisionPolicy, softcap: float | None = None,
                      block_k: int | None = None, attn_mask: torch.Tensor | None = None,
                      cu_seqlens_q: torch.Tensor | None = None, cu_seqlens_k: torch.Tensor | None = None,
                      max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
-                     dropout_p: float = 0.0) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The fused kernels, differentiable: (O, LSE). Inputs validated by ``flash_attention`` and
-    ``check_inputs``; ``block_k``: the forward's key block under the "paper" emulation
-    (``kernel_config``). The log-sum-exp is not returned yet (None)."""
-    _not_yet(masking, attn_mask, cu_seqlens_q is not None, dropout_p, q.shape[2], k.shape[2])
+                     dropout_p: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fused kernels: (O, LSE), O differentiable, LSE (B, H, Nq) fp32 natural log without
+    gradient, −inf on rows that see no key (their O is 0). Inputs validated by the API and
+    ``check_inputs``; q, k, v (B, H, N, d) views whose last dimension is contiguous. ``masking``:
+    causal, its alignment and a window (``masking.visible``). ``attn_mask``: None, or bool (True =
+    take part) or float (added to the scores after the soft cap) already expanded to (B, H, Nq,
+    Nk). Packed sequences: ``cu_seqlens_q``/``cu_seqlens_k`` int32 (n_seq + 1,) on q's device,
+    ``max_seqlen_q``/``max_seqlen_k`` the longest sequence's lengths, q, k, v (1, H, total, d);
+    positions (and the alignment) counted within each sequence. ``dropout_p``: attention dropout
+    (``masking.dropout_keep``; the seed drawn per call from torch's default generator and kept
+    for the backward). ``block_k``: the forward's key block under the "paper" emulation
+    (``kernel_config``)."""
+    varlen = cu_seqlens_q is not None
+    if varlen != (cu_seqlens_k is not None) or (varlen and (max_seqlen_q is None or max_seqlen_k is None)):
+        raise ValueError("packed sequences need cu_seqlens_q, cu_seqlens_k, max_seqlen_q and max_seqlen_k together; "
+                         f"got cu_seqlens_q {'set' if varlen else 'None'}, cu_seqlens_k "
+                         f"{'None' if cu_seqlens_k is None else 'set'}, max_seqlen_q={max_seqlen_q}, "
+                         f"max_seqlen_k={max_seqlen_k}")
+    if varlen:
+        for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+            if t.dtype != torch.int32 or t.dim() != 1 or t.device != q.device:
+                raise ValueError(f"{name} of dtype {t.dtype}, shape {tuple(t.shape)} on {t.device} is invalid; "
+                                 f"accepted: int32 of shape (n_seq + 1,) on q's device {q.device}")
+        if cu_seqlens_q.shape != cu_seqlens_k.shape:
+            raise ValueError(f"cu_seqlens_q {tuple(cu_seqlens_q.shape)} and cu_seqlens_k {tuple(cu_seqlens_k.shape)} "
+                             "must have the same number of sequences")
     config = kernel_config(policy, rule, q.dtype, softcap, block_k)
     if config.block_k is not None:
         key_block_config(config.block_k, q.shape[-1])     # the key block's tile holds this head_dim
-    return attention(q, k, v, masking.causal, scale, config), None
+    causal, masks = _masks(masking, q.shape[2], k.shape[2], attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                           max_seqlen_k, dropout_p)
+    o, lse = attention(q, k, v, causal, scale, config, masks)
+    return o, lse.detach()

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import triton
 from triton.runtime import _allocation
 from triton.runtime.interpreter import InterpretedFunction
 
+from stableflash.attention.masking import draw_seed, drop_threshold
 from stableflash.attention.triton.backward import (attn_bwd_dkdv_kernel, attn_bwd_dq_kernel,
                                                    delta_dot_kernel, delta_pass_kernel)
 from stableflash.attention.triton.common import NO_FORMAT
@@ -52,7 +53,7 @@ DKDV_CONFIGS = [_cfg(32, 64, 4, 3), _cfg(64, 128, 8, 3), _cfg(32, 128, 4, 3), _c
                 _cfg(16, 64, 4, 2)]
 DQ_CONFIGS = [_cfg(64, 64, 4, 3), _cfg(128, 64, 8, 3), _cfg(128, 64, 8, 2), _cfg(128, 32, 8, 3),
               _cfg(64, 16, 4, 2)]
-_KEY = ["n_q", "n_k", "HEAD_DIM", "CAUSAL"]
+_KEY = ["n_q", "n_k", "HEAD_DIM", "CAUSAL", "BAND", "VARLEN", "MASK_KIND", "MASK_ROWS", "DROPOUT"]
 # the forward's switches from the configuration (forward_switches), and its grid
 _FWD_MODE = ["STAB", "EMU", "FMT", "SR", "ACC_NARROW", "ROW_NARROW", "O_NARROW", "PBAR32", "HP", "PFMT", "FP8_PV",
              "SOFTCAP", "DELTA_SRC", "PERSISTENT"]
@@ -247,6 +248,68 @@ def _v_for_fp8_product(v: torch.Tensor, fmt: Format) -> torch.Tensor:
     return v8.to(v.dtype) if interpreting() else v8
 
 
+# an unbounded side of the band: a bound beyond every index (sequences stay below 2**29 tokens)
+UNBOUNDED = 1 << 30
+
+
+class Masks(NamedTuple):
+    """What a call masks beyond the kernel's own CAUSAL switch (top-left causal, no window):
+    ``band`` (left, right, bottom-right aligned) of a window or of a causal diagonal off the top-left
+    corner — None: none; each side an int, UNBOUNDED for none — an ``attn_mask`` (B, H, Nq, Nk),
+    packed sequences (``cu_q``, ``cu_k``, ``max_q``, ``max_k``; then q, k, v are (1, H, total, d)),
+    and dropout's probability. ``Masks()``: nothing beyond CAUSAL, the kernels compiled without
+    any of these switches."""
+
+    band: Optional[tuple[int, int, bool]] = None
+    attn_mask: Optional[torch.Tensor] = None
+    cu_q: Optional[torch.Tensor] = None
+    cu_k: Optional[torch.Tensor] = None
+    max_q: int = 0
+    max_k: int = 0
+    dropout_p: float = 0.0
+
+    @property
+    def any(self) -> bool:
+        return self.band is not None or self.attn_mask is not None or self.cu_q is not None or self.dropout_p > 0
+
+    def op_args(self) -> tuple:
+        """The custom ops' arguments for these masks (``MASK_ARGS``, after the KernelConfig's)."""
+        return (None if self.band is None else [int(x) for x in self.band], self.attn_mask, self.cu_q, self.cu_k,
+                self.max_q, self.max_k, self.dropout_p)
+
+    @classmethod
+    def from_op_args(cls, band, attn_mask, cu_q, cu_k, max_q, max_k, dropout_p) -> "Masks":
+        return cls(None if band is None else (band[0], band[1], bool(band[2])), attn_mask, cu_q, cu_k, max_q, max_k,
+                   dropout_p)
+
+
+def _mask_launch(masks: Masks, scale_u: float, seed: int) -> tuple[dict, dict]:
+    """The kernels' trailing arguments (by name) and switches for ``masks`` (none: empty, so that a call
+    without masks launches exactly the kernels without these switches); ``scale_u`` the forward's
+    score scale in its units (the additive mask's multiplier is log2 e / scale_u), ``seed`` the
+    dropout seed."""
+    if not masks.any:
+        return {}, {}
+    varlen = masks.cu_q is not None
+    band = masks.band
+    if band is None and varlen:                # packed sequences: every sequence's own ragged edge
+        band = (UNBOUNDED, UNBOUNDED, False)
+    mask = masks.attn_mask
+    kind, rows, mstrides = 0, False, (0, 0, 0, 0)
+    if mask is not None:
+        kind = 1 if mask.dtype == torch.bool else 2
+        mstrides = mask.stride()
+        rows = mstrides[2] != 0 and mask.shape[2] > 1
+        mask = mask.view(torch.uint8) if kind == 1 else mask
+    p = masks.dropout_p
+    args = dict(CU_Q=masks.cu_q, CU_K=masks.cu_k, MASK=mask, stride_mb=mstrides[0], stride_mh=mstrides[1],
+                stride_mm=mstrides[2], stride_mn=mstrides[3], mask_mul=LOG2E / scale_u,
+                left=band[0] if band else 0, right=band[1] if band else 0, align_br=int(band[2]) if band else 0,
+                drop_seed=seed, drop_thr=drop_threshold(p) - 2**31, drop_scale=1.0 / (1.0 - p))
+    meta = dict(BAND=band is not None, VARLEN=varlen, MASK_KIND=kind, MASK_ROWS=rows, DROPOUT=p > 0)
+    return args, meta
+
+
 @functools.lru_cache(maxsize=256)
 def forward_switches(config: KernelConfig) -> dict:
     """The forward kernel's compile-time switches for ``config`` (all but the shapes, tiles and
@@ -262,13 +325,16 @@ def forward_switches(config: KernelConfig) -> dict:
 
 
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
-             config: KernelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             config: KernelConfig, masks: Masks = Masks(),
+             drop_seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(O, LSE, O32): O like q, LSE (B, H, Nq) fp32 in natural log, O32 what the forward keeps for
     δ (``config.delta.keeps_o``: an fp32 O, or the O store's residual in O's dtype; else an empty
     tensor). Stochastic rounding takes a seed drawn from torch's default generator (so
     ``torch.manual_seed`` makes a run reproducible and checkpoints carry the stream on). The fp32
     heads reach the kernel as one int, bit h set for head h. A key block (``config.block_k``)
-    walks the keys in blocks of that size (``key_block_config``)."""
+    walks the keys in blocks of that size (``key_block_config``). ``masks``: what the call masks
+    beyond CAUSAL; ``drop_seed``: dropout's seed (``masking.draw_seed``, drawn by the caller,
+    which keeps it for the backward)."""
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     B, H, n_q, d = q.shape
     n_k = k.shape[2]
@@ -285,7 +351,12 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sc
     # streams seed − 1 (O) and seed + 3b, seed + 3b + 1 (Ō, ℓ of key block b) stay positive int32
     seed = int(torch.randint(1, 2**30, (1,))) if config.stochastic else 0
     hp_mask = sum(1 << h for h in config.hp_heads)
-    if PERSISTENT:
+    extra, switches = _mask_launch(masks, scale_u, drop_seed)
+    varlen = masks.cu_q is not None
+    if varlen:                                 # (query blocks of the longest sequence, sequences · heads)
+        n_seq = masks.cu_q.shape[0] - 1
+        grid = lambda meta: (triton.cdiv(masks.max_q, meta["BLOCK_M"]), n_seq * H)  # noqa: E731
+    elif PERSISTENT and not masks.any:
         programs = _programs(q.device)
         grid = lambda meta: (min(triton.cdiv(n_q, meta["BLOCK_M"]) * B * H, programs),)  # noqa: E731
     else:
@@ -294,8 +365,9 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sc
     v8 = _v_for_fp8_product(v, config.p_bar) if config.fp8_product else v
     _launch(_fwd_tuned, attn_fwd_kernel, grid, q, k, v, v8, o, lse, o32, *_strides(q), *_strides(k), *_strides(v),
             *_strides(o), H, H // k.shape[1], n_q, n_k, B * H, scale_u, config.beta, eps_u, lo, hi, period,
-            seed, hp_mask, cap_in, cap_out, tma_tuned=_fwd_tma_tuned, tma=_use_tma(k, v) and tile is None,
-            fixed=emu, config=tile, HEAD_DIM=d, CAUSAL=causal, **forward_switches(config), PERSISTENT=PERSISTENT > 0)
+            seed, hp_mask, cap_in, cap_out, **extra, tma_tuned=_fwd_tma_tuned,
+            tma=_use_tma(k, v) and tile is None and not varlen, fixed=emu, config=tile, HEAD_DIM=d, CAUSAL=causal,
+            **forward_switches(config), PERSISTENT=PERSISTENT > 0 and not masks.any, **switches)
     return o, lse, o32
 
 
@@ -312,31 +384,48 @@ def _config_of(config_args: tuple) -> KernelConfig:
     return _op_config(*head, tuple(hp_heads), softcap, block_k)
 
 
+# the masks' arguments of both ops, after (q, k, v, causal, scale) and the KernelConfig's fields
+MASK_ARGS = ("band", "attn_mask", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "dropout_p")
+N_MASK_ARGS = len(MASK_ARGS)
+
+
 @torch.library.custom_op("stableflash::attn_fwd", mutates_args=())
 def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, arithmetic: str,
              rule: int, beta: float, eps: float, min_shift: float, max_shift: float, narrow: int, narrow_acc: bool,
              narrow_row_sum: bool, narrow_out: bool, stochastic: bool, p_bar: Optional[int], fp8_product: bool,
-             delta: int, hp_heads: list[int], softcap: Optional[float],
-             block_k: Optional[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(O, LSE, O32) as ``_forward`` for the KernelConfig whose ``op_args`` these are (``OP_FIELDS``)."""
+             delta: int, hp_heads: list[int], softcap: Optional[float], block_k: Optional[int],
+             band: Optional[list[int]] = None, attn_mask: Optional[torch.Tensor] = None,
+             cu_seqlens_q: Optional[torch.Tensor] = None, cu_seqlens_k: Optional[torch.Tensor] = None,
+             max_seqlen_q: int = 0, max_seqlen_k: int = 0,
+             dropout_p: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(O, LSE, O32, seed) as ``_forward`` for the KernelConfig whose ``op_args`` these are
+    (``OP_FIELDS``) and the masks (``Masks.op_args``); seed: dropout's (0 without), a CPU int64
+    tensor of one value for the backward op, drawn here on every call (also under torch.compile,
+    where the op is opaque)."""
     config = _op_config(arithmetic, rule, beta, eps, min_shift, max_shift, narrow, narrow_acc, narrow_row_sum,
                         narrow_out, stochastic, p_bar, fp8_product, delta, tuple(hp_heads), softcap, block_k)
-    return _forward(q, k, v, causal, scale, config)
+    masks = Masks.from_op_args(band, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p)
+    seed = draw_seed() if masks.dropout_p > 0 else 0
+    o, lse, o32 = _forward(q, k, v, causal, scale, config, masks, seed)
+    return o, lse, o32, torch.tensor([seed], dtype=torch.int64)
 
 
 @attn_fwd.register_fake
-def _(q, k, v, causal, scale, *config_args):
-    delta = _config_of(config_args).delta
+def _(q, k, v, causal, scale, *args):
+    delta = _config_of(args[:len(OP_FIELDS)]).delta
     o32 = q.new_empty(q.shape if delta.keeps_o else (0,), dtype=q.dtype if delta.residual else torch.float32)
-    return _empty_like_layout(q), q.new_empty(q.shape[:3], dtype=torch.float32), o32
+    return (_empty_like_layout(q), q.new_empty(q.shape[:3], dtype=torch.float32), o32,
+            torch.empty(1, dtype=torch.int64, device="cpu"))
 
 
 def _backward_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                    residual: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float,
-                   config: KernelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   config: KernelConfig, masks: Masks = Masks(),
+                   seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dQ, dK, dV) for the forward that produced ``o`` and ``lse`` under ``config`` (``o``: the
     fp32 O when the forward kept one, which δ = rowsum(dO ∘ O) then reads; ``residual``: R of δ
-    from dO·(O+R), which the δ kernel adds to O, or an empty tensor)."""
+    from dO·(O+R), which the δ kernel adds to O, or an empty tensor). ``masks`` and dropout's
+    ``seed``: the forward's."""
     emu, softcap = config.emulated, config.softcap or 0.0
     cap = dict(SOFTCAP=config.softcap is not None)
     do, q, k, v, o = (_last_dim_contiguous(t) for t in (do, q, k, v, o))
@@ -344,6 +433,13 @@ def _backward_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     Hk, n_k = k.shape[1], k.shape[2]
     group = H // Hk
     delta = torch.empty(B, H, n_q, dtype=torch.float32, device=q.device)
+    # the backward's kernels read scores in natural units: an additive mask's multiplier is unused
+    extra, switches = _mask_launch(masks, LOG2E, seed)
+    extra.pop("mask_mul", None)                # the forward's alone
+    n_m, n_n, n_bh, n_bhk = n_q, n_k, B * H, B * Hk
+    if masks.cu_q is not None:                 # programs over the longest sequence, sequences · heads
+        n_seq = masks.cu_q.shape[0] - 1
+        n_m, n_n, n_bh, n_bhk = masks.max_q, masks.max_k, n_seq * H, n_seq * Hk
     if not config.delta.extra_pass:           # δ = rowsum(dO ∘ O), O as stored, kept in fp32, or plus R
         block = 64
         has_r = residual.numel() > 0
@@ -351,17 +447,18 @@ def _backward_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
                                                           *_strides(o), *_strides(do), H, n_q,
                                                           HEAD_DIM=d, BLOCK_M=block, HAS_R=has_r)
     else:
-        _launch(_delta_tuned, delta_pass_kernel, lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]), B * H),
+        _launch(_delta_tuned, delta_pass_kernel, lambda meta: (triton.cdiv(n_m, meta["BLOCK_M"]), n_bh),
                 q, k, v, do, lse, delta, *_strides(q), *_strides(k), *_strides(v), *_strides(do), H, group, n_q, n_k,
-                scale, softcap, HEAD_DIM=d, CAUSAL=causal, DELTA_SRC=config.delta.value, EMU=emu, **cap)
+                scale, softcap, **extra, HEAD_DIM=d, CAUSAL=causal, DELTA_SRC=config.delta.value, EMU=emu, **cap,
+                **switches)
     dq, dk, dv = _empty_like_layout(q), _empty_like_layout(k), _empty_like_layout(k)   # dK, dV: one set of strides
     common = (*_strides(q), *_strides(k), *_strides(v), *_strides(do))
-    _launch(_dkdv_tuned, attn_bwd_dkdv_kernel, lambda meta: (triton.cdiv(n_k, meta["BLOCK_N"]), B * Hk),
-            q, k, v, do, lse, delta, dk, dv, *common, *_strides(dk), H, group, n_q, n_k, scale, softcap,
-            HEAD_DIM=d, CAUSAL=causal, EMU=emu, **cap)
-    _launch(_dq_tuned, attn_bwd_dq_kernel, lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]), B * H),
-            q, k, v, do, lse, delta, dq, *common, *_strides(dq), H, group, n_q, n_k, scale, softcap,
-            HEAD_DIM=d, CAUSAL=causal, EMU=emu, **cap)
+    _launch(_dkdv_tuned, attn_bwd_dkdv_kernel, lambda meta: (triton.cdiv(n_n, meta["BLOCK_N"]), n_bhk),
+            q, k, v, do, lse, delta, dk, dv, *common, *_strides(dk), H, group, n_q, n_k, scale, softcap, **extra,
+            HEAD_DIM=d, CAUSAL=causal, EMU=emu, **cap, **switches)
+    _launch(_dq_tuned, attn_bwd_dq_kernel, lambda meta: (triton.cdiv(n_m, meta["BLOCK_M"]), n_bh),
+            q, k, v, do, lse, delta, dq, *common, *_strides(dq), H, group, n_q, n_k, scale, softcap, **extra,
+            HEAD_DIM=d, CAUSAL=causal, EMU=emu, **cap, **switches)
     return dq, dk, dv
 
 
@@ -370,16 +467,22 @@ def attn_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
              residual: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float, arithmetic: str, rule: int,
              beta: float, eps: float, min_shift: float, max_shift: float, narrow: int, narrow_acc: bool,
              narrow_row_sum: bool, narrow_out: bool, stochastic: bool, p_bar: Optional[int], fp8_product: bool,
-             delta: int, hp_heads: list[int], softcap: Optional[float],
-             block_k: Optional[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dQ, dK, dV) for the forward that produced ``o`` and ``lse``, with the forward's op_args."""
+             delta: int, hp_heads: list[int], softcap: Optional[float], block_k: Optional[int],
+             band: Optional[list[int]] = None, attn_mask: Optional[torch.Tensor] = None,
+             cu_seqlens_q: Optional[torch.Tensor] = None, cu_seqlens_k: Optional[torch.Tensor] = None,
+             max_seqlen_q: int = 0, max_seqlen_k: int = 0, dropout_p: float = 0.0,
+             seed: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dQ, dK, dV) for the forward that produced ``o``, ``lse`` and dropout's ``seed``, with the
+    forward's arguments."""
     config = _op_config(arithmetic, rule, beta, eps, min_shift, max_shift, narrow, narrow_acc, narrow_row_sum,
                         narrow_out, stochastic, p_bar, fp8_product, delta, tuple(hp_heads), softcap, block_k)
-    return _backward_impl(do, q, k, v, o, residual, lse, causal, scale, config)
+    masks = Masks.from_op_args(band, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p)
+    return _backward_impl(do, q, k, v, o, residual, lse, causal, scale, config, masks,
+                          int(seed[0]) if seed is not None else 0)
 
 
 @attn_bwd.register_fake
-def _(do, q, k, v, o, residual, lse, causal, scale, *config_args):
+def _(do, q, k, v, o, residual, lse, causal, scale, *args):
     return _empty_like_layout(q), _empty_like_layout(k), _empty_like_layout(k)
 
 
@@ -390,17 +493,22 @@ def _for_delta(o: torch.Tensor, o32: torch.Tensor, config: KernelConfig) -> tupl
     return (o32 if config.delta.keeps_o else o), o32.new_empty(0)
 
 
+
+
 def _setup_context(ctx, inputs, output):
-    q, k, v, causal, scale, *config_args = inputs
-    o, lse, o32 = output
-    ctx.save_for_backward(q, k, v, lse, *_for_delta(o, o32, _config_of(config_args)))
+    q, k, v, causal, scale, *rest = inputs
+    config_args, mask_args = rest[:len(OP_FIELDS)], rest[len(OP_FIELDS):]
+    o, lse, o32, seed = output
+    ctx.save_for_backward(q, k, v, lse, *_for_delta(o, o32, _config_of(config_args)), seed)
     ctx.args = (causal, scale, *config_args)
+    ctx.mask_args = tuple(mask_args) + tuple(Masks().op_args()[len(mask_args):])
+    ctx.mark_non_differentiable(lse, o32, seed)
 
 
-def _backward(ctx, do, _dlse, _do32):
-    q, k, v, lse, o, residual = ctx.saved_tensors
-    dq, dk, dv = attn_bwd(do, q, k, v, o, residual, lse, *ctx.args)
-    return dq, dk, dv, *[None] * (2 + len(OP_FIELDS))
+def _backward(ctx, do, _dlse, _do32, _dseed):
+    q, k, v, lse, o, residual, seed = ctx.saved_tensors
+    dq, dk, dv = attn_bwd(do, q, k, v, o, residual, lse, *ctx.args, *ctx.mask_args, seed)
+    return dq, dk, dv, *[None] * (2 + len(OP_FIELDS) + N_MASK_ARGS)
 
 
 attn_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -410,23 +518,27 @@ class _EagerAttention(torch.autograd.Function):
     """The same kernels without the custom-op dispatch, for eager mode."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, config):
-        o, lse, o32 = _forward(q, k, v, causal, scale, config)
+    def forward(ctx, q, k, v, causal, scale, config, masks):
+        seed = draw_seed() if masks.dropout_p > 0 else 0
+        o, lse, o32 = _forward(q, k, v, causal, scale, config, masks, seed)
         ctx.save_for_backward(q, k, v, lse, *_for_delta(o, o32, config))
-        ctx.args = (causal, scale, config)
-        return o
+        ctx.args = (causal, scale, config, masks, seed)
+        ctx.mark_non_differentiable(lse)
+        return o, lse
 
     @staticmethod
-    def backward(ctx, do):
+    def backward(ctx, do, _dlse):
         q, k, v, lse, o, residual = ctx.saved_tensors
         dq, dk, dv = _backward_impl(do, q, k, v, o, residual, lse, *ctx.args)
-        return dq, dk, dv, None, None, None
+        return dq, dk, dv, None, None, None, None
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
-              config: KernelConfig) -> torch.Tensor:
-    """O, differentiable: the custom op under torch.compile (``config`` as its ``op_args``), the
-    autograd.Function in eager mode. ``config``: what ``launch.kernel_config`` built."""
+              config: KernelConfig, masks: Masks = Masks()) -> tuple[torch.Tensor, torch.Tensor]:
+    """(O, LSE): O differentiable, LSE (B, H, Nq) fp32 without gradient — the custom op under
+    torch.compile (``config`` as its ``op_args``), the autograd.Function in eager mode. ``config``:
+    what ``launch.kernel_config`` built; ``masks``: what the call masks beyond CAUSAL."""
     if torch.compiler.is_compiling():
-        return attn_fwd(q, k, v, causal, scale, *config.op_args())[0]
-    return _EagerAttention.apply(q, k, v, causal, scale, config)
+        o, lse, _, _ = attn_fwd(q, k, v, causal, scale, *config.op_args(), *masks.op_args())
+        return o, lse
+    return _EagerAttention.apply(q, k, v, causal, scale, config, masks)
