@@ -1,5 +1,8 @@
-"""What the GPT-2 and Llama-style models share: token checks, switching attention, cost estimates."""
+"""What the GPT-2 and Llama-style models share: token checks, document boundaries, switching attention,
+cost estimates."""
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -26,6 +29,67 @@ def check_tokens(idx: torch.Tensor, targets: torch.Tensor | None, block_size: in
             raise ValueError(f"targets has shape {tuple(targets.shape)}; accepted: idx's shape {tuple(idx.shape)}")
 
 
+# "causal": every token attends to the tokens before it in its row; "block_causal" (torchtitan's name):
+# only to those of its own document, documents ending at an end-of-text token
+ATTN_MASK_TYPES = ("causal", "block_causal")
+
+
+def check_attn_mask(attn_mask_type, eot_token, vocab_size: int) -> None:
+    """Clear errors for a model config's ``attn_mask_type`` and ``eot_token``."""
+    if attn_mask_type not in ATTN_MASK_TYPES:
+        raise ValueError(f"attn_mask_type={attn_mask_type!r} is invalid; accepted: {', '.join(ATTN_MASK_TYPES)}")
+    if attn_mask_type == "causal":
+        if eot_token is not None:
+            raise ValueError(f"eot_token={eot_token!r} takes effect only with attn_mask_type='block_causal'; "
+                             "accepted: eot_token None with attn_mask_type='causal'")
+        return
+    if isinstance(eot_token, bool) or not isinstance(eot_token, int) or not 0 <= eot_token < vocab_size:
+        raise ValueError(f"eot_token={eot_token!r} is invalid for attn_mask_type='block_causal'; accepted: the "
+                         f"end-of-text token id that ends each document, an int with 0 <= eot_token < "
+                         f"vocab_size={vocab_size}")
+
+
+def document_cu_seqlens(idx: torch.Tensor, eot_token: int) -> torch.Tensor:
+    """The documents of a batch of token rows, as FlashAttention's varlen ``cu_seqlens``.
+
+    ``idx`` (B, T) token ids; every row is split after each ``eot_token`` (the end-of-text token
+    belongs to the document it ends; the token after it starts the next one), and every row starts
+    a document of its own. Returns int32 (B·T + 1,) on idx's device: the start of each document in
+    the flattened (B·T) tokens, in order, then B·T repeated up to the end. Its length does not
+    depend on the data, so it is computed on the device without reading anything back to the host
+    (no synchronisation, and torch.compile traces it without a graph break); the trailing repeats
+    are sequences of length 0. Each document is at most T tokens long, so ``max_seqlen = T``.
+    """
+    B, T = idx.shape
+    starts = torch.ones_like(idx, dtype=torch.bool)
+    starts[:, 1:] = idx[:, :-1] == eot_token
+    doc = torch.cumsum(starts.reshape(-1), 0) - 1                  # each token's document, 0, 1, ...
+    wanted = torch.arange(B * T + 1, device=idx.device, dtype=doc.dtype)
+    return torch.searchsorted(doc, wanted, out_int32=True)         # where document k starts (B·T: none)
+
+
+class Documents(NamedTuple):
+    """The documents of a (B, T) batch: FlashAttention's varlen ``cu_seqlens`` over the B·T flattened
+    tokens (:func:`document_cu_seqlens`) and ``max_seqlen``, an upper bound of their lengths (T)."""
+
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
+
+
+def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: Documents, kwargs: dict,
+                       softcap: float | None = None) -> torch.Tensor:
+    """Causal attention within each document: q (B, T, H, d), k and v (B, T, H_kv, d) → (B, T, H, d),
+    through ``flash_attn_varlen_func`` with one layer's attention choice (``kwargs``:
+    ``AttentionChoice.kwargs()``)."""
+    from stableflash import flash_attn_varlen_func
+    B, T = q.shape[:2]
+    o = flash_attn_varlen_func(q.reshape(B * T, *q.shape[2:]), k.reshape(B * T, *k.shape[2:]),
+                               v.reshape(B * T, *v.shape[2:]), docs.cu_seqlens, docs.cu_seqlens,
+                               docs.max_seqlen, docs.max_seqlen, causal=True,
+                               softcap=0.0 if softcap is None else softcap, **kwargs)
+    return o.view(B, T, *o.shape[1:])
+
+
 def mfu(flops_per_token: int, tokens_per_second: float, peak_flops: float) -> float:
     """Model FLOPs utilisation: achieved training FLOP/s over ``peak_flops`` (FLOP/s of the hardware)."""
     for name, value in (("tokens_per_second", tokens_per_second), ("peak_flops", peak_flops)):
@@ -47,6 +111,14 @@ class DecoderLM(nn.Module):
         if targets is None:
             return logits, None
         return logits, F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-1)
+
+    def documents(self, idx: torch.Tensor) -> Documents | None:
+        """The documents of the rows of ``idx`` under ``attn_mask_type="block_causal"`` (None under
+        "causal": each row is one sequence)."""
+        c = self.config
+        if c.attn_mask_type != "block_causal":
+            return None
+        return Documents(document_cu_seqlens(idx, c.eot_token), idx.shape[1])
 
     def attention_layers(self) -> list[nn.Module]:
         raise NotImplementedError
