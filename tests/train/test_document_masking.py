@@ -123,3 +123,53 @@ def test_data_without_an_end_of_text_token_is_refused(data_dir, tmp_path, capsys
     assert "attn_mask_type=block_causal needs the end-of-text token" in err and str(data_dir) in err
     assert "tokenizer 'bytes'" in err and "--set eot_token=ID" in err
     assert not (tmp_path / "r").exists()
+
+
+# ------------------------------------------------------------------------------------ training
+
+
+def _losses(run) -> list[float]:
+    return [r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "event" not in r]
+
+
+def test_a_run_with_document_masking_records_it_and_resumes_with_it(data_dir, tmp_path, capsys):
+    """The embedded corpus is bytes; a newline (10) as the end-of-text id splits it into lines."""
+    common = ["--preset", "tiny", "-q", "--set", f"data={data_dir}", "--set", "ckpt_every=2", "--set", "eval_iters=1"]
+    out = tmp_path / "docs"
+    assert main(["train", "--out", str(out), *common, "--set", "max_iters=2", "--set", "attn_mask_type=block_causal",
+                 "--set", "eot_token=10"]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert (config["attn_mask_type"], config["eot_token"]) == ("block_causal", 10)
+    summary = json.loads((out / "summary.json").read_text())
+    assert (summary["attn_mask_type"], summary["eot_token"]) == ("block_causal", 10)
+    # the same seed, data and weights under plain causal attention give other losses from step 0
+    assert main(["train", "--out", str(tmp_path / "causal"), *common, "--set", "max_iters=1"]) == 0
+    assert _losses(tmp_path / "causal")[0] != _losses(out)[0]
+    capsys.readouterr()
+    assert main(["train", "--resume", str(out), "-q", "--set", "max_iters=4", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["steps"] == 4 and (summary["attn_mask_type"], summary["eot_token"]) == ("block_causal", 10)
+    assert json.loads((out / "config.json").read_text())["attn_mask_type"] == "block_causal"
+
+
+def test_the_data_sets_own_token_and_a_missing_one(tmp_path, caplog):
+    """eot_token unset: the id from the folder's meta.json; a warning when it never occurs."""
+    from stableflash.train.loop import train
+    rng = np.random.default_rng(0)
+    ids = rng.integers(1, 255, 20_000)              # 255 never occurs
+    ids[rng.random(ids.size) < 0.05] = 0                    # documents end with id 0
+    d = tmp_path / "data"
+    d.mkdir()
+    write_split(d / "train.bin", ids, np.uint16)
+    write_split(d / "val.bin", ids[:5000], np.uint16)
+    (d / "meta.json").write_text(json.dumps({"vocab_size": 256, "tokenizer": "bytes", "eot_token": 0}))
+    for model in ("tiny", "llama-tiny"):
+        cfg = make_config("tiny", overrides=[f"data={d}", f"model={model}", "max_iters=1", "eval_iters=1",
+                                             "attn_mask_type=block_causal"])
+        summary = train(cfg, tmp_path / model, progress=False)
+        assert summary["status"] == "finished" and summary["eot_token"] == 0
+    (d / "meta.json").write_text(json.dumps({"vocab_size": 256, "tokenizer": "bytes", "eot_token": 255}))
+    cfg = make_config("tiny", overrides=[f"data={d}", "max_iters=1", "eval_iters=1", "attn_mask_type=block_causal"])
+    with caplog.at_level("WARNING", logger="stableflash.train.loop"):
+        train(cfg, tmp_path / "absent", progress=False)
+    assert "the end-of-text token 255 does not occur in the first 20000 tokens" in caplog.text
