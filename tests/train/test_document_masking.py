@@ -123,6 +123,11 @@ def test_data_without_an_end_of_text_token_is_refused(data_dir, tmp_path, capsys
     assert "attn_mask_type=block_causal needs the end-of-text token" in err and str(data_dir) in err
     assert "tokenizer 'bytes'" in err and "--set eot_token=ID" in err
     assert not (tmp_path / "r").exists()
+    with pytest.raises(SystemExit) as exc:                   # an id outside the model's vocabulary
+        main(["train", "--out", str(tmp_path / "r"), "-q", "--set", f"data={data_dir}",
+              "--set", "attn_mask_type=block_causal", "--set", "eot_token=256"])
+    assert exc.value.code == 2 and "eot_token=256 is invalid" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
 
 
 # ------------------------------------------------------------------------------------ training
