@@ -40,6 +40,8 @@ def test_cu_seqlens_of_chosen_rows(rows):
     assert cu.dtype == torch.int32 and cu.shape == (n + 1,)
     # the documents, then sequences of length 0 up to the fixed length B·T + 1
     assert cu.tolist() == want + [n] * (n + 1 - len(want))
+    # given the number of documents: exactly one entry more
+    assert document_cu_seqlens(idx, EOT, len(want) - 1).tolist() == want
 
 
 def test_cu_seqlens_of_random_rows(gen):
