@@ -36,7 +36,7 @@ def _doc(gen, n: int, end: bool) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("family", ["gpt", "llama"])
-@pytest.mark.parametrize("attention", ["reference", "emulated policy=paper", "reference; 1: emulated policy=paper"])
+@pytest.mark.parametrize("attention", ["reference", "emulated policy=paper", "sdpa; 1: emulated policy=paper"])
 @torch.no_grad()
 def test_packed_documents_match_each_document_alone(family, attention, gen):
     docs, dense = _models(family, attention)

@@ -102,6 +102,7 @@ def test_prepared_text_records_its_end_of_text_token(tmp_path):
     (["eot_token=5"], "eot_token=5 takes effect only with attn_mask_type=block_causal"),
     (["attn_mask_type=block_causal", "eot_token=-1"], "eot_token=-1 is invalid; accepted: None or a non-negative"),
     (["attn_mask_type=block_causal", "eot_token=x"], "eot_token='x' is not a valid int"),
+    (["attn_mask_type=block_causal", "attention=emulated block=32"], "sets block=32, which cannot apply"),
 ])
 def test_invalid_settings_are_named(sets, match, tmp_path, capsys):
     with pytest.raises(ValueError, match=match):

@@ -369,6 +369,12 @@ def validate(cfg: TrainConfig) -> None:
         raise ValueError(f"model={cfg.model!r} is unknown; accepted: {', '.join(MODEL_PRESETS)}")
     mcfg = model_config(cfg.model, **cfg.model_overrides())        # a field the model family lacks, named now
     spec = parse_attention_spec(cfg.attention)
+    if cfg.attn_mask_type == "block_causal":
+        blocks = sorted({c.block for c in spec.choices(mcfg.n_layer) if c.backend != "sdpa" and c.block != 64})
+        if blocks:
+            raise ValueError(f"attention={cfg.attention!r} sets block={blocks[0]}, which cannot apply with "
+                             "attn_mask_type=block_causal (packed documents run key blocks of 64); accepted: the "
+                             "default block")
     if getattr(mcfg, "attn_softcap", None) is not None:
         sdpa = [i for i, c in enumerate(spec.choices(mcfg.n_layer)) if c.backend == "sdpa"]
         if sdpa:
