@@ -21,7 +21,7 @@ import torch.nn as nn
 
 from stableflash.attention import flash_attention
 from stableflash.attention.api import check_softcap
-from stableflash.model.base import DecoderLM, check_tokens
+from stableflash.model.base import DecoderLM, Documents, check_attn_mask, check_tokens, document_attention
 from stableflash.model.spec import AttentionChoice, AttentionSpec, as_attention_spec
 
 
@@ -31,7 +31,9 @@ class GPTConfig:
     Architectural controls against attention-logit growth (off in GPT-2): ``qk_norm`` LayerNorms each
     head's q and k before the scores; ``attn_gate`` multiplies each head's attention output by a
     sigmoid gate computed from the block's input (gated attention), before the output projection;
-    ``attn_softcap`` soft-caps the attention scores to c·tanh(S/c) (not on the "sdpa" backend)."""
+    ``attn_softcap`` soft-caps the attention scores to c·tanh(S/c) (not on the "sdpa" backend).
+    ``attn_mask_type`` "block_causal" keeps attention within each document of a row, a document
+    ending at the token ``eot_token`` (positions stay absolute: see ``GPT.forward``)."""
 
     n_layer: int
     n_head: int
@@ -44,6 +46,8 @@ class GPTConfig:
     qk_norm: bool = False
     attn_gate: bool = False
     attn_softcap: float | None = None
+    attn_mask_type: str = "causal"
+    eot_token: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size"):
@@ -59,6 +63,7 @@ class GPTConfig:
         if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) or not 0 <= self.dropout < 1:
             raise ValueError(f"dropout={self.dropout!r} is invalid; accepted: a number with 0 <= dropout < 1")
         check_softcap(self.attn_softcap, "attn_softcap")
+        check_attn_mask(self.attn_mask_type, self.eot_token, self.vocab_size)
         if (isinstance(self.init_std, bool) or not isinstance(self.init_std, (int, float))
                 or not math.isfinite(self.init_std) or self.init_std <= 0):
             raise ValueError(f"init_std={self.init_std!r} is invalid; accepted: a finite number > 0")
@@ -88,15 +93,22 @@ class CausalSelfAttention(nn.Module):
         # in (B, n_head, T, head_dim); it may register a hook on y to see dO. None costs nothing.
         self.observer = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, docs: Documents | None = None) -> torch.Tensor:
+        """x (B, T, C); ``docs``: the documents of the rows (attention stays within each), or None."""
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head) for t in (q, k, v))
+        if docs is None:
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if self.q_norm is not None:
             # under autocast LayerNorm returns fp32: back to v's dtype, as attention takes one dtype
             q, k = self.q_norm(q).to(v.dtype), self.k_norm(k).to(v.dtype)
-        extra = {} if self.softcap is None else {"softcap": self.softcap}
-        y = flash_attention(q, k, v, causal=True, **self.choice.kwargs(), **extra)
+        if docs is None:
+            extra = {} if self.softcap is None else {"softcap": self.softcap}
+            y = flash_attention(q, k, v, causal=True, **self.choice.kwargs(), **extra)
+        else:                           # (B, T, H, d) throughout; the observer sees (B, H, T, d) views
+            y = document_attention(q, k, v, docs, self.choice.kwargs(), self.softcap)
+            q, k, v, y = (t.transpose(1, 2) for t in (q, k, v, y))
         if self.observer is not None:
             self.observer(self, x, q, k, v, y)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
@@ -148,8 +160,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x: torch.Tensor, docs: Documents | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), docs)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -195,13 +207,17 @@ class GPT(DecoderLM):
         """idx (B, T) token ids, T ≤ block_size → (logits (B, T, vocab), loss or None).
 
         The loss is the mean float32 cross-entropy over every position whose target is not -1.
+        Under ``attn_mask_type="block_causal"`` attention stays within each document of a row
+        (:meth:`documents`); the position embeddings stay those of the row's positions 0..T−1,
+        as nanoGPT trains on packed documents.
         """
         check_tokens(idx, targets, self.config.block_size)
         T = idx.shape[1]
         pos = torch.arange(T, dtype=torch.long, device=idx.device)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        docs = self.documents(idx)
         for block in self.transformer.h:
-            x = block(x)
+            x = block(x, docs)
         return self._with_loss(self.lm_head(self.transformer.ln_f(x)), targets)
 
     # ---- attention routing ----------------------------------------------------------------

@@ -17,14 +17,16 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from stableflash.attention import flash_attention
-from stableflash.model.base import DecoderLM, check_tokens
+from stableflash.model.base import DecoderLM, Documents, check_attn_mask, check_tokens, document_attention
 from stableflash.model.spec import AttentionChoice, AttentionSpec, as_attention_spec
 
 
 @dataclass(frozen=True)
 class LlamaConfig:
     """Model shape. ``n_kv_head`` divides ``n_head`` (grouped-query attention when smaller);
-    the SwiGLU hidden width is 8/3·n_embd rounded up to a multiple of ``multiple_of``."""
+    the SwiGLU hidden width is 8/3·n_embd rounded up to a multiple of ``multiple_of``.
+    ``attn_mask_type`` "block_causal" keeps attention within each document of a row, a document
+    ending at the token ``eot_token`` (rotary positions stay the row's: see ``Llama.forward``)."""
 
     n_layer: int
     n_head: int
@@ -39,6 +41,8 @@ class LlamaConfig:
     tie_embeddings: bool = False
     dropout: float = 0.0
     init_std: float = 0.02
+    attn_mask_type: str = "causal"
+    eot_token: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "multiple_of"):
@@ -61,6 +65,7 @@ class LlamaConfig:
                 raise ValueError(f"{name}={value!r} is invalid; accepted: a finite number > {low:g}")
         if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) or not 0 <= self.dropout < 1:
             raise ValueError(f"dropout={self.dropout!r} is invalid; accepted: a number with 0 <= dropout < 1")
+        check_attn_mask(self.attn_mask_type, self.eot_token, self.vocab_size)
 
     @property
     def head_dim(self) -> int:
@@ -82,10 +87,13 @@ def rope_tables(head_dim: int, block_size: int, theta: float) -> tuple[torch.Ten
     return angles.cos().float(), angles.sin().float()
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate (x[..., :d/2], x[..., d/2:]) pairs of x (B, H, T, d) by the angles of positions 0..T−1."""
-    T, half = x.shape[-2], x.shape[-1] // 2
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seq_dim: int = -2) -> torch.Tensor:
+    """Rotate (x[..., :d/2], x[..., d/2:]) pairs of x (B, H, T, d), or (B, T, H, d) with ``seq_dim=-3``,
+    by the angles of positions 0..T−1."""
+    T, half = x.shape[seq_dim], x.shape[-1] // 2
     c, s = cos[:T].to(x.dtype), sin[:T].to(x.dtype)
+    if seq_dim == -3:
+        c, s = c[:, None], s[:, None]
     a, b = x[..., :half], x[..., half:]
     return torch.cat([a * c - b * s, a * s + b * c], dim=-1)
 
@@ -108,15 +116,24 @@ class LlamaAttention(nn.Module):
         self.resid_dropout = nn.Dropout(config.dropout)
         self.observer = None            # as CausalSelfAttention.observer (diagnostics)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                docs: Documents | None = None) -> torch.Tensor:
+        """x (B, T, C); ``docs``: the documents of the rows (attention stays within each), or None."""
         B, T, C = x.shape
-        q = self.wq(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        q = self.wq(x).view(B, T, self.n_head, self.head_dim)
+        k = self.wk(x).view(B, T, self.n_kv_head, self.head_dim)
+        v = self.wv(x).view(B, T, self.n_kv_head, self.head_dim)
+        if docs is None:
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = flash_attention(q, k, v, causal=True, **self.choice.kwargs())
+        seq_dim = -2 if docs is None else -3
+        q, k = apply_rope(q, cos, sin, seq_dim), apply_rope(k, cos, sin, seq_dim)
+        if docs is None:
+            y = flash_attention(q, k, v, causal=True, **self.choice.kwargs())
+        else:                           # (B, T, H, d) throughout; the observer sees (B, H, T, d) views
+            y = document_attention(q, k, v, docs, self.choice.kwargs())
+            q, k, v, y = (t.transpose(1, 2) for t in (q, k, v, y))
         if self.observer is not None:
             self.observer(self, x, q, k, v, y)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
@@ -160,8 +177,9 @@ class LlamaBlock(nn.Module):
         self.mlp_norm = nn.RMSNorm(config.n_embd, eps=config.norm_eps)
         self.mlp = SwiGLU(config)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                docs: Documents | None = None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, docs)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -196,11 +214,18 @@ class Llama(DecoderLM):
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """idx (B, T) token ids, T ≤ block_size → (logits, mean float32 cross-entropy or None)."""
+        """idx (B, T) token ids, T ≤ block_size → (logits, mean float32 cross-entropy or None).
+
+        Under ``attn_mask_type="block_causal"`` attention stays within each document of a row
+        (:meth:`documents`); the rotary angles stay those of the row's positions 0..T−1 (a rotation
+        of q and k by the same offset leaves their scores unchanged, so a document's attention is
+        what it would be at the start of the row).
+        """
         check_tokens(idx, targets, self.config.block_size)
         x = self.drop(self.tok_embeddings(idx))
+        docs = self.documents(idx)
         for layer in self.layers:
-            x = layer(x, self.rope_cos, self.rope_sin)
+            x = layer(x, self.rope_cos, self.rope_sin, docs)
         return self._with_loss(self.output(self.norm(x)), targets)
 
     def attention_layers(self) -> list[LlamaAttention]:

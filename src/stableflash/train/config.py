@@ -37,6 +37,10 @@ class TrainConfig:
     attn_softcap: float | None = None           # GPT: attention scores soft-capped to c·tanh(S/c)
     dropout: float | None = None
     attention: str = "sdpa"
+    # "causal", or "block_causal": each token attends only within its own document of the row, a
+    # document ending at the end-of-text token eot_token (None: the data's, see data.read_meta)
+    attn_mask_type: str = "causal"
+    eot_token: int | None = None
     # data
     data: str = "embedded"
     replay: str | None = None
@@ -289,7 +293,7 @@ RANGES: dict[str, tuple] = {
         "peak_tflops", "attn_softcap", "monitor_repeated_max", "monitor_spectral_ratio", "monitor_growth",
         "monitor_loss_spike", "monitor_delta_drift", "monitor_max_logit")},
     **{name: (0, True, None, False) for name in (
-        "warmup_iters", "lr_decay_iters", "probe_every", "stop_after_explosion", "seed",
+        "warmup_iters", "lr_decay_iters", "probe_every", "stop_after_explosion", "seed", "eot_token",
         "min_lr", "weight_decay", "grad_clip")},                      # grad_clip 0: no clipping
     **{name: (0, True, 1, False) for name in ("beta1", "beta2", "dropout")},
     # above about 3e37 the optimizers' float32 step overflows (a RuntimeError inside torch); 1e6 is far
@@ -337,6 +341,12 @@ def validate(cfg: TrainConfig) -> None:
                                   ("dtype", cfg.dtype, DTYPES)):
         if value not in accepted:
             raise ValueError(f"{name}={value!r} is invalid; accepted: {', '.join(accepted)}")
+    from stableflash.model.base import ATTN_MASK_TYPES
+    if cfg.attn_mask_type not in ATTN_MASK_TYPES:
+        raise ValueError(f"attn_mask_type={cfg.attn_mask_type!r} is invalid; accepted: {', '.join(ATTN_MASK_TYPES)}")
+    if cfg.eot_token is not None and cfg.attn_mask_type != "block_causal":
+        raise ValueError(f"eot_token={cfg.eot_token} takes effect only with attn_mask_type=block_causal; accepted: "
+                         "attn_mask_type=block_causal with it, or eot_token unset (none)")
     for layer in cfg.delta_layer_list():
         if layer < 0:
             raise ValueError(f"delta_layers={cfg.delta_layers!r} has a negative layer; accepted: indices >= 0")
@@ -359,6 +369,12 @@ def validate(cfg: TrainConfig) -> None:
         raise ValueError(f"model={cfg.model!r} is unknown; accepted: {', '.join(MODEL_PRESETS)}")
     mcfg = model_config(cfg.model, **cfg.model_overrides())        # a field the model family lacks, named now
     spec = parse_attention_spec(cfg.attention)
+    if cfg.attn_mask_type == "block_causal":
+        blocks = sorted({c.block for c in spec.choices(mcfg.n_layer) if c.backend != "sdpa" and c.block != 64})
+        if blocks:
+            raise ValueError(f"attention={cfg.attention!r} sets block={blocks[0]}, which cannot apply with "
+                             "attn_mask_type=block_causal (packed documents run key blocks of 64); accepted: the "
+                             "default block")
     if getattr(mcfg, "attn_softcap", None) is not None:
         sdpa = [i for i, c in enumerate(spec.choices(mcfg.n_layer)) if c.backend == "sdpa"]
         if sdpa:

@@ -311,7 +311,7 @@ def _write_documents(docs: Iterable, n_docs: int, out_dir: Path, tok, val_fracti
                 raise ValueError(f"{desc}: the {split} split came out empty ({documents} documents, "
                                  f"{counts} tokens); accepted: non-empty documents in both splits")
         meta = {"vocab_size": int(tok.vocab_size), "tokenizer": tok.name, "dtype": dtype,
-                "tokens": counts, "documents": documents,
+                "eot_token": getattr(tok, "eot_token", None), "tokens": counts, "documents": documents,
                 "source": {**source, "val_fraction": val_fraction, "split_seed": seed}}
         _replace_outputs(out_dir, tmp, meta)
     finally:

@@ -2,8 +2,8 @@
 
 Token files are nanoGPT's: ``train.bin`` and ``val.bin`` hold raw little-endian token ids
 (uint16, or uint32 for vocabularies over 65536). The vocabulary comes from the folder:
-``meta.json`` (ours: ``{"vocab_size", "tokenizer", "dtype", "tokens": {"train", "val"},
-"source"}``), else nanoGPT's ``meta.pkl`` (``{"vocab_size", "itos", "stoi"}``, read without
+``meta.json`` (ours: ``{"vocab_size", "tokenizer", "dtype", "eot_token", "tokens": {"train",
+"val"}, "source"}``), else nanoGPT's ``meta.pkl`` (``{"vocab_size", "itos", "stoi"}``, read without
 running code), else the folder is taken to be nanoGPT's GPT-2 preparation (vocab 50257, uint16),
 as nanoGPT's ``train.py`` takes it, so OpenWebText folders load unchanged.
 
@@ -43,6 +43,9 @@ DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 NANOGPT_META = {"vocab_size": 50257, "tokenizer": "gpt2", "tokens": None,
                 "source": "nanoGPT token files (no meta.json or meta.pkl: taken as GPT-2, vocab 50257)"}
 META_FILES = ("meta.json", "meta.pkl")
+# a tokenizer's end-of-text id, for data folders whose meta.json does not give eot_token (GPT-2's
+# <|endoftext|>, which nanoGPT's OpenWebText preparation appends to every document)
+KNOWN_EOT = {"gpt2": 50256}
 INCOMPLETE = "incomplete"  # meta.json's key while `data prepare` replaces a folder's files
 _EDGE = 65536             # check="sample": the first and last 64K ids
 _SAMPLE_WINDOWS = 256     # ... plus this many evenly spaced windows
@@ -288,8 +291,23 @@ def read_meta(data_dir: PathLike) -> dict:
                         data_dir)
     meta["vocab_size"] = _vocab(meta["vocab_size"], data_dir / origin if origin else data_dir)
     meta["dtype"] = _infer_dtype(data_dir, meta, origin)
+    meta["eot_token"] = _eot_token(meta, data_dir / origin if origin else data_dir)
     meta["meta_file"] = origin
     return meta
+
+
+def _eot_token(meta: dict, source: Path) -> int | None:
+    """The id that ends each document: meta.json's ``eot_token`` when it has the key (null: none),
+    else its tokenizer's (KNOWN_EOT), else None."""
+    if "eot_token" not in meta:
+        return KNOWN_EOT.get(meta.get("tokenizer"))
+    value = meta["eot_token"]
+    if value is not None and (not isinstance(value, (int, np.integer)) or isinstance(value, bool)
+                              or not 0 <= value < int(meta["vocab_size"])):
+        raise ValueError(f"{source}: eot_token={value!r} is invalid; accepted: null (no end-of-text token) or "
+                         f"the id that ends each document, an int with 0 <= eot_token < vocab_size="
+                         f"{meta['vocab_size']}")
+    return None if value is None else int(value)
 
 
 def write_split(path: PathLike, ids, dtype=np.uint16, append: bool = False) -> int:

@@ -39,6 +39,8 @@ from stableflash.train.optim import build_optimizer, lr_at
 
 log = logging.getLogger(__name__)
 
+# tokens of train.bin searched for the end-of-text token under attn_mask_type=block_causal
+_EOT_PROBE = 1 << 20
 # dense bf16 peak of the GPUs this project is measured on, for MFU (override with peak_tflops)
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
 
@@ -91,11 +93,30 @@ class GlobalReplay:
                          f"({len(self.samplers)} rank files)")
 
 
-def build_model(cfg: TrainConfig, vocab_size: int):
+def document_eot(cfg: TrainConfig, meta: dict, data_dir: Path) -> int | None:
+    """The end-of-text id that ends each document under ``attn_mask_type="block_causal"``:
+    ``cfg.eot_token`` when set, else the data's (``read_meta``'s ``eot_token``); None for "causal".
+    A ValueError naming the data when it has none."""
+    if cfg.attn_mask_type != "block_causal":
+        return None
+    if cfg.eot_token is not None:
+        return cfg.eot_token
+    if meta.get("eot_token") is None:
+        source = data_dir / meta["meta_file"] if meta.get("meta_file") else data_dir
+        raise ValueError(f"attn_mask_type=block_causal needs the end-of-text token that ends each document, and "
+                         f"data={cfg.data!r} has none ({source}: tokenizer {meta.get('tokenizer')!r}, no eot_token); "
+                         "accepted: data whose documents end with one (stableflash data prepare --tokenizer gpt2, "
+                         "or \"eot_token\": ID in its meta.json), or --set eot_token=ID naming the id that ends "
+                         "each document")
+    return int(meta["eot_token"])
+
+
+def build_model(cfg: TrainConfig, vocab_size: int, eot_token: int | None = None):
     """The model of ``cfg`` (GPT or Llama, by preset): the preset with the explicit overrides. The
     vocabulary is ``cfg.vocab_size`` when set (at least the data's), else the preset's, or the
     data's rounded up to a multiple of 64 (as nanoGPT pads GPT-2's 50257 to 50304) when the
-    preset's is smaller."""
+    preset's is smaller. Under ``attn_mask_type="block_causal"`` the model splits its rows into
+    documents after ``eot_token`` (see :func:`document_eot`)."""
     mcfg = model_config(cfg.model, **cfg.model_overrides())
     vocab = cfg.vocab_size or mcfg.vocab_size
     if cfg.vocab_size and vocab < vocab_size:
@@ -105,7 +126,8 @@ def build_model(cfg: TrainConfig, vocab_size: int):
         vocab = -(-vocab_size // 64) * 64
         log.info("vocab_size %d: the data's vocabulary (%d) rounded up to a multiple of 64; model %s's "
                  "preset has %d", vocab, vocab_size, cfg.model, mcfg.vocab_size)
-    return _build(replace(mcfg, vocab_size=vocab), attention=cfg.attention)
+    return _build(replace(mcfg, vocab_size=vocab, attn_mask_type=cfg.attn_mask_type, eot_token=eot_token),
+                  attention=cfg.attention)
 
 
 def _restore(run_dir: Path, cfg: TrainConfig, model, optimizer, device: torch.device) -> dict:
@@ -276,9 +298,14 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
     meta = read_meta(data_dir)
     data_check = RunData(data_dir, run_dir, meta, resume=resume, replay=cfg.replay, allow_change=allow_data_change)
     torch.manual_seed(cfg.seed)                       # same initial weights on every rank
-    model = build_model(cfg, meta["vocab_size"]).to(device)
+    eot = document_eot(cfg, meta, data_dir)
+    model = build_model(cfg, meta["vocab_size"], eot).to(device)
     block = model.config.block_size
     train_data, val_data = data_check.load(meta["vocab_size"], block)     # every id range-checked
+    if eot is not None and dist.is_main and not (train_data[:_EOT_PROBE] == eot).any():
+        log.warning("attn_mask_type=block_causal: the end-of-text token %d does not occur in the first %d tokens "
+                    "of %s, so documents are not split there; is eot_token the id that ends this data's documents?",
+                    eot, min(len(train_data), _EOT_PROBE), data_dir / "train.bin")
     optimizer = build_optimizer(model, cfg, device.type)
     _make_run_dir(run_dir)                # after the checks above: a run that cannot start leaves no folder
 
@@ -507,7 +534,8 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
         stop.restore()
     summary = {"status": status, "steps": step, "final_loss": last.get("loss"),
                "best_val_loss": best_val if math.isfinite(best_val) else None, "attention": cfg.attention,
-               "final_attention": str(model.attention_spec), "config_version": cfg.config_version,
+               "final_attention": str(model.attention_spec), "attn_mask_type": cfg.attn_mask_type,
+               "eot_token": eot, "config_version": cfg.config_version,
                "world_size": dist.world_size, "dist_backend": dist_backend, "grad_accum": cfg.grad_accum,
                "device": str(device), "data": str(data_dir), "data_meta": meta,
                "data_fingerprint": data_check.fingerprint["sha256"]}
