@@ -73,10 +73,10 @@ def _packed_documents(position_ids: torch.Tensor) -> torch.Tensor | None:
     """int32 cu_seqlens of the documents packed in one row of ``position_ids`` (a new document
     wherever the position does not step by 1), or None when the row is one document."""
     pos = position_ids.reshape(-1)
-    starts = torch.nonzero(torch.diff(pos, prepend=pos[:1] - 1) != 1).flatten()
-    if starts.numel() <= 1:
+    starts = torch.nonzero(torch.diff(pos) != 1).flatten() + 1      # the documents after the first
+    if starts.numel() == 0:
         return None
-    return torch.cat([starts, starts.new_tensor([pos.numel()])]).to(torch.int32)
+    return torch.cat([starts.new_zeros(1), starts, starts.new_tensor([pos.numel()])]).to(torch.int32)
 
 
 def make_attention_function(*, stabilize: bool | str | Stabilization = True, beta: float = 2.0, eps: float = 1e-3,
