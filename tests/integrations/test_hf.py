@@ -126,11 +126,17 @@ def test_padded_batch_logits_loss_and_gradients_match_reference(kind, tmp_path):
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 @pytest.mark.parametrize("kind", KINDS)
 def test_left_padded_greedy_generation_matches_reference(kind, cache, tmp_path):
+    """Greedy generate() of a left-padded batch (and, with a static cache, of an unpadded one, whose
+    all-ones mask generate() drops, leaving the cache's unfilled slots to the mask function)."""
     ref, ours = reference_and_ours(kind, tmp_path)
     ids, mask = left_padded()
-    args = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, cache_implementation=cache, pad_token_id=0)
-    want, got = ref.generate(ids, **args), ours.generate(ids, **args)
-    assert torch.equal(got, want)
+    prompts = [(ids, mask)] + ([(ids[:1], mask[:1])] if cache == "static" else [])
+    for prompt, prompt_mask in prompts:
+        args = dict(attention_mask=prompt_mask, max_new_tokens=6, do_sample=False, cache_implementation=cache,
+                    pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+        want, got = ref.generate(prompt, **args), ours.generate(prompt, **args)
+        assert torch.equal(got.sequences, want.sequences)
+        assert rel_err(torch.stack(got.logits), torch.stack(want.logits)) < 1e-4
 
 
 @pytest.mark.parametrize("kind", ["llama", "mistral"])

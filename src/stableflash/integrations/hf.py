@@ -163,11 +163,13 @@ def stable_attention_mask(batch_size: int, q_length: int, kv_length: int, q_offs
                          "overlay (or_mask_function / and_mask_function) is not supported; accepted: a model "
                          "without one, or attn_implementation='sdpa' for it")
     if attention_mask is None:
-        filled = q_offset + q_length - kv_offset          # the cache positions that hold a token
-        if not isinstance(filled, torch.Tensor) and filled >= kv_length:
+        # the cache positions that hold a token; fewer than kv_length in a static cache, whose query
+        # offset is a tensor (read here once per forward; transformers compiles generate()'s decoding
+        # step without fullgraph, where this is a graph break)
+        filled = int(q_offset + q_length - kv_offset)
+        if filled >= kv_length:
             return None
-        keys = torch.arange(kv_length, device=device if device is not None else "cpu")
-        return (keys < filled).unsqueeze(0).expand(batch_size, -1)
+        return torch.ones(batch_size, filled, dtype=torch.bool, device=device if device is not None else "cpu")
     attention_mask = attention_mask[:, -kv_length:]       # a sliding layer's cache keeps the last keys
     if attention_mask.shape[1] == kv_length and bool(attention_mask.all()):
         return None
