@@ -221,14 +221,15 @@ def test_a_custom_mask_overlay_is_refused_clearly():
 
 @pytest.mark.parametrize("dynamic", [False, True])
 def test_compiled_one_layer_llama_has_no_graph_breaks(dynamic):
-    """torch.compile(fullgraph=True) of a one-layer Llama on the default options."""
+    """torch.compile(fullgraph=True) of a one-layer Llama on the default options: fullgraph raises at
+    the first graph break."""
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config("llama", num_hidden_layers=1),
                                                           attn_implementation=hf.register()).eval()
     ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(3))
     torch._dynamo.reset()
-    explained = torch._dynamo.explain(lambda x: model(x).logits)(ids)
-    assert explained.graph_break_count == 0, explained.break_reasons
-    compiled = torch.compile(lambda x: model(x).logits, fullgraph=True, backend="aot_eager", dynamic=dynamic)
+    # dynamo finds graph breaks and traces symbolic shapes; aot_eager also traces the backward's graph
+    compiled = torch.compile(lambda x: model(x).logits, fullgraph=True, backend="eager" if dynamic else "aot_eager",
+                             dynamic=dynamic)
     with torch.no_grad():
         assert rel_err(compiled(ids), model(ids).logits) < 1e-5
