@@ -1,15 +1,13 @@
 """flash_attention's masks, window, alignment, dropout and log-sum-exp: results, dispatch, errors."""
 import math
-import re
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import stableflash as sf
 from stableflash.attention import api, reference
 from stableflash.attention.masking import Alignment, Masking, Window
-from tests.conftest import qkv, rel_err
+from tests.conftest import DEVICE, qkv, rel_err
 
 
 def padding(gen, B, n_k, empty=True):
@@ -91,9 +89,9 @@ def test_auto_dispatch(gen, monkeypatch):
 def test_the_triton_backend_takes_every_mask_through_the_public_call(gen):
     """The kernels (interpreter) against float64 through flash_attention: window, bottom-right causal
     with n_q < n_k, a boolean mask; within bf16's bound on O and on the LSE."""
-    q, k, v = (t.bfloat16() for t in qkv(gen, 1, 2, 8, 16, n_k=12))
+    q, k, v = (t.to(DEVICE, torch.bfloat16) for t in qkv(gen, 1, 2, 8, 16, n_k=12))
     for kw in (dict(window=(2, 2)), dict(causal=True, align="bottom-right"),
-               dict(attn_mask=torch.rand(8, 12, generator=gen) > 0.3)):
+               dict(attn_mask=(torch.rand(8, 12, generator=gen) > 0.3).to(DEVICE))):
         o, lse = sf.flash_attention(q, k, v, backend="triton", return_lse=True, **kw)
         want, want_lse = sf.flash_attention(q.double(), k.double(), v.double(), backend="reference",
                                             return_lse=True, **kw)

@@ -8,7 +8,7 @@ import torch
 
 import stableflash as sf
 from stableflash.attention import reference
-from stableflash.attention.masking import Alignment, Masking, Window
+from stableflash.attention.masking import Alignment, Masking
 from tests.conftest import rel_err
 
 

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import enum
 import numbers
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -51,16 +51,20 @@ class Alignment(enum.Enum):
     def parse(cls, value, name: str = "align") -> "Alignment":
         if isinstance(value, cls):
             return value
-        for a in cls:
-            if value == a.value:
-                return a
-        raise ValueError(f"{name}={value!r} is invalid; accepted: " + ", ".join(repr(a.value) for a in cls))
+        found = _ALIGNMENTS.get(value) if isinstance(value, str) else None
+        if found is None:
+            raise ValueError(f"{name}={value!r} is invalid; accepted: " + ", ".join(map(repr, _ALIGNMENTS)))
+        return found
 
 
-@dataclass(frozen=True)
-class Window:
+# by name: a dict lookup, which torch.compile traces (iterating an Enum class it does not, in torch 2.11)
+_ALIGNMENTS = {"top-left": Alignment.TOP_LEFT, "bottom-right": Alignment.BOTTOM_RIGHT}
+
+
+class Window(NamedTuple):
     """A sliding (local) window: query i sees keys from its diagonal − left to its diagonal +
-    right; None is unbounded on that side."""
+    right; None is unbounded on that side. (A NamedTuple, as Masking: torch.compile takes
+    them as constants where it cannot wrap a dataclass built inside a traced call.)"""
 
     left: int | None = None
     right: int | None = None
@@ -74,7 +78,7 @@ class Window:
         """A Window from None, a Window, or a pair (left, right) of ints ≥ 0, each side also taking
         any of ``unbounded`` (None; FlashAttention's window_size also −1) for no bound."""
         if value is None:
-            return cls()
+            return UNBOUNDED
         if isinstance(value, cls):
             return value
         accepted = ("None, or a pair (left, right) of ints ≥ 0" +
@@ -96,13 +100,15 @@ class Window:
         return cls(*sides)
 
 
-@dataclass(frozen=True)
-class Masking:
+UNBOUNDED = Window()
+
+
+class Masking(NamedTuple):
     """The positional mask of a call: causal or not, the diagonal's alignment, a window."""
 
     causal: bool = False
     align: Alignment = Alignment.TOP_LEFT
-    window: Window = Window()
+    window: Window = UNBOUNDED
 
     @property
     def bounds(self) -> tuple[int | None, int | None]:

@@ -12,7 +12,6 @@ ones by 1/(1 − p); the log-sum-exp is that of the undropped P.
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 
 import torch
 
@@ -31,7 +30,7 @@ def resolve_masking(causal: bool, masking: Masking | None) -> Masking:
     """The positional mask of ``causal`` and ``masking`` together (causal top-left without one)."""
     if masking is None:
         return Masking(causal=causal)
-    return replace(masking, causal=True) if causal and not masking.causal else masking
+    return masking._replace(causal=True) if causal and not masking.causal else masking
 
 
 def scores(q: torch.Tensor, k: torch.Tensor, *, causal: bool = False, scale: float | None = None,
