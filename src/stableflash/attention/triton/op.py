@@ -30,9 +30,14 @@ HEAD_DIMS = (16, 32, 64, 128, 256)
 DTYPES = (torch.float16, torch.bfloat16)
 
 
+# fixed when the kernels were defined (TRITON_INTERPRET=1 then); a module constant, which
+# torch.compile reads without tracing an isinstance() on a Triton kernel
+_INTERPRETING = isinstance(attn_fwd_kernel, InterpretedFunction)
+
+
 def interpreting() -> bool:
     """True when Triton runs its CPU interpreter (TRITON_INTERPRET=1 when the kernels were defined)."""
-    return isinstance(attn_fwd_kernel, InterpretedFunction)
+    return _INTERPRETING
 
 
 def _cfg(bm: int, bn: int, warps: int, stages: int, **extra) -> triton.Config:
