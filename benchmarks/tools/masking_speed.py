@@ -10,8 +10,9 @@ Cases (bf16, causal, forward + backward):
     peers: FlexAttention with a sliding-window block mask, SDPA's efficient and cuDNN backends
     with the window as an explicit boolean mask, and SDPA's FlashAttention-2 on full causal
     attention (no window: the same call doing more work, an upper bound on the window's worth).
-Ours: ``stableflash.flash_attn_varlen_func`` / ``flash_attention(window=...)`` with the default
-stabilization, and with stabilize="none" (the stabilization's cost).
+Ours: ``stableflash.flash_attn_varlen_func`` / ``flash_attention(window=...)`` on the kernels
+(backend="triton") with the default stabilization, and with stabilize="none" (the stabilization's
+cost).
 
 Correctness first: each provider is compared with float64 (every sequence's dense softmax under
 ``masking.visible``) on fresh random inputs at a reduced size of each case before anything is
@@ -92,7 +93,7 @@ def varlen_providers(lengths, h, d, device):
 
     def ours(stabilize):
         return lambda q, k, v: stableflash.flash_attn_varlen_func(q, k, v, cu, cu, longest, longest, causal=True,
-                                                                  stabilize=stabilize)
+                                                                  stabilize=stabilize, backend="triton")
 
     def sdpa_flash(q, k, v):
         nq, nk, nv = (torch.nested.nested_tensor_from_jagged(t, offsets).transpose(1, 2) for t in (q, k, v))
@@ -125,9 +126,10 @@ def window_providers(shape, w, device):
                 return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
         return fn
 
-    return {"stableflash": lambda q, k, v: stableflash.flash_attention(q, k, v, causal=True, window=(w, 0)),
+    return {"stableflash": lambda q, k, v: stableflash.flash_attention(q, k, v, causal=True, window=(w, 0),
+                                                                       backend="triton"),
             "stableflash-none": lambda q, k, v: stableflash.flash_attention(q, k, v, causal=True, window=(w, 0),
-                                                                            stabilize="none"),
+                                                                            stabilize="none", backend="triton"),
             "flex": lambda q, k, v: flex(q, k, v, block_mask=mask),
             "sdpa-efficient (bool mask)": sdpa(SDPBackend.EFFICIENT_ATTENTION),
             "sdpa-cudnn (bool mask)": sdpa(SDPBackend.CUDNN_ATTENTION),

@@ -8,6 +8,7 @@ import torch
 
 import stableflash as sf
 from stableflash.attention.dropin import StableAttention, scaled_dot_product_attention
+from tests.conftest import DEVICE
 
 
 def every_entry(backend: str | None):
@@ -46,23 +47,23 @@ def inputs(n=16, d=16, device="cpu"):
 
 @pytest.mark.parametrize("backend,dynamic", [(None, False), ("triton", True)])
 def test_no_graph_break_in_any_entry(backend, dynamic):
-    """The defaults (the emulation on the CPU) and the kernels, static and dynamic shapes."""
+    """The defaults (the emulation on the CPU, the kernels on a GPU) and the kernels, static and dynamic shapes."""
     torch._dynamo.reset()
     entries = every_entry(backend)
-    explained = torch._dynamo.explain(entries)(*inputs(n=4)) if not dynamic else None
+    explained = torch._dynamo.explain(entries)(*inputs(n=4, device=DEVICE)) if not dynamic else None
     if explained is not None:
         assert explained.graph_break_count == 0, explained.break_reasons
         return
     fn = every_entry(backend)
     compiled = torch.compile(fn, backend="eager", fullgraph=True, dynamic=True)
-    assert torch.equal(compiled(*inputs()), fn(*inputs()))
+    assert torch.equal(compiled(*inputs(device=DEVICE)), fn(*inputs(device=DEVICE)))
 
 
 @pytest.mark.slow
 def test_fullgraph_compile_runs_forward_and_backward_as_eager():
     torch._dynamo.reset()
     fn = lambda q, k, v: sf.flash_attention(q, k, v, causal=True, backend="triton")     # noqa: E731
-    check(fn, torch.compile(fn, backend="aot_eager", fullgraph=True, dynamic=True))
+    check(fn, torch.compile(fn, backend="aot_eager", fullgraph=True, dynamic=True), device=DEVICE)
 
 
 @pytest.mark.gpu

@@ -238,11 +238,18 @@ def _pick_auto(q: torch.Tensor, k: torch.Tensor, rule: ShiftRule, policy, resolv
     """"sdpa" where nothing needs stabilizing and SDPA can express the call, else "triton" where
     the kernels take it, else "emulated" (with a warning, once per reason)."""
     stabilizing = rule.stabilized or delta_changed or policy is not None or softcap is not None
-    if not stabilizing and not varlen and not return_lse:
+    # SDPA's own masks: none, or causal aligned top-left; a window or a bottom-right diagonal it takes
+    # only as a dense boolean mask, which its kernels read in full (slower than the kernels' band
+    # on an H100: benchmarks/results/masking-speed-H100-2026-11-24.txt), so those go to the kernels
+    sdpa_native = masking.window.unbounded and (not masking.causal or masking.align is Alignment.TOP_LEFT
+                                                or q.shape[2] == k.shape[2])
+    if not stabilizing and not varlen and not return_lse and sdpa_native:
         return "sdpa"
     why_not = _triton_reason(q, k, resolved, masking, attn_mask, varlen, dropout_p)
     if why_not is None:
         return "triton"
+    if not stabilizing and not varlen and not return_lse:
+        return "sdpa"
     reason = ("a precision policy was given" if policy is not None else
               f"the stabilized softmax (rule {rule.kind!r}) was asked for" if rule.stabilized else
               f"δ from {resolved.delta} was asked for (a consistent δ)" if delta_changed else
