@@ -5,6 +5,7 @@ the kernels run in Triton's CPU interpreter (small shapes); tests marked gpu add
 import pytest
 import torch
 
+import stableflash
 from stableflash.attention import PrecisionPolicy, ShiftRule
 from stableflash.attention.masking import Alignment, Masking, Window, draw_seed, dropout_keep, visible
 from tests.conftest import DEVICE, rel_err
@@ -304,3 +305,18 @@ def test_compiled_with_masks_varlen_and_dropout_has_no_graph_break(gen):
         outs.append((o, lse, *torch.autograd.grad(o, (qq, kk, vv), do)))
     for name, a, b in zip(("O", "LSE", "dQ", "dK", "dV"), *outs):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.gpu
+def test_a_packed_batch_may_have_more_sequence_heads_than_a_grid_axis_of_65535():
+    """70,000 one-token sequences (sequence·head on the grid's first axis, which takes 2³¹ − 1):
+    each query sees only its own key, so O = V and dV = dO exactly, dQ = dK = 0."""
+    n, h, d = 70_000, 1, 16
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, do = (torch.randn(n, h, d, generator=gen, device="cuda").bfloat16() for _ in range(4))
+    cu = torch.arange(n + 1, dtype=torch.int32, device="cuda")
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    o = stableflash.flash_attn_varlen_func(*leaves, cu, cu, 1, 1, causal=True, backend="triton")
+    dq, dk, dv = torch.autograd.grad(o, leaves, do)
+    assert torch.equal(o, v) and torch.equal(dv, do)
+    assert not dq.any() and not dk.any()

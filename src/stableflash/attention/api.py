@@ -240,7 +240,7 @@ def _pick_auto(q: torch.Tensor, k: torch.Tensor, rule: ShiftRule, policy, resolv
     stabilizing = rule.stabilized or delta_changed or policy is not None or softcap is not None
     # SDPA's own masks: none, or causal aligned top-left; a window or a bottom-right diagonal it takes
     # only as a dense boolean mask, which its kernels read in full (slower than the kernels' band
-    # on an H100: benchmarks/results/masking-speed-H100-2026-11-24.txt), so those go to the kernels
+    # on an H100: docs/kernels.md), so those go to the kernels
     sdpa_native = masking.window.unbounded and (not masking.causal or masking.align is Alignment.TOP_LEFT
                                                 or q.shape[2] == k.shape[2])
     if not stabilizing and not varlen and not return_lse and sdpa_native:

@@ -174,6 +174,9 @@ def _delta_pass_masked(Q, K, V, DO, LSE, DELTA, stride_qb, stride_qh, stride_qm,
                        DROPOUT: tl.constexpr):
     start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
     bh = tl.program_id(1)
+    if VARLEN:                                 # sequence·head on the first axis (``varlen_grid``)
+        start_m = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
+        bh = tl.program_id(0)
     b, h, row0, q_start, k_start, n_q, n_k = _sequence(bh, n_heads, n_q, n_k, CU_Q, CU_K, VARLEN)
     hk = h // group
     if VARLEN:
@@ -351,6 +354,9 @@ def _dkdv_masked(Q, K, V, DO, LSE, DELTA, DK, DV, stride_qb, stride_qh, stride_q
     SAFE: tl.constexpr = BAND or VARLEN or MASK_KIND != 0
     start_n = tl.program_id(0) * BLOCK_N
     bhk = tl.program_id(1)
+    if VARLEN:                                 # sequence·kv head on the first axis (``varlen_grid``)
+        start_n = tl.program_id(1) * BLOCK_N
+        bhk = tl.program_id(0)
     n_kv_heads = n_heads // group
     b, hk = bhk // n_kv_heads, bhk % n_kv_heads
     seq = b                                    # the batch element, or (VARLEN) the sequence
@@ -516,6 +522,9 @@ def _dq_masked(Q, K, V, DO, LSE, DELTA, DQ, stride_qb, stride_qh, stride_qm, str
     SAFE: tl.constexpr = BAND or VARLEN or MASK_KIND != 0
     start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
     bh = tl.program_id(1)
+    if VARLEN:                                 # sequence·head on the first axis (``varlen_grid``)
+        start_m = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
+        bh = tl.program_id(0)
     b, h, row0, q_start, k_start, n_q, n_k = _sequence(bh, n_heads, n_q, n_k, CU_Q, CU_K, VARLEN)
     hk = h // group
     if VARLEN:

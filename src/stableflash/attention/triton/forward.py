@@ -244,8 +244,8 @@ def attn_fwd_kernel(Q, K, V, V8, O, LSE, O32,
     The masking switches (all off: the kernel is the one without them): BAND, a causal diagonal
     off the top-left or a window (bounds ``left``, ``right``, the diagonal bottom-right aligned
     when ``align_br``); VARLEN, sequences packed along the token axis with boundaries ``CU_Q`` and
-    ``CU_K`` (int32, n_seq + 1), the grid's second axis then sequence·head and n_q, n_k the
-    totals; MASK_KIND, an attn_mask at ``MASK`` (B, H, Nq, Nk) with strides (0 where broadcast);
+    ``CU_K`` (int32, n_seq + 1), the grid's first axis then sequence·head (``op.varlen_grid``)
+    and n_q, n_k the totals; MASK_KIND, an attn_mask at ``MASK`` (B, H, Nq, Nk) with strides (0 where broadcast);
     DROPOUT, attention dropout (seed, threshold ⌊p·2³²⌋, 1/(1 − p)). Not with PERSISTENT."""
     if PERSISTENT:
         n_m = tl.cdiv(n_q, BLOCK_M)
@@ -259,7 +259,12 @@ def attn_fwd_kernel(Q, K, V, V8, O, LSE, O32,
     else:
         # the last query blocks see the most keys under a causal mask: launch them first, so that
         # the grid's tail is made of short programs (longest-processing-time-first scheduling)
-        _fwd_tile((tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M, tl.program_id(1), Q, K, V, V8, O, LSE, O32,
+        start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
+        bh = tl.program_id(1)
+        if VARLEN:                             # sequence·head on the first axis (``op.varlen_grid``)
+            start_m = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
+            bh = tl.program_id(0)
+        _fwd_tile(start_m, bh, Q, K, V, V8, O, LSE, O32,
                   stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
                   stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om,
                   n_heads, group, n_q, n_k, scale, beta, eps, lo, hi, period, seed, hp_mask, cap_in, cap_out,

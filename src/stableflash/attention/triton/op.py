@@ -238,6 +238,13 @@ def _empty_like_layout(t: torch.Tensor) -> torch.Tensor:
     return torch.empty_permuted(t.shape, order, dtype=t.dtype, device=t.device)
 
 
+def varlen_grid(longest: int, block: int, programs: int) -> tuple[int, int]:
+    """A packed batch's grid: sequence·head on the first axis, which takes up to 2³¹ − 1 programs
+    (the second and third take 65,535: a step of many short documents has more sequence·heads
+    than that), and the blocks of the longest sequence on the second."""
+    return programs, triton.cdiv(longest, block)
+
+
 def _v_for_fp8_product(v: torch.Tensor, fmt: Format) -> torch.Tensor:
     """V in the fp8 product's format (``fmt``: FP8_E4M3 or FP8_E5M2), converted once per call instead of
     once per query block, and laid out (B, H_kv, d, N), keys contiguous: the operand layout Hopper's
@@ -360,7 +367,7 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sc
     varlen = masks.cu_q is not None
     if varlen:                                 # (query blocks of the longest sequence, sequences · heads)
         n_seq = masks.cu_q.shape[0] - 1
-        grid = lambda meta: (triton.cdiv(masks.max_q, meta["BLOCK_M"]), n_seq * H)  # noqa: E731
+        grid = lambda meta: varlen_grid(masks.max_q, meta["BLOCK_M"], n_seq * H)  # noqa: E731
     elif PERSISTENT and not masks.any:
         programs = _programs(q.device)
         grid = lambda meta: (min(triton.cdiv(n_q, meta["BLOCK_M"]) * B * H, programs),)  # noqa: E731
@@ -445,6 +452,10 @@ def _backward_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     if masks.cu_q is not None:                 # programs over the longest sequence, sequences · heads
         n_seq = masks.cu_q.shape[0] - 1
         n_m, n_n, n_bh, n_bhk = masks.max_q, masks.max_k, n_seq * H, n_seq * Hk
+    if masks.cu_q is None:
+        blocks = lambda n, size, rows: (triton.cdiv(n, size), rows)  # noqa: E731
+    else:
+        blocks = varlen_grid
     if not config.delta.extra_pass:           # δ = rowsum(dO ∘ O), O as stored, kept in fp32, or plus R
         block = 64
         has_r = residual.numel() > 0
@@ -452,16 +463,16 @@ def _backward_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
                                                           *_strides(o), *_strides(do), H, n_q,
                                                           HEAD_DIM=d, BLOCK_M=block, HAS_R=has_r)
     else:
-        _launch(_delta_tuned, delta_pass_kernel, lambda meta: (triton.cdiv(n_m, meta["BLOCK_M"]), n_bh),
+        _launch(_delta_tuned, delta_pass_kernel, lambda meta: blocks(n_m, meta["BLOCK_M"], n_bh),
                 q, k, v, do, lse, delta, *_strides(q), *_strides(k), *_strides(v), *_strides(do), H, group, n_q, n_k,
                 scale, softcap, **extra, HEAD_DIM=d, CAUSAL=causal, DELTA_SRC=config.delta.value, EMU=emu, **cap,
                 **switches)
     dq, dk, dv = _empty_like_layout(q), _empty_like_layout(k), _empty_like_layout(k)   # dK, dV: one set of strides
     common = (*_strides(q), *_strides(k), *_strides(v), *_strides(do))
-    _launch(_dkdv_tuned, attn_bwd_dkdv_kernel, lambda meta: (triton.cdiv(n_n, meta["BLOCK_N"]), n_bhk),
+    _launch(_dkdv_tuned, attn_bwd_dkdv_kernel, lambda meta: blocks(n_n, meta["BLOCK_N"], n_bhk),
             q, k, v, do, lse, delta, dk, dv, *common, *_strides(dk), H, group, n_q, n_k, scale, softcap, **extra,
             HEAD_DIM=d, CAUSAL=causal, EMU=emu, **cap, **switches)
-    _launch(_dq_tuned, attn_bwd_dq_kernel, lambda meta: (triton.cdiv(n_m, meta["BLOCK_M"]), n_bh),
+    _launch(_dq_tuned, attn_bwd_dq_kernel, lambda meta: blocks(n_m, meta["BLOCK_M"], n_bh),
             q, k, v, do, lse, delta, dq, *common, *_strides(dq), H, group, n_q, n_k, scale, softcap, **extra,
             HEAD_DIM=d, CAUSAL=causal, EMU=emu, **cap, **switches)
     return dq, dk, dv
