@@ -310,7 +310,9 @@ def test_compiled_with_masks_varlen_and_dropout_has_no_graph_break(gen):
 @pytest.mark.gpu
 def test_a_packed_batch_may_have_more_sequence_heads_than_a_grid_axis_of_65535():
     """70,000 one-token sequences (sequence·head on the grid's first axis, which takes 2³¹ − 1):
-    each query sees only its own key, so O = V and dV = dO exactly, dQ = dK = 0."""
+    each query sees only its own key, so O = V and dV = dO exactly, and dQ = dK = 0 up to the fp32
+    rounding of dP − δ (two sums of d products, in different orders): bounded by d·2⁻²³ of the
+    largest |dO|·|V|·|K|."""
     n, h, d = 70_000, 1, 16
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v, do = (torch.randn(n, h, d, generator=gen, device="cuda").bfloat16() for _ in range(4))
@@ -319,4 +321,5 @@ def test_a_packed_batch_may_have_more_sequence_heads_than_a_grid_axis_of_65535()
     o = stableflash.flash_attn_varlen_func(*leaves, cu, cu, 1, 1, causal=True, backend="triton")
     dq, dk, dv = torch.autograd.grad(o, leaves, do)
     assert torch.equal(o, v) and torch.equal(dv, do)
-    assert not dq.any() and not dk.any()
+    bound = d * 2.0 ** -23 * float(do.abs().max() * v.abs().max() * k.abs().max()) * d ** -0.5
+    assert dq.abs().max() <= bound and dk.abs().max() <= bound
