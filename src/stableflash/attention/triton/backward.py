@@ -74,6 +74,21 @@ def _sequence(bh, n_heads, n_q, n_k, CU_Q, CU_K, VARLEN: tl.constexpr):
 
 
 @triton.jit
+def _query_program(n_heads, n_q, n_k, CU_Q, CU_K, BLOCK_M: tl.constexpr, VARLEN: tl.constexpr):
+    """(start_m, bh, b, h, row0, q_start, k_start, n_q, n_k) of a query-block program (the δ pass
+    and dQ): its first row, longest blocks first, its batch element (or sequence)·head ``bh`` (the
+    dropout counter), and ``_sequence``'s place of it. VARLEN puts sequence·head on the grid's
+    first axis (``op.varlen_grid``)."""
+    start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
+    bh = tl.program_id(1)
+    if VARLEN:
+        start_m = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
+        bh = tl.program_id(0)
+    b, h, row0, q_start, k_start, n_q, n_k = _sequence(bh, n_heads, n_q, n_k, CU_Q, CU_K, VARLEN)
+    return start_m, bh, b, h, row0, q_start, k_start, n_q, n_k
+
+
+@triton.jit
 def delta_dot_kernel(O, R, DO, DELTA, stride_ob, stride_oh, stride_om, stride_db, stride_dh, stride_dm,
                      n_heads, n_q, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, HAS_R: tl.constexpr):
     """δ = rowsum(dO ∘ O) in fp32; with HAS_R, rowsum(dO ∘ (O + R)), R the O store's rounding
@@ -172,12 +187,8 @@ def _delta_pass_masked(Q, K, V, DO, LSE, DELTA, stride_qb, stride_qh, stride_qm,
                        left, right, align_br, drop_seed, drop_thr, drop_scale,
                        BAND: tl.constexpr, VARLEN: tl.constexpr, MASK_KIND: tl.constexpr, MASK_ROWS: tl.constexpr,
                        DROPOUT: tl.constexpr):
-    start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
-    bh = tl.program_id(1)
-    if VARLEN:                                 # sequence·head on the first axis (``varlen_grid``)
-        start_m = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
-        bh = tl.program_id(0)
-    b, h, row0, q_start, k_start, n_q, n_k = _sequence(bh, n_heads, n_q, n_k, CU_Q, CU_K, VARLEN)
+    start_m, bh, b, h, row0, q_start, k_start, n_q, n_k = _query_program(n_heads, n_q, n_k, CU_Q, CU_K, BLOCK_M,
+                                                                          VARLEN)
     hk = h // group
     if VARLEN:
         Q += q_start.to(tl.int64) * stride_qm
@@ -520,12 +531,8 @@ def _dq_masked(Q, K, V, DO, LSE, DELTA, DQ, stride_qb, stride_qh, stride_qm, str
                BAND: tl.constexpr, VARLEN: tl.constexpr, MASK_KIND: tl.constexpr, MASK_ROWS: tl.constexpr,
                DROPOUT: tl.constexpr):
     SAFE: tl.constexpr = BAND or VARLEN or MASK_KIND != 0
-    start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
-    bh = tl.program_id(1)
-    if VARLEN:                                 # sequence·head on the first axis (``varlen_grid``)
-        start_m = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
-        bh = tl.program_id(0)
-    b, h, row0, q_start, k_start, n_q, n_k = _sequence(bh, n_heads, n_q, n_k, CU_Q, CU_K, VARLEN)
+    start_m, bh, b, h, row0, q_start, k_start, n_q, n_k = _query_program(n_heads, n_q, n_k, CU_Q, CU_K, BLOCK_M,
+                                                                          VARLEN)
     hk = h // group
     if VARLEN:
         Q += q_start.to(tl.int64) * stride_qm
