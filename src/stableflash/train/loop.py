@@ -418,14 +418,13 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
             model_state, optimizer_state = checkpoint.sharded_full_state(model, optimizer)
         else:
             model_state, optimizer_state = model.state_dict(), optimizer.state_dict()
-        saved, fresh = done, True
-        if not dist.is_main:
-            return
-        checkpoint.save(run_dir, {
-            "model": model_state, "optimizer": optimizer_state, "step": done,
-            "config": cfg.to_dict(), "attention": str(model.attention_spec),
-            "rng": {"cpu": torch.get_rng_state(),
-                    "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}})
+        if dist.is_main:
+            checkpoint.save(run_dir, {
+                "model": model_state, "optimizer": optimizer_state, "step": done,
+                "config": cfg.to_dict(), "attention": str(model.attention_spec),
+                "rng": {"cpu": torch.get_rng_state(),
+                        "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}})
+        saved, fresh = done, True                     # after the write: a save cut short saved nothing
 
     status, last, best_val = "finished", history.last, history.best_val_loss
     bar = progress_bar(total=cfg.max_iters, initial=step0, disable=not (progress and dist.is_main), desc="train")
