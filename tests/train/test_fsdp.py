@@ -54,6 +54,9 @@ def test_fsdp_two_ranks_train_resume_and_checkpoint_like_one_process(data_dir, t
     assert single["status"] == "finished" and len(a) == len(b) == 6
     assert max(abs(x - y) for x, y in zip(a, b)) < 1e-4, (a, b)
     assert a[0] > a[-1] + 0.3                             # it trains: the comparison is not of constants
+    # and the reverse: the one-process checkpoint of step 3 resumes on two FSDP ranks to the same losses
+    torchrun(data_dir, tmp_path / "ref", "max_iters=6", resume=True)
+    assert max(abs(x - y) for x, y in zip(a, losses(tmp_path / "ref"))) < 1e-4
     # the sharded run's checkpoint resumes in one process (the format is the one unsharded runs use)
     summary = train(make_config("tiny", overrides=[f"data={data_dir}", *FIXED, "max_iters=7"]),
                     tmp_path / "two", resume=True, progress=False)
