@@ -32,6 +32,7 @@ def torchrun(data_dir, out, *sets, resume=False):
     assert res.returncode == 0, res.stderr[:2000] + "\n[...]\n" + res.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_fsdp_two_ranks_train_resume_and_checkpoint_like_one_process(data_dir, tmp_path):
     one = make_config("tiny", overrides=[f"data={data_dir}", *FIXED, "max_iters=6"])
     single = train(one, tmp_path / "one", progress=False)
