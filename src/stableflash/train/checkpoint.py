@@ -122,3 +122,51 @@ def check_optimizer_fits(optimizer, path: Path) -> None:
                     if isinstance(value, torch.Tensor) and value.dim() and value.shape != p.shape:
                         raise ValueError(f"checkpoint {path} does not fit this model: {name} state {key!r} has "
                                          f"shape {tuple(value.shape)} for a parameter of shape {tuple(p.shape)}")
+
+
+def _numbered(named: dict) -> dict:
+    """An optimizer state dict keyed by parameter names (torch.distributed.checkpoint's layout) with
+    its parameters numbered in param-group order instead, as ``torch.optim.Optimizer.state_dict`` numbers them."""
+    order = {name: i for i, name in enumerate(n for g in named["param_groups"] for n in g["params"])}
+    return {"state": {order[name]: value for name, value in named["state"].items()},
+            "param_groups": [{**g, "params": [order[n] for n in g["params"]]} for g in named["param_groups"]]}
+
+
+def sharded_full_state(model: torch.nn.Module, optimizer) -> tuple[dict, dict]:
+    """The model and optimizer state of a model sharded by FSDP2 (``fully_shard``), gathered whole onto
+    rank 0's CPU in the layout of an unsharded run's (``model.state_dict()``, and per optimizer
+    ``Optimizer.state_dict()``), so a sharded run writes the same single-file checkpoint. Every rank
+    must call it (it all-gathers); ranks other than 0 get empty dicts."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_state = get_model_state_dict(model, options=options)
+    optim_state = {}
+    for name, opt in optimizer.optimizers.items():
+        named = get_optimizer_state_dict(model, opt, options=options)
+        if named:
+            optim_state[name] = _numbered(named)
+    return model_state, optim_state
+
+
+def load_sharded(model: torch.nn.Module, optimizer, state: dict) -> None:
+    """Load a checkpoint's whole model and optimizer state (as :func:`sharded_full_state` writes it, or
+    an unsharded run) into a model sharded by FSDP2 and its optimizers, each rank keeping its shard.
+    Every rank must call it, with the same ``state``."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+                                                         set_model_state_dict, set_optimizer_state_dict)
+    options = StateDictOptions(full_state_dict=True)
+    if set(state["optimizer"]) != set(optimizer.optimizers):
+        raise ValueError(f"checkpoint holds optimizers {sorted(state['optimizer'])}, this run uses "
+                         f"{sorted(optimizer.optimizers)}")
+    set_model_state_dict(model, state["model"], options=options)
+    for name, opt in optimizer.optimizers.items():
+        saved = state["optimizer"][name]
+        names = [n for g in get_optimizer_state_dict(model, opt, options=options)["param_groups"] for n in g["params"]]
+        groups = saved["param_groups"]
+        if sum(len(g["params"]) for g in groups) != len(names):
+            raise ValueError(f"checkpoint's {name} optimizer holds {sum(len(g['params']) for g in groups)} "
+                             f"parameters, this model has {len(names)}")
+        named = {"state": {names[i]: value for i, value in saved["state"].items()},
+                 "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in groups]}
+        set_optimizer_state_dict(model, opt, named, options=options)

@@ -46,6 +46,9 @@ class TrainConfig:
     replay: str | None = None
     batch_size: int = 8
     grad_accum: int | None = None               # micro-batches per step over all ranks; None: one per rank
+    # how a torchrun launch of several processes splits the model: "ddp" (a full replica per rank) or
+    # "fsdp" (PyTorch's FSDP2, fully_shard per transformer block, then the whole model)
+    parallel: str = "ddp"
     # optimisation
     optimizer: str = "adamw"
     lr: float = 1e-3
@@ -116,6 +119,7 @@ class TrainConfig:
 OPTIMIZERS = ("adamw", "muon")
 SCHEDULES = ("cosine", "constant")
 DTYPES = ("bf16", "fp16", "fp32")
+PARALLEL = ("ddp", "fsdp")
 
 # The paper's GPT-2 small recipe: AdamW β=(0.9, 0.95), wd 0, cosine from 1e-3 to 1e-5 after a
 # 2000-step warm-up, clip 1.0, bf16 autocast, 524,288 tokens per step (32 × 1024 × 16 micro-batches,
@@ -283,6 +287,27 @@ def resolve_grad_accum(cfg: TrainConfig, world_size: int) -> TrainConfig:
     return cfg
 
 
+def check_parallel(cfg: TrainConfig, world_size: int) -> None:
+    """A clear error when ``cfg.parallel`` cannot run on ``world_size`` ranks or with the rest of ``cfg``."""
+    if cfg.parallel != "fsdp":
+        return
+    if world_size == 1:
+        raise ValueError("parallel=fsdp shards the model over the ranks of a torchrun launch, and this is one "
+                         "process (WORLD_SIZE unset or 1); accepted: parallel=ddp (the default) in one process, or "
+                         "parallel=fsdp under torchrun --nproc_per_node=N with N >= 2")
+    if cfg.probe_every:
+        raise ValueError(f"probe_every={cfg.probe_every} cannot apply with parallel=fsdp (the probes read whole "
+                         "weights on rank 0, and FSDP holds a shard on each rank); accepted: probe_every=0 with "
+                         "parallel=fsdp, or parallel=ddp")
+    if cfg.monitor in ("switch", "rollback"):
+        raise ValueError(f"monitor={cfg.monitor} cannot apply with parallel=fsdp (its actions change or restore "
+                         "the model on rank 0 alone); accepted: monitor=warn or off with parallel=fsdp, or "
+                         "parallel=ddp")
+    if cfg.dtype == "fp16":
+        raise ValueError("dtype=fp16 cannot apply with parallel=fsdp (the loss scaler unscales whole gradients, "
+                         "FSDP holds sharded ones); accepted: dtype=bf16 or fp32 with parallel=fsdp, or parallel=ddp")
+
+
 # The accepted range of every numeric field: (lowest, lowest allowed?, highest or None, highest allowed?);
 # every lowest is 0.
 # Floats must also be finite; a field typed ``| None`` may be None (the preset's value, or off).
@@ -338,7 +363,7 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.min_lr > cfg.lr:
         raise ValueError(f"min_lr={cfg.min_lr} is above lr={cfg.lr}; accepted: min_lr <= lr")
     for name, value, accepted in (("optimizer", cfg.optimizer, OPTIMIZERS), ("schedule", cfg.schedule, SCHEDULES),
-                                  ("dtype", cfg.dtype, DTYPES)):
+                                  ("dtype", cfg.dtype, DTYPES), ("parallel", cfg.parallel, PARALLEL)):
         if value not in accepted:
             raise ValueError(f"{name}={value!r} is invalid; accepted: {', '.join(accepted)}")
     from stableflash.model.base import ATTN_MASK_TYPES

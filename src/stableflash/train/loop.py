@@ -31,7 +31,8 @@ from stableflash.model import build_model as _build, model_config
 from stableflash.model.spec import upgrade_stored_spec
 from stableflash.progress import progress_bar
 from stableflash.train import checkpoint
-from stableflash.train.config import DistInfo, TrainConfig, monitor_config, resolve_grad_accum, validate
+from stableflash.train.config import (DistInfo, TrainConfig, check_parallel, monitor_config, resolve_grad_accum,
+                                      validate)
 from stableflash.train.data import BatchRecorder, BatchSampler, ReplaySampler, RunData, eval_batches, read_meta
 from stableflash.train.metrics import History, MetricsWriter, truncate_after
 from stableflash.train.stopping import ExplosionStop
@@ -130,6 +131,17 @@ def build_model(cfg: TrainConfig, vocab_size: int, eot_token: int | None = None)
                   attention=cfg.attention)
 
 
+def shard_model(model) -> None:
+    """Shard ``model`` over the process group with FSDP2: ``fully_shard`` on each transformer block,
+    then on the whole model (embeddings, final norm, head). Parameters stay float32 (sharded), as in
+    the DDP path the forward's precision is set by autocast, so both compute the same arithmetic."""
+    from torch.distributed.fsdp import fully_shard
+    blocks = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == model.config.n_layer]
+    for block in blocks[0]:
+        fully_shard(block)
+    fully_shard(model)
+
+
 def _restore(run_dir: Path, cfg: TrainConfig, model, optimizer, device: torch.device) -> dict:
     """Load run_dir's checkpoint into the model, the optimizer and the RNGs; returns it. Loaded on
     the CPU: the RNG states must stay CPU tensors, and load_state_dict moves the rest."""
@@ -137,8 +149,11 @@ def _restore(run_dir: Path, cfg: TrainConfig, model, optimizer, device: torch.de
     path = Path(run_dir) / checkpoint.CHECKPOINT
     checkpoint.check_fits(state, model, path)
     try:
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
+        if cfg.parallel == "fsdp":
+            checkpoint.load_sharded(model, optimizer, state)
+        else:
+            model.load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optimizer"])
         checkpoint.check_optimizer_fits(optimizer, path)
         torch.set_rng_state(state["rng"]["cpu"])
         if device.type == "cuda" and state["rng"].get("cuda") is not None:
@@ -286,6 +301,8 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
     check_run_dir(run_dir)
     dist = DistInfo.from_env()
     cfg = resolve_grad_accum(cfg, dist.world_size)
+    check_parallel(cfg, dist.world_size)
+    fsdp = cfg.parallel == "fsdp"
     device = _device(cfg, dist)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -306,6 +323,8 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
         log.warning("attn_mask_type=block_causal: the end-of-text token %d does not occur in the first %d tokens "
                     "of %s, so documents are not split there; is eot_token the id that ends this data's documents?",
                     eot, min(len(train_data), _EOT_PROBE), data_dir / "train.bin")
+    if fsdp:
+        shard_model(model)                            # before the optimizer: it steps the shards
     optimizer = build_optimizer(model, cfg, device.type)
     _make_run_dir(run_dir)                # after the checks above: a run that cannot start leaves no folder
 
@@ -369,7 +388,7 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
     val_sampler = BatchSampler(val_data, block, cfg.batch_size, cfg.seed)
 
     net = torch.compile(model) if cfg.compile else model
-    if dist.world_size > 1:
+    if dist.world_size > 1 and not fsdp:
         net = torch.nn.parallel.DistributedDataParallel(net, device_ids=[device.index] if device.type == "cuda" else None)
     amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.dtype)
     autocast = (lambda: torch.autocast(device.type, dtype=amp_dtype)) if amp_dtype else contextlib.nullcontext
@@ -393,13 +412,19 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
     fresh = True                                      # whether the model, optimizer and RNGs are what it holds
 
     def save_checkpoint(done: int) -> None:
+        """Rank 0 writes the checkpoint; under FSDP every rank calls this, to gather the shards."""
         nonlocal saved, fresh
-        checkpoint.save(run_dir, {
-            "model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": done,
-            "config": cfg.to_dict(), "attention": str(model.attention_spec),
-            "rng": {"cpu": torch.get_rng_state(),
-                    "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}})
-        saved, fresh = done, True
+        if fsdp:
+            model_state, optimizer_state = checkpoint.sharded_full_state(model, optimizer)
+        else:
+            model_state, optimizer_state = model.state_dict(), optimizer.state_dict()
+        if dist.is_main:
+            checkpoint.save(run_dir, {
+                "model": model_state, "optimizer": optimizer_state, "step": done,
+                "config": cfg.to_dict(), "attention": str(model.attention_spec),
+                "rng": {"cpu": torch.get_rng_state(),
+                        "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}})
+        saved, fresh = done, True                     # after the write: a save cut short saved nothing
 
     status, last, best_val = "finished", history.last, history.best_val_loss
     bar = progress_bar(total=cfg.max_iters, initial=step0, disable=not (progress and dist.is_main), desc="train")
@@ -416,7 +441,11 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
                 idx = source.indices(step, g)
                 recorder.record(step, g, idx)
                 x, y = sampler.get_batch(idx, device)
-                sync = net.no_sync() if dist.world_size > 1 and micro < accum - 1 else contextlib.nullcontext()
+                sync = contextlib.nullcontext()
+                if fsdp:                                       # reduce-scatter on the last micro-batch only
+                    model.set_requires_gradient_sync(micro == accum - 1)
+                elif dist.world_size > 1 and micro < accum - 1:
+                    sync = net.no_sync()
                 with sync, autocast():
                     _, loss = net(x, y)
                 scaler.scale(loss / accum).backward()
@@ -425,6 +454,8 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
                 for opt in optimizer.optimizers.values():
                     scaler.unscale_(opt)
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or math.inf)
+            if fsdp:
+                grad_norm = grad_norm.full_tensor()   # the norm over every rank's shards
             loss_mean = loss_sum / accum
             if dist.world_size > 1:
                 torch_dist.all_reduce(loss_mean, op=torch_dist.ReduceOp.AVG)
@@ -512,7 +543,7 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
                                "layers": act, "attention": str(spec),
                                "message": f"layers {act} switched to stabilized attention "
                                           f"({cfg.monitor_switch_to}) from step {done}"})
-            if dist.is_main and (done % cfg.ckpt_every == 0 or done == cfg.max_iters) and done == step + 1:
+            if (dist.is_main or fsdp) and (done % cfg.ckpt_every == 0 or done == cfg.max_iters) and done == step + 1:
                 save_checkpoint(done)
             bar.n = step = done
             bar.refresh()
@@ -521,7 +552,7 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
                 if signum:
                     status = "interrupted"
                     break
-        if status == "interrupted" and dist.is_main and (saved != step or not fresh):
+        if status == "interrupted" and (dist.is_main or fsdp) and (saved != step or not fresh):
             save_checkpoint(step)
     except KeyboardInterrupt:                         # a second signal: stopped at once, mid-step
         status, signum, at_once = "interrupted", stop.signum or signal.SIGINT, True
