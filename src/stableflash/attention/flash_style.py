@@ -12,8 +12,8 @@ import numbers
 
 import torch
 
-from stableflash.attention.api import FLOAT_DTYPES, _check_tensors, _positive_real, attend
-from stableflash.attention.masking import Alignment, Masking, Window
+from stableflash.attention.api import FLOAT_DTYPES, _check_tensors, _positive_real, attend, check_masking
+from stableflash.attention.masking import Alignment
 from stableflash.attention.policy import PrecisionPolicy
 from stableflash.attention.stabilization import Stabilization
 
@@ -65,11 +65,6 @@ _COMMON_ARGS = """        dropout_p: float in [0, 1), default 0.0. Attention dro
 """
 
 
-def _window(window_size) -> Window:
-    return Window.parse(tuple(window_size) if isinstance(window_size, list) else window_size,
-                        "window_size", unbounded=(-1,))
-
-
 def _softcap(softcap) -> float | None:
     if isinstance(softcap, numbers.Real) and not isinstance(softcap, bool) and softcap == 0:
         return None
@@ -95,9 +90,7 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p
     _check_layout({"q": q, "k": k, "v": v}, 4, "(batch, seq, heads, head_dim)")
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
     _check_tensors(qt, kt, vt)
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal={causal!r} must be a bool")
-    masking = Masking(causal, Alignment.parse(align, "align"), _window(window_size))
+    masking = check_masking(causal, align, window_size, "window_size", unbounded=(-1,))
     res = attend(qt, kt, vt, masking=masking, scale=softmax_scale, stabilize=stabilize, beta=beta, eps=eps,
                  backend=backend, policy=policy, block_q=None, block_k=64, softcap=_softcap(softcap), attn_mask=None,
                  dropout_p=dropout_p, return_lse=return_lse)
@@ -172,9 +165,7 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
                          "accepted: one entry more than the number of sequences in both")
     max_q = _check_max_seqlen(max_seqlen_q, "max_seqlen_q", cu_seqlens_q)
     max_k = _check_max_seqlen(max_seqlen_k, "max_seqlen_k", cu_seqlens_k)
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal={causal!r} must be a bool")
-    masking = Masking(causal, Alignment.parse(align, "align"), _window(window_size))
+    masking = check_masking(causal, align, window_size, "window_size", unbounded=(-1,))
     res = attend(qt, kt, vt, masking=masking, scale=softmax_scale, stabilize=stabilize, beta=beta, eps=eps,
                  backend=backend, policy=policy, block_q=None, block_k=64, softcap=_softcap(softcap), attn_mask=None,
                  dropout_p=dropout_p, return_lse=return_lse, varlen=(cu_seqlens_q, cu_seqlens_k, max_q, max_k))
