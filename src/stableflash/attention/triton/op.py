@@ -449,12 +449,10 @@ def _backward_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     extra, switches = _mask_launch(masks, LOG2E, seed)
     extra.pop("mask_mul", None)                # the forward's alone
     n_m, n_n, n_bh, n_bhk = n_q, n_k, B * H, B * Hk
+    blocks = lambda n, size, rows: (triton.cdiv(n, size), rows)  # noqa: E731
     if masks.cu_q is not None:                 # programs over the longest sequence, sequences · heads
         n_seq = masks.cu_q.shape[0] - 1
         n_m, n_n, n_bh, n_bhk = masks.max_q, masks.max_k, n_seq * H, n_seq * Hk
-    if masks.cu_q is None:
-        blocks = lambda n, size, rows: (triton.cdiv(n, size), rows)  # noqa: E731
-    else:
         blocks = varlen_grid
     if not config.delta.extra_pass:           # δ = rowsum(dO ∘ O), O as stored, kept in fp32, or plus R
         block = 64
