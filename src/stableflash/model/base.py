@@ -70,9 +70,14 @@ def document_cu_seqlens(idx: torch.Tensor, eot_token: int, n_docs: int | None = 
     launch programs for.
     """
     doc = document_index(idx, eot_token)
-    count = idx.numel() if n_docs is None else n_docs
-    wanted = torch.arange(count + 1, device=idx.device, dtype=doc.dtype)
-    return torch.searchsorted(doc, wanted, out_int32=True)         # where document k starts (B·T: none)
+    return _document_starts(doc, idx.numel() if n_docs is None else n_docs)
+
+
+def _document_starts(doc: torch.Tensor, count: int) -> torch.Tensor:
+    """int32 (count + 1,): where documents 0..count of ``doc`` (:func:`document_index`) start in the
+    flattened tokens (B·T past the last one)."""
+    wanted = torch.arange(count + 1, device=doc.device, dtype=doc.dtype)
+    return torch.searchsorted(doc, wanted, out_int32=True)
 
 
 class Documents(NamedTuple):
@@ -142,8 +147,7 @@ class DecoderLM(nn.Module):
         doc = document_index(idx, c.eot_token)
         # the number of documents, read once per forward for all layers: the kernels launch programs
         # per sequence and head, and B·T + 1 entries (no read) would exceed their grid for large batches
-        n_docs = int(doc[-1]) + 1
-        cu = torch.searchsorted(doc, torch.arange(n_docs + 1, device=idx.device, dtype=doc.dtype), out_int32=True)
+        cu = _document_starts(doc, int(doc[-1]) + 1)
         mask = None
         if any(module.choice.backend == "sdpa" for module in self.attention_layers()):
             d = doc.view(B, T)
