@@ -26,7 +26,7 @@ from typing import Callable, Iterator
 import torch
 
 from stableflash.attention.policy import O16_SOURCES, PrecisionPolicy, resolve_delta
-from stableflash.attention.masking import Masking, draw_seed, visible
+from stableflash.attention.masking import Masking, draw_seed, segments, visible
 from stableflash.attention.reference import keep_mask, resolve_masking
 from stableflash.attention.shift import ShiftRule, bound_rounded_shift, next_shift
 from stableflash.numerics import round_to, ulp
@@ -201,8 +201,7 @@ def _segments(n_q: int, n_k: int, cu_seqlens_q: torch.Tensor | None,
     sequence of a varlen batch (cu_seqlens read on the host)."""
     if cu_seqlens_q is None:
         return [(0, slice(0, n_q), slice(0, n_k))]
-    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-    return [(s, slice(cq[s], cq[s + 1]), slice(ck[s], ck[s + 1])) for s in range(len(cq) - 1)]
+    return segments(cu_seqlens_q, cu_seqlens_k)
 
 
 def emulated_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float,

@@ -141,6 +141,13 @@ def visible(n_q: int, n_k: int, masking: Masking, device: torch.device | str = "
     return keep
 
 
+def segments(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor) -> list[tuple[int, slice, slice]]:
+    """(sequence index, its query rows, its key rows) of each sequence of a varlen batch; the
+    offsets are read on the host."""
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    return [(s, slice(cq[s], cq[s + 1]), slice(ck[s], ck[s + 1])) for s in range(len(cq) - 1)]
+
+
 # Philox-4x32-10's constants (the same as triton.language.random's for 32-bit counters)
 _ROUND_A, _ROUND_B = 0xD2511F53, 0xCD9E8D57
 _KEY_A, _KEY_B = 0x9E3779B9, 0xBB67AE85

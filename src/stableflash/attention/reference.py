@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from stableflash.attention.masking import Masking, draw_seed, dropout_keep, visible
+from stableflash.attention.masking import Masking, draw_seed, dropout_keep, segments, visible
 from stableflash.attention.shift import ShiftRule, row_shift
 
 
@@ -110,10 +110,8 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     q4, k4, v4 = (t.unsqueeze(0) if squeeze else t for t in (q, k, v))
     if dropout_p > 0.0 and seed is None:
         seed = draw_seed()
-    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     outs, lses = [], []
-    for s in range(len(cq) - 1):
-        rows, cols = slice(cq[s], cq[s + 1]), slice(ck[s], ck[s + 1])
+    for s, rows, cols in segments(cu_seqlens_q, cu_seqlens_k):
         o, lse = attention(q4[:, :, rows], k4[:, :, cols], v4[:, :, cols], dropout_p=dropout_p, seed=seed,
                            first_batch=s, return_lse=True, **kwargs)
         outs.append(o)
