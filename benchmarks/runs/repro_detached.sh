@@ -4,10 +4,13 @@
 #   bash benchmarks/runs/repro_detached.sh start NAME PRESET [repro options ...]
 #       starts `stableflash repro --preset PRESET --no-probe -q --out /tmp/detached/NAME ...` in its
 #       own process session (it keeps running after the call returns)
+#   bash benchmarks/runs/repro_detached.sh command NAME CMD [ARGS ...]
+#       starts any command the same way (its output in NAME.log; it writes its run where it says,
+#       under the same root for `wait` to pack: benchmarks/runs/faithful_gpt2.sh uses it)
 #   bash benchmarks/runs/repro_detached.sh wait SECONDS
 #       waits SECONDS, or less once every started run's process group has ended, then packs every
-#       run's metrics, probes and events (no checkpoints) into $OUT/detached.tgz and prints each
-#       run's last logged loss and step
+#       run's metrics, probes and events (no checkpoints; the recorded batch order too with
+#       KEEP_BATCHES=1) into $OUT/detached.tgz and prints each run's last logged loss and step
 #   bash benchmarks/runs/repro_detached.sh solo PRESET STEPS [repro options ...]
 #       stops the detached runs, then times PRESET's baseline alone for STEPS steps (ms per step)
 #   bash benchmarks/runs/repro_detached.sh stop [NAME ...]
@@ -26,6 +29,11 @@ case $1 in
       > "$root/$name.log" 2>&1 < /dev/null &
     echo $! > "$root/$name.pgid"              # setsid: the run leads its own process group
     echo "started $name: $preset $*";;
+  command)
+    name=$2; shift 2
+    setsid nohup "$@" > "$root/$name.log" 2>&1 < /dev/null &
+    echo $! > "$root/$name.pgid"
+    echo "started $name: $*";;
   stop)
     shift
     names=${*:-$(ls "$root"/*.pgid 2>/dev/null | xargs -r -n1 basename | sed 's/\.pgid$//')}
@@ -42,7 +50,8 @@ case $1 in
       sleep 5
     done
     echo "waited $((SECONDS + $2 - end)) s of $2"
-    tar czf "$OUT/detached.tgz" --exclude='*.pt' --exclude=batches -C "$root" .
+    keep=(--exclude=batches); [ "${KEEP_BATCHES:-0}" = 1 ] && keep=()
+    tar czf "$OUT/detached.tgz" --exclude='*.pt' --exclude='*.distcp' "${keep[@]}" -C "$root" .
     for f in $(find "$root" -name metrics.jsonl | sort); do      # repro and ladder layouts alike
       python3 - "$f" <<'PY'
 import json, sys

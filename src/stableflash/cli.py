@@ -143,13 +143,20 @@ def _cmd_train(args: argparse.Namespace) -> int:
 def _cmd_data_prepare(args: argparse.Namespace) -> int:
     from stableflash.train import corpus
 
+    text_fraction = 0.0005 if args.val_fraction is None else args.val_fraction
+    if args.embedded and args.packages:
+        raise ValueError("--embedded and --packages name two corpora; accepted: one of them")
     if args.embedded:
         meta = corpus.prepare_embedded(args.out, overwrite=args.overwrite)
+    elif args.packages:
+        from stableflash.train.packages_corpus import DEFAULT_VAL_FRACTION, prepare_packages
+        meta = prepare_packages(args.out, vocab_size=args.vocab_size, overwrite=args.overwrite,
+                                val_fraction=DEFAULT_VAL_FRACTION if args.val_fraction is None else args.val_fraction)
     elif args.hf_dataset:
         meta = corpus.prepare_hf(args.hf_dataset, args.out, split=args.hf_split, text_field=args.text_field,
-                                 tokenizer=args.tokenizer, val_fraction=args.val_fraction, overwrite=args.overwrite)
+                                 tokenizer=args.tokenizer, val_fraction=text_fraction, overwrite=args.overwrite)
     elif args.inputs:
-        meta = corpus.prepare_text(args.inputs, args.out, tokenizer=args.tokenizer, val_fraction=args.val_fraction,
+        meta = corpus.prepare_text(args.inputs, args.out, tokenizer=args.tokenizer, val_fraction=text_fraction,
                                    pattern=args.pattern, overwrite=args.overwrite)
     else:
         raise ValueError("nothing to prepare; accepted: INPUT files or folders, --hf-dataset NAME, or --embedded")
@@ -325,14 +332,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, required=True, help="output folder")
     p.add_argument("--overwrite", action="store_true",
                    help="replace the token files already in --out (refused by default)")
-    p.add_argument("--tokenizer", choices=("auto", "bytes", "gpt2"), default="auto")
-    p.add_argument("--val-fraction", type=float, default=0.0005, help="share of documents for val.bin")
+    p.add_argument("--tokenizer", default="auto", metavar="NAME",
+                   help="auto, bytes, gpt2, or the path of a tokenizer.json (a tokenizers BPE, e.g. the one "
+                        "--packages writes)")
+    p.add_argument("--val-fraction", type=float, default=None,
+                   help="share of documents for val.bin (default 0.0005; 0.001 with --packages)")
     p.add_argument("--pattern", default="*.txt", help="file pattern inside folders (default: *.txt)")
     p.add_argument("--hf-dataset", help="a Hugging Face dataset name (needs the datasets package and the hub)")
     p.add_argument("--hf-split", default="train")
     p.add_argument("--text-field", default="text")
     p.add_argument("--embedded", action="store_true",
                    help="the embedded default corpus (this Python's standard-library sources, bytes)")
+    p.add_argument("--packages", action="store_true",
+                   help="the installed-packages corpus: this Python's site-packages text files, one document "
+                        "each, with a BPE trained on them by the tokenizers package (train/packages_corpus.py)")
+    p.add_argument("--vocab-size", type=int, default=50257,
+                   help="--packages: BPE entries + 1 (the end-of-text id is the last; default 50257, GPT-2's)")
     p.set_defaults(func=_cmd_data_prepare)
 
     from stableflash.repro.presets import CPU_DEFAULT, GPU_DEFAULT, REPRO_PRESETS

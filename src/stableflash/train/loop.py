@@ -46,11 +46,20 @@ _EOT_PROBE = 1 << 20
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
 
 
-def resolve_data_dir(data: str) -> Path:
-    """``"embedded"`` → the prepared default corpus; anything else is a folder of token files."""
+def resolve_data_dir(data: str, dist: DistInfo | None = None) -> Path:
+    """``"embedded"`` → the prepared default corpus; ``"packages"`` → the installed-packages corpus
+    (``train.packages_corpus``, prepared by rank 0 while the other ranks wait); anything else is a
+    folder of token files."""
     if data == "embedded":
         from stableflash.train.corpus import default_data_dir
         return Path(default_data_dir())
+    if data == "packages":
+        from stableflash.train.packages_corpus import default_packages_dir
+        if dist is not None and dist.world_size > 1:
+            if dist.is_main:
+                default_packages_dir()
+            torch_dist.barrier()
+        return Path(default_packages_dir())
     return Path(data)
 
 
@@ -308,9 +317,10 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
         torch.cuda.set_device(device)
     dist_backend = _init_process_group(dist, device, cfg)
 
-    data_dir = resolve_data_dir(cfg.data)
+    data_dir = resolve_data_dir(cfg.data, dist)
     if not data_dir.is_dir():
-        raise FileNotFoundError(f"data={cfg.data!r}: no folder {data_dir}; accepted: 'embedded' or a folder with "
+        raise FileNotFoundError(f"data={cfg.data!r}: no folder {data_dir}; accepted: 'embedded', 'packages' or a "
+                                "folder with "
                                 "train.bin and val.bin (stableflash data prepare makes one)")
     meta = read_meta(data_dir)
     data_check = RunData(data_dir, run_dir, meta, resume=resume, replay=cfg.replay, allow_change=allow_data_change)

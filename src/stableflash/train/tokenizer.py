@@ -1,8 +1,9 @@
-"""Tokenizers for the training data: raw UTF-8 bytes (always available) and GPT-2 (tiktoken).
+"""Tokenizers for the training data: raw UTF-8 bytes (always available), GPT-2 (tiktoken), and a
+BPE saved by the ``tokenizers`` package (``tokenizer.json``, e.g. the installed-packages corpus's).
 
-Both share one small interface: ``name``, ``vocab_size``, ``eot_token`` (``None`` for bytes),
-``encode(text) -> np.ndarray`` and ``decode(ids) -> str``. GPT-2's ``encode`` treats its input as
-one document and appends the end-of-text token, as nanoGPT's OpenWebText preparation does.
+All share one small interface: ``name``, ``vocab_size``, ``eot_token`` (``None`` for bytes),
+``encode(text) -> np.ndarray`` and ``decode(ids) -> str``. GPT-2's and the BPE's ``encode`` treat their
+input as one document and append the end-of-text token, as nanoGPT's OpenWebText preparation does.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-TOKENIZERS = ("bytes", "gpt2", "auto")
+TOKENIZERS = ("bytes", "gpt2", "auto", "a tokenizer.json path")
 TextLike = Union[str, bytes, bytearray, memoryview]
 
 
@@ -94,6 +95,57 @@ class GPT2Tokenizer:
         return "GPT2Tokenizer(tiktoken 'gpt2')"
 
 
+class BPETokenizer:
+    """A ``tokenizers`` BPE read from its ``tokenizer.json`` (plain JSON: loading it runs no code),
+    with the end-of-text id after its entries (``vocab_size = entries + 1``), as
+    :mod:`stableflash.train.packages_corpus` writes it. The end-of-text token is an id only: the
+    text ``<|endoftext|>`` inside a document is encoded as ordinary text."""
+
+    name = "bpe"
+
+    def __init__(self, path) -> None:
+        try:
+            import tokenizers
+        except ImportError as e:
+            raise ValueError(f"tokenizer={str(path)!r} needs the tokenizers package, which is not installed "
+                             f"(pip install tokenizers)") from e
+        try:
+            self._tok = tokenizers.Tokenizer.from_file(str(path))
+        except Exception as e:         # a missing file, damaged JSON, an unknown model: all the same here
+            raise ValueError(f"tokenizer={str(path)!r} cannot be read ({type(e).__name__}: {e}); accepted: a "
+                             f"tokenizer.json saved by the tokenizers package") from None
+        self.path = str(path)
+        self.eot_token: int = int(self._tok.get_vocab_size(with_added_tokens=True))
+        self.vocab_size: int = self.eot_token + 1
+
+    def encode(self, text: TextLike) -> np.ndarray:
+        """One document: its BPE ids followed by the end-of-text id (bytes decoded as UTF-8, invalid
+        sequences becoming U+FFFD)."""
+        if isinstance(text, (bytes, bytearray, memoryview)):
+            text = bytes(text).decode("utf-8", errors="replace")
+        elif not isinstance(text, str):
+            raise TypeError(f"text is a {type(text).__name__}; accepted: str or bytes")
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        ids.append(self.eot_token)
+        return np.asarray(ids, dtype=np.uint32 if self.vocab_size > 65536 else np.uint16)
+
+    def decode(self, ids: Iterable[int] | np.ndarray) -> str:
+        """Text of ``ids``; each end-of-text id becomes ``<|endoftext|>``."""
+        arr = _ids_array(ids)
+        if arr.size and (arr.min() < 0 or arr.max() > self.eot_token):
+            bad = arr[(arr < 0) | (arr > self.eot_token)][0]
+            raise ValueError(f"ids contains {int(bad)}; accepted: ids 0..{self.eot_token}")
+        cuts = np.flatnonzero(arr == self.eot_token)
+        pieces, start = [], 0
+        for cut in [*cuts.tolist(), arr.size]:
+            pieces.append(self._tok.decode([int(i) for i in arr[start:cut]], skip_special_tokens=False))
+            start = cut + 1
+        return "<|endoftext|>".join(pieces)
+
+    def __repr__(self) -> str:
+        return f"BPETokenizer({self.path!r}, vocab_size={self.vocab_size})"
+
+
 _OFFLINE_HINT = ("the GPT-2 vocabulary is not available offline (tiktoken downloads it on first use "
                  "and caches it); `--tokenizer bytes` (ByteTokenizer) works without it")
 
@@ -113,8 +165,11 @@ def gpt2_tokenizer() -> GPT2Tokenizer:
     return GPT2Tokenizer(enc)
 
 
-def get_tokenizer(name: str = "auto") -> ByteTokenizer | GPT2Tokenizer:
-    """``"bytes"``, ``"gpt2"``, or ``"auto"`` (GPT-2 when available, else bytes; logged)."""
+def get_tokenizer(name: str = "auto") -> ByteTokenizer | GPT2Tokenizer | BPETokenizer:
+    """``"bytes"``, ``"gpt2"``, ``"auto"`` (GPT-2 when available, else bytes; logged), or the path of
+    a ``tokenizer.json`` (:class:`BPETokenizer`)."""
+    if isinstance(name, str) and name.endswith(".json"):
+        return BPETokenizer(name)
     if name == "bytes":
         return ByteTokenizer()
     if name == "gpt2":
