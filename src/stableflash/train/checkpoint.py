@@ -1,17 +1,39 @@
-"""Checkpoints written atomically (a temporary file in the same folder, fsynced, then renamed over
-the old one), so a save killed half-way never destroys the last good checkpoint, and read with
-``torch.load(weights_only=True)``, so a ``ckpt.pt`` from elsewhere cannot run code when loaded:
-a checkpoint holds tensors, numbers, strings, lists and dicts only. A file that is not a complete
-checkpoint of this harness, or does not fit the model, is a ValueError naming it."""
+"""Checkpoints in two formats, both written atomically and both read without running any code they
+may hold. A file or folder that is not a complete checkpoint of this harness, or does not fit the
+model, is a ValueError naming it.
+
+- **full**: ``RUN/ckpt.pt``, one file with the whole model (written by rank 0; under FSDP gathered
+  there first): a temporary file in the same folder, fsynced, then renamed over the old one; read
+  with ``torch.load(weights_only=True)``, as a checkpoint holds tensors, numbers, strings, lists
+  and dicts only.
+- **sharded**: ``RUN/ckpt/step-N/``, a ``torch.distributed.checkpoint`` (DCP) folder in which every
+  rank writes its own shard (``__R_0.distcp``) and rank 0 the index (``.metadata``), as torchtitan
+  writes ``checkpoint/step-N``. It is written into ``RUN/ckpt/.step-N.tmp`` and renamed once every
+  rank has finished, so a save killed half-way leaves the last complete folder whole and no folder
+  that loads as complete; the older folder is removed only after. It loads at any world size
+  (DCP reshards). DCP reads ``.metadata`` with ``pickle`` and the non-tensor entries with
+  ``torch.load(weights_only=False)``: :class:`SafeReader` and :class:`SafeLoadPlanner` read them
+  with an unpickler that admits DCP's own metadata classes only and with ``weights_only=True``.
+
+``--resume`` reads whichever a run folder holds (:func:`find`); after a save in one format the
+other's checkpoint, now older, is removed."""
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import enum
+import io
+import json
+import os
 import pickle
 import re
+import shutil
+import warnings
 from pathlib import Path
 
 import torch
 
-from stableflash.files import atomic_write, remove_stale_temps
+from stableflash.files import atomic_write, fsync_dir, remove_stale_temps
 
 CHECKPOINT = "ckpt.pt"
 # config keys that must match for a checkpoint to be resumed (they shape the model, the
@@ -100,13 +122,18 @@ def load(run_dir: Path, config: dict, map_location="cpu") -> dict:
 
 def check_fits(state: dict, model: torch.nn.Module, path: Path) -> None:
     """Raise a ValueError naming ``path`` unless the checkpoint's weights have the model's names and shapes."""
-    have = state["model"]
-    want = model.state_dict()
+    have = {k: tuple(v.shape) if isinstance(v, torch.Tensor) else None for k, v in state["model"].items()}
+    _check_shapes(have, model, path)
+
+
+def _check_shapes(have: dict, model: torch.nn.Module, path: Path) -> None:
+    """``have``: the checkpoint's weight names and shapes (None: not a tensor). A ValueError naming
+    ``path`` unless they are the model's (whole shapes, also of a model sharded by FSDP)."""
+    want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     problems = [f"{k} is missing" for k in want if k not in have]
     problems += [f"{k} is not in the model" for k in have if k not in want]
-    problems += [f"{k} has shape {tuple(getattr(have[k], 'shape', ()))} in the checkpoint, {tuple(v.shape)} in the model"
-                 for k, v in want.items()
-                 if k in have and (not isinstance(have[k], torch.Tensor) or have[k].shape != v.shape)]
+    problems += [f"{k} has shape {have[k] or ()} in the checkpoint, {v} in the model"
+                 for k, v in want.items() if k in have and have[k] != v]
     if problems:
         more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
         raise ValueError(f"checkpoint {path} does not fit this model: {'; '.join(problems[:3])}{more}; accepted: "
@@ -170,3 +197,296 @@ def load_sharded(model: torch.nn.Module, optimizer, state: dict) -> None:
         named = {"state": {names[i]: value for i, value in saved["state"].items()},
                  "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in groups]}
         set_optimizer_state_dict(model, opt, named, options=options)
+
+
+# ----------------------------------------------------------------------------- sharded (DCP)
+
+SHARDED = "ckpt"                      # RUN/ckpt/step-N/: the sharded checkpoint of step N
+_STEP_DIR = re.compile(r"step-(\d+)")
+_TEMP_DIR = re.compile(r"\.step-\d+\.tmp")
+_METADATA = ".metadata"               # DCP's index of a checkpoint folder (written last, by rank 0)
+_TRAIN_KEYS = ("step", "config", "attention")
+
+
+def _sharded_dirs(run_dir: Path) -> list[tuple[int, Path]]:
+    """The complete sharded checkpoints of ``run_dir`` (renamed into place), by step."""
+    folder = Path(run_dir) / SHARDED
+    if not folder.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in folder.iterdir() if (m := _STEP_DIR.fullmatch(p.name)) and p.is_dir()]
+    return sorted(found)
+
+
+def find(run_dir: Path) -> Path | None:
+    """The checkpoint ``--resume`` reads in ``run_dir``: ``ckpt.pt``, or the sharded folder of the
+    latest step under ``ckpt/``; where both exist (a save in one format cut short before it removed
+    the other's), the one written last. None when there is neither."""
+    run_dir = Path(run_dir)
+    full = run_dir / CHECKPOINT
+    full = full if full.is_file() else None
+    dirs = _sharded_dirs(run_dir)
+    sharded = dirs[-1][1] if dirs else None
+    if full and sharded:
+        written = (sharded / _METADATA) if (sharded / _METADATA).exists() else sharded
+        return sharded if written.stat().st_mtime_ns >= full.stat().st_mtime_ns else full
+    return full or sharded
+
+
+def remove_stale_sharded(run_dir: Path) -> list[Path]:
+    """Remove the temporary folders that killed sharded saves left in ``run_dir/ckpt`` (never valid)."""
+    folder = Path(run_dir) / SHARDED
+    stale = [p for p in folder.iterdir() if _TEMP_DIR.fullmatch(p.name)] if folder.is_dir() else []
+    for p in stale:
+        shutil.rmtree(p, ignore_errors=True)
+    return stale
+
+
+def remove_other_format(run_dir: Path, kept: Path) -> None:
+    """After a save of ``kept``: remove the run's checkpoints of the other format, now older."""
+    run_dir = Path(run_dir)
+    if kept.is_dir():
+        with contextlib.suppress(FileNotFoundError):
+            (run_dir / CHECKPOINT).unlink()
+    elif (run_dir / SHARDED).is_dir():
+        shutil.rmtree(run_dir / SHARDED)
+
+
+def _distributed() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+@contextlib.contextmanager
+def _quiet_one_process():
+    """DCP warns on every save and load in one process that it assumes one process: so it is."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
+def _barrier() -> None:
+    if _distributed():
+        torch.distributed.barrier()
+
+
+def save_sharded(run_dir: Path, model: torch.nn.Module, optimizer, step: int, config: dict, attention: str,
+                 rng: dict, rank: int = 0) -> Path:
+    """Write the sharded checkpoint of ``step`` (every rank must call it, with the same step, config,
+    attention and ``rng``: rank 0's RNG states, as ``ckpt.pt`` keeps). Model and optimizer state are
+    taken as ``torch.distributed.checkpoint.state_dict`` gives them (each rank's shards under FSDP),
+    so nothing is gathered. Returns the folder; the older sharded folders and ``ckpt.pt`` are removed."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+    folder = Path(run_dir) / SHARDED
+    tmp = folder / f".step-{step}.tmp"
+    if rank == 0:
+        remove_stale_sharded(run_dir)
+        folder.mkdir(parents=True, exist_ok=True)
+    _barrier()                                        # no rank writes into a folder being cleaned
+    state = {"model": get_model_state_dict(model),
+             "optimizer": {name: get_optimizer_state_dict(model, opt) for name, opt in optimizer.optimizers.items()},
+             "train": {"step": int(step), "config": json.dumps(config), "attention": str(attention),
+                       "rng": {k: v for k, v in rng.items() if v is not None}}}
+    try:
+        with _quiet_one_process():
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), no_dist=not _distributed())
+    except dcp.CheckpointException as exc:            # DCP turns any failure, Ctrl-C included, into this
+        failures = [e for e, _ in exc.failures.values()]
+        if any(isinstance(e, KeyboardInterrupt) for e in failures):
+            raise KeyboardInterrupt from None         # a second Ctrl-C: stopped at once, as elsewhere
+        first = failures[0] if failures else exc
+        raise OSError(f"the sharded checkpoint of step {step} could not be written to {tmp} "
+                      f"({type(first).__name__}: {first}); the checkpoint before it is kept") from None
+    _barrier()                                        # every rank's shard is written and fsynced
+    final = folder / f"step-{step}"
+    if rank == 0:
+        old = [p for _, p in _sharded_dirs(run_dir)]
+        if final.exists():                            # the same step again (a monitor rollback, then a stop)
+            retired = folder / f".step-{step}.tmp-retired"
+            os.replace(final, retired)                # a temporary name: removed below, or as stale
+            old = [retired if p == final else p for p in old]
+        os.replace(tmp, final)
+        fsync_dir(folder)
+        for p in old:
+            shutil.rmtree(p, ignore_errors=True)
+        remove_other_format(run_dir, final)
+    _barrier()                                        # the new folder is in place before any rank reads it
+    return final
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Admits the objects DCP's ``.metadata`` is made of, and nothing else: DCP's metadata dataclasses
+    and enums, its storage record, ``torch.Size``, dtypes, layouts, memory formats, and paths."""
+
+    _EXACT = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+              ("torch.distributed.checkpoint.filesystem", "_StorageInfo")}
+    _PATHS = {"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"}
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in self._EXACT or (module in ("pathlib", "pathlib._local") and name in self._PATHS):
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
+            return getattr(torch, name)
+        if module == "torch.distributed.checkpoint.metadata":
+            import torch.distributed.checkpoint.metadata as md
+            obj = getattr(md, name, None)
+            if isinstance(obj, type) and (dataclasses.is_dataclass(obj) or issubclass(obj, enum.Enum)):
+                return obj
+        raise pickle.UnpicklingError(f"it names the Python object {module}.{name}")
+
+
+def _refused(path: Path, reason: str) -> ValueError:
+    return ValueError(f"checkpoint {path} was refused unread: {reason}, and loading it could run code; accepted: "
+                      f"{_WRITTEN_BY} (sharded: torch.distributed.checkpoint metadata, tensors, numbers, strings, "
+                      "lists and dicts only)")
+
+
+def _naming(what: str, reason: str) -> str:
+    """"its entry X" + "it names the Python object Y" → "its entry X names the Python object Y"."""
+    return f"{what} {reason[3:]}" if reason.startswith("it ") else f"{what} ({reason})"
+
+
+def _reader_class():
+    from torch.distributed.checkpoint import FileSystemReader
+
+    class SafeReader(FileSystemReader):
+        """A ``FileSystemReader`` whose ``.metadata`` is unpickled by :class:`_MetadataUnpickler`, and
+        whose storage records must name files inside the folder."""
+
+        def read_metadata(self, *args, **kwargs):
+            from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+            path = Path(self.path) / _METADATA
+            try:
+                with open(path, "rb") as f:
+                    metadata = _MetadataUnpickler(f).load()
+            except FileNotFoundError:
+                raise ValueError(f"checkpoint {path.parent} is not complete: it has no {_METADATA}; accepted: "
+                                 f"{_WRITTEN_BY}") from None
+            except pickle.UnpicklingError as exc:
+                if str(exc).startswith("it names"):
+                    raise _refused(path, str(exc)) from None
+                raise ValueError(f"checkpoint {path} cannot be read ({exc}); it is damaged or truncated") from None
+            except (EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError) as exc:
+                raise ValueError(f"checkpoint {path} cannot be read ({type(exc).__name__}: {exc}); it is damaged "
+                                 f"or truncated, or not {_WRITTEN_BY}") from None
+            if not isinstance(metadata, Metadata):
+                raise ValueError(f"checkpoint {path} holds a {type(metadata).__name__}; accepted: "
+                                 "torch.distributed.checkpoint metadata")
+            for info in (metadata.storage_data or {}).values():
+                name = getattr(info, "relative_path", None)
+                if not isinstance(name, str) or name != Path(name).name or name in ("", ".", ".."):
+                    raise ValueError(f"checkpoint {path} names the data file {name!r}, which is not a file of its "
+                                     "folder; accepted: the folder's own __R_0.distcp files")
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = getattr(self, "load_id", None)
+            return metadata
+
+    return SafeReader
+
+
+def _planner(path: Path):
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    class SafeLoadPlanner(DefaultLoadPlanner):
+        """DCP's planner, reading the non-tensor entries with ``torch.load(weights_only=True)``."""
+
+        def load_bytes(self, read_item, value: io.BytesIO) -> None:
+            key = read_item.dest_index.fqn
+            try:
+                obj = torch.load(value, weights_only=True)
+            except pickle.UnpicklingError as exc:
+                hostile, reason = _weights_only_refusal(exc)
+                if hostile:
+                    raise _refused(path, _naming(f"its entry {key}", reason)) from None
+                raise ValueError(f"checkpoint {path} cannot be read: its entry {key} is damaged ({reason})") from None
+            except Exception as exc:
+                raise ValueError(f"checkpoint {path} cannot be read: its entry {key} is damaged "
+                                 f"({type(exc).__name__})") from None
+            vetted = io.BytesIO()                     # the vetted value, handed on to DCP's own placement
+            torch.save(obj, vetted)
+            vetted.seek(0)
+            super().load_bytes(read_item, vetted)
+
+    return SafeLoadPlanner()
+
+
+def _dcp_load(path: Path, state: dict) -> None:
+    """``torch.distributed.checkpoint.load`` of ``state`` from the folder ``path``, through the safe
+    reader and planner (every rank must call it); its failures as one ValueError naming ``path``."""
+    import torch.distributed.checkpoint as dcp
+    try:
+        with _quiet_one_process():
+            dcp.load(state, storage_reader=_reader_class()(path), planner=_planner(path), no_dist=not _distributed())
+    except dcp.CheckpointException as exc:
+        failures = list(exc.failures.values())
+        first = failures[0][0] if failures else exc
+        if isinstance(first, ValueError) and str(first).startswith("checkpoint "):
+            raise ValueError(str(first)) from None
+        if isinstance(first, pickle.UnpicklingError):          # a shard's tensor, read by torch.load(weights_only=True)
+            hostile, reason = _weights_only_refusal(first)
+            if hostile:
+                raise _refused(path, _naming("a tensor entry of its shard files", reason)) from None
+        text = str(first).strip().splitlines()
+        raise ValueError(f"checkpoint {path} cannot be read ({type(first).__name__}: {text[0] if text else ''}); "
+                         f"it is damaged or truncated, or not {_WRITTEN_BY}") from None
+
+
+def read_metadata(path: Path):
+    """The DCP metadata of the sharded checkpoint folder ``path``, read safely."""
+    return _reader_class()(path).read_metadata()
+
+
+def load_sharded_checkpoint(path: Path, config: dict, model: torch.nn.Module, optimizer) -> dict:
+    """Load the sharded checkpoint folder ``path`` into ``model`` and ``optimizer`` (sharded by FSDP
+    or whole: DCP reshards to this world size). Every rank must call it. Returns {"step", "config",
+    "attention", "rng"} as ``read`` returns them for ``ckpt.pt``, after checking that the checkpoint
+    was made by a compatible config and fits the model."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                         set_model_state_dict, set_optimizer_state_dict)
+    path = Path(path)
+    metadata = read_metadata(path)
+    entries = metadata.state_dict_metadata
+    missing = [f"train.{k}" for k in (*_TRAIN_KEYS, "rng.cpu") if f"train.{k}" not in entries]
+    if missing:
+        raise ValueError(f"checkpoint {path} is not {_WRITTEN_BY}: it has no {', '.join(missing)}")
+    train = {k: None for k in _TRAIN_KEYS}
+    train["rng"] = {}
+    for device in ("cpu", "cuda"):
+        md = entries.get(f"train.rng.{device}")
+        if isinstance(md, TensorStorageMetadata):
+            train["rng"][device] = torch.empty(md.size, dtype=md.properties.dtype)
+    _dcp_load(path, {"train": train})
+    wrong = [f"{k} (a {type(train[k]).__name__})" for k, kind in (("step", int), ("config", str), ("attention", str))
+             if not isinstance(train[k], kind) or isinstance(train[k], bool)]
+    saved = None
+    if not wrong:
+        try:
+            saved = json.loads(train["config"])
+        except json.JSONDecodeError:
+            pass
+        if not isinstance(saved, dict):
+            wrong.append("config (not a JSON object)")
+        if train["step"] < 0:
+            wrong.append(f"step ({train['step']})")
+        if not (isinstance(train["rng"].get("cpu"), torch.Tensor) and train["rng"]["cpu"].dtype == torch.uint8):
+            wrong.append("rng.cpu (not a uint8 tensor)")
+    if wrong:
+        raise ValueError(f"checkpoint {path} is not {_WRITTEN_BY}: wrong {', '.join(wrong)}")
+    differ = [k for k in MUST_MATCH if saved.get(k) != config.get(k)]
+    if differ:
+        detail = ", ".join(f"{k}: checkpoint {saved.get(k)!r} vs now {config.get(k)!r}" for k in differ)
+        raise ValueError(f"checkpoint {path} was made by another config ({detail})")
+    have = {k[len("model."):]: tuple(md.size) if isinstance(md, TensorStorageMetadata) else None
+            for k, md in entries.items() if k.startswith("model.")}
+    _check_shapes(have, model, path)
+    names = sorted({k.split(".")[1] for k in entries if k.startswith("optimizer.")})
+    if names != sorted(optimizer.optimizers):
+        raise ValueError(f"checkpoint {path} holds optimizers {names}, this run uses {sorted(optimizer.optimizers)}")
+    state = {"model": get_model_state_dict(model),
+             "optimizer": {name: get_optimizer_state_dict(model, opt) for name, opt in optimizer.optimizers.items()}}
+    _dcp_load(path, state)
+    set_model_state_dict(model, state["model"])
+    for name, opt in optimizer.optimizers.items():
+        set_optimizer_state_dict(model, opt, state["optimizer"][name])
+    return {"step": train["step"], "config": saved, "attention": train["attention"], "rng": train["rng"]}

@@ -49,6 +49,10 @@ class TrainConfig:
     # how a torchrun launch of several processes splits the model: "ddp" (a full replica per rank) or
     # "fsdp" (PyTorch's FSDP2, fully_shard per transformer block, then the whole model)
     parallel: str = "ddp"
+    # how checkpoints are written: "full" (ckpt.pt, one file holding the whole model, written by rank 0)
+    # or "sharded" (ckpt/step-N/, torch.distributed.checkpoint: every rank writes its own shard);
+    # None: sharded under parallel=fsdp, full otherwise. --resume reads either, at any world size
+    ckpt_format: str | None = None
     # optimisation
     optimizer: str = "adamw"
     lr: float = 1e-3
@@ -120,6 +124,7 @@ OPTIMIZERS = ("adamw", "muon")
 SCHEDULES = ("cosine", "constant")
 DTYPES = ("bf16", "fp16", "fp32")
 PARALLEL = ("ddp", "fsdp")
+CKPT_FORMATS = ("full", "sharded")
 
 # The paper's GPT-2 small recipe: AdamW β=(0.9, 0.95), wd 0, cosine from 1e-3 to 1e-5 after a
 # 2000-step warm-up, clip 1.0, bf16 autocast, 524,288 tokens per step (32 × 1024 × 16 micro-batches,
@@ -287,6 +292,14 @@ def resolve_grad_accum(cfg: TrainConfig, world_size: int) -> TrainConfig:
     return cfg
 
 
+def ckpt_format(cfg: TrainConfig) -> str:
+    """The checkpoint format of ``cfg``: its ``ckpt_format``, or when that is unset (None) "sharded"
+    under parallel=fsdp (as torchtitan writes) and "full" (nanoGPT's single ckpt.pt) otherwise."""
+    if cfg.ckpt_format is not None:
+        return cfg.ckpt_format
+    return "sharded" if cfg.parallel == "fsdp" else "full"
+
+
 def check_parallel(cfg: TrainConfig, world_size: int) -> None:
     """A clear error when ``cfg.parallel`` cannot run on ``world_size`` ranks or with the rest of ``cfg``."""
     if cfg.parallel != "fsdp":
@@ -295,14 +308,6 @@ def check_parallel(cfg: TrainConfig, world_size: int) -> None:
         raise ValueError("parallel=fsdp shards the model over the ranks of a torchrun launch, and this is one "
                          "process (WORLD_SIZE unset or 1); accepted: parallel=ddp (the default) in one process, or "
                          "parallel=fsdp under torchrun --nproc_per_node=N with N >= 2")
-    if cfg.probe_every:
-        raise ValueError(f"probe_every={cfg.probe_every} cannot apply with parallel=fsdp (the probes read whole "
-                         "weights on rank 0, and FSDP holds a shard on each rank); accepted: probe_every=0 with "
-                         "parallel=fsdp, or parallel=ddp")
-    if cfg.monitor in ("switch", "rollback"):
-        raise ValueError(f"monitor={cfg.monitor} cannot apply with parallel=fsdp (its actions change or restore "
-                         "the model on rank 0 alone); accepted: monitor=warn or off with parallel=fsdp, or "
-                         "parallel=ddp")
     if cfg.dtype == "fp16":
         raise ValueError("dtype=fp16 cannot apply with parallel=fsdp (the loss scaler unscales whole gradients, "
                          "FSDP holds sharded ones); accepted: dtype=bf16 or fp32 with parallel=fsdp, or parallel=ddp")
@@ -366,6 +371,9 @@ def validate(cfg: TrainConfig) -> None:
                                   ("dtype", cfg.dtype, DTYPES), ("parallel", cfg.parallel, PARALLEL)):
         if value not in accepted:
             raise ValueError(f"{name}={value!r} is invalid; accepted: {', '.join(accepted)}")
+    if cfg.ckpt_format is not None and cfg.ckpt_format not in CKPT_FORMATS:
+        raise ValueError(f"ckpt_format={cfg.ckpt_format!r} is invalid; accepted: {', '.join(CKPT_FORMATS)}, or none "
+                         "(sharded under parallel=fsdp, full otherwise)")
     from stableflash.model.base import ATTN_MASK_TYPES
     if cfg.attn_mask_type not in ATTN_MASK_TYPES:
         raise ValueError(f"attn_mask_type={cfg.attn_mask_type!r} is invalid; accepted: {', '.join(ATTN_MASK_TYPES)}")

@@ -31,8 +31,8 @@ from stableflash.model import build_model as _build, model_config
 from stableflash.model.spec import upgrade_stored_spec
 from stableflash.progress import progress_bar
 from stableflash.train import checkpoint
-from stableflash.train.config import (DistInfo, TrainConfig, check_parallel, monitor_config, resolve_grad_accum,
-                                      validate)
+from stableflash.train.config import (DistInfo, TrainConfig, check_parallel, ckpt_format, monitor_config,
+                                      resolve_grad_accum, validate)
 from stableflash.train.data import BatchRecorder, BatchSampler, ReplaySampler, RunData, eval_batches, read_meta
 from stableflash.train.metrics import History, MetricsWriter, truncate_after
 from stableflash.train.stopping import ExplosionStop
@@ -151,11 +151,47 @@ def shard_model(model) -> None:
     fully_shard(model)
 
 
+@contextlib.contextmanager
+def unsharded(model):
+    """Every parameter of a model sharded by FSDP2 whole on every rank for the duration, through a
+    forward and a backward (the probes read whole weights, and their δ analysis runs a backward);
+    resharded after. Every rank must enter it (it all-gathers). A model not sharded is left as it is."""
+    from torch.distributed.fsdp import FSDPModule
+    sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for m in sharded:
+        m.unshard()
+    for m in sharded:                                 # the root keeps its own (unsharded after forward)
+        if m is not model:
+            m.set_reshard_after_forward(False, recurse=False)
+        m.set_reshard_after_backward(False, recurse=False)
+    try:
+        yield model
+    finally:
+        for m in sharded:
+            if m is not model:
+                m.set_reshard_after_forward(True, recurse=False)
+            m.set_reshard_after_backward(True, recurse=False)
+            m.reshard()
+
+
 def _restore(run_dir: Path, cfg: TrainConfig, model, optimizer, device: torch.device) -> dict:
-    """Load run_dir's checkpoint into the model, the optimizer and the RNGs; returns it. Loaded on
-    the CPU: the RNG states must stay CPU tensors, and load_state_dict moves the rest."""
+    """Load run_dir's checkpoint (``checkpoint.find``: ckpt.pt or the latest sharded folder) into the
+    model, the optimizer and the RNGs; returns it. Loaded on the CPU: the RNG states must stay CPU
+    tensors, and load_state_dict moves the rest. Under FSDP, and for a sharded checkpoint, every
+    rank must call it."""
+    path = checkpoint.find(run_dir)
+    if path is None:
+        raise FileNotFoundError(f"no checkpoint in {run_dir} (neither {checkpoint.CHECKPOINT} nor "
+                                f"{checkpoint.SHARDED}/step-N/); a run writes one every ckpt_every steps")
+    if path.is_dir():
+        try:
+            state = checkpoint.load_sharded_checkpoint(path, cfg.to_dict(), model, optimizer)
+            checkpoint.check_optimizer_fits(optimizer, path)
+        except (RuntimeError, KeyError, IndexError, TypeError) as exc:
+            raise ValueError(f"checkpoint {path} does not fit this run: {str(exc).strip().splitlines()[0]}") from None
+        _set_rng(state, device)
+        return state
     state = checkpoint.load(run_dir, cfg.to_dict(), map_location="cpu")
-    path = Path(run_dir) / checkpoint.CHECKPOINT
     checkpoint.check_fits(state, model, path)
     try:
         if cfg.parallel == "fsdp":
@@ -164,12 +200,16 @@ def _restore(run_dir: Path, cfg: TrainConfig, model, optimizer, device: torch.de
             model.load_state_dict(state["model"])
             optimizer.load_state_dict(state["optimizer"])
         checkpoint.check_optimizer_fits(optimizer, path)
-        torch.set_rng_state(state["rng"]["cpu"])
-        if device.type == "cuda" and state["rng"].get("cuda") is not None:
-            torch.cuda.set_rng_state(state["rng"]["cuda"], device)
+        _set_rng(state, device)
     except (RuntimeError, KeyError, IndexError, TypeError) as exc:
         raise ValueError(f"checkpoint {path} does not fit this run: {str(exc).strip().splitlines()[0]}") from None
     return state
+
+
+def _set_rng(state: dict, device: torch.device) -> None:
+    torch.set_rng_state(state["rng"]["cpu"])
+    if device.type == "cuda" and state["rng"].get("cuda") is not None:
+        torch.cuda.set_rng_state(state["rng"]["cuda"], device)
 
 
 # what the main process of a run writes besides config.json and ckpt.pt (a folder holding any of them
@@ -297,7 +337,8 @@ def _make_run_dir(run_dir: Path) -> None:
 
 def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool = True,
           allow_data_change: bool = False) -> dict:
-    """Train per ``cfg`` into ``run_dir`` (metrics.jsonl, ckpt.pt, batches/, data.json, summary.json).
+    """Train per ``cfg`` into ``run_dir`` (metrics.jsonl, ckpt.pt or ckpt/step-N/, batches/, data.json,
+    summary.json).
 
     ``resume`` continues from run_dir's checkpoint. Resuming, or replaying another run, on data
     whose fingerprint changed since that run recorded it is refused unless ``allow_data_change``.
@@ -340,7 +381,7 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
 
     step0, history = 0, History()
     stopper = ExplosionStop(cfg.stop_after_explosion)
-    has_checkpoint = (run_dir / checkpoint.CHECKPOINT).exists()
+    has_checkpoint = checkpoint.find(run_dir) is not None
     if resume and not has_checkpoint and (_run_files(run_dir) or (run_dir / "config.json").is_file()):
         if dist.is_main:                              # it stopped before its first checkpoint: start it again
             log.warning("%s has no checkpoint (the run stopped before its first one, ckpt_every=%d): starting "
@@ -371,6 +412,7 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
     if resume and dist.is_main:
         for name in _REWRITTEN:                       # left by writes that were killed; never valid
             remove_stale_temps(run_dir / name)
+        checkpoint.remove_stale_sharded(run_dir)
 
         def keep(record: dict) -> None:               # the records before the checkpoint's step
             history.add(record)
@@ -420,20 +462,32 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
 
     saved = step0 if resume and has_checkpoint else None     # the step of the checkpoint on disk
     fresh = True                                      # whether the model, optimizer and RNGs are what it holds
+    sharded_ckpt = ckpt_format(cfg) == "sharded"
+    # every rank takes part in a save: under FSDP (a full one gathers the shards), and in a sharded one
+    all_save = fsdp or (sharded_ckpt and dist.world_size > 1)
 
     def save_checkpoint(done: int) -> None:
-        """Rank 0 writes the checkpoint; under FSDP every rank calls this, to gather the shards."""
+        """Rank 0 writes a full checkpoint, every rank its shard of a sharded one; see ``all_save``."""
         nonlocal saved, fresh
+        rng = {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
+        if sharded_ckpt:
+            if dist.world_size > 1:                   # rank 0's RNG states, as ckpt.pt keeps
+                shared = [rng]
+                torch_dist.broadcast_object_list(shared, src=0)
+                rng = shared[0]
+            checkpoint.save_sharded(run_dir, model, optimizer, done, cfg.to_dict(), str(model.attention_spec), rng,
+                                    rank=dist.rank)
+            saved, fresh = done, True
+            return
         if fsdp:
             model_state, optimizer_state = checkpoint.sharded_full_state(model, optimizer)
         else:
             model_state, optimizer_state = model.state_dict(), optimizer.state_dict()
         if dist.is_main:
-            checkpoint.save(run_dir, {
+            path = checkpoint.save(run_dir, {
                 "model": model_state, "optimizer": optimizer_state, "step": done,
-                "config": cfg.to_dict(), "attention": str(model.attention_spec),
-                "rng": {"cpu": torch.get_rng_state(),
-                        "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}})
+                "config": cfg.to_dict(), "attention": str(model.attention_spec), "rng": rng})
+            checkpoint.remove_other_format(run_dir, path)
         saved, fresh = done, True                     # after the write: a save cut short saved nothing
 
     status, last, best_val = "finished", history.last, history.best_val_loss
@@ -510,21 +564,26 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
                 metrics.write(last)
             bar.set_postfix(loss=f"{loss_val:.4f}", lr=f"{lr:.2e}")
 
-            # diagnostics: probes on rank 0, the monitor's decision shared with every rank
+            # diagnostics: probes on rank 0 (under FSDP on every rank, rank 0 recording), the
+            # monitor's decision shared with every rank
             events = monitor.observe_loss(step, loss_val) if dist.is_main else []
-            if probes is not None and step % cfg.probe_every == 0:
+            if cfg.probe_every and step % cfg.probe_every == 0 and (probes is not None or fsdp):
                 t_probe = time.perf_counter()
-                with autocast():
-                    record = probe_record(model, x, y, n_seq=cfg.probe_seqs, delta_layers=cfg.delta_layer_list(),
+                px, py = x, y
+                if fsdp and g != cfg.grad_accum - 1:  # the step's last global micro-batch, as one process probes
+                    px, py = sampler.get_batch(source.indices(step, cfg.grad_accum - 1), device)
+                with unsharded(model) if fsdp else contextlib.nullcontext(), autocast():
+                    record = probe_record(model, px, py, n_seq=cfg.probe_seqs, delta_layers=cfg.delta_layer_list(),
                                           delta_policy=cfg.delta_policy)
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
-                record["probe_ms"] = (time.perf_counter() - t_probe) * 1e3      # what the probes cost
-                for layer, info in (record.get("delta") or {}).items():
-                    info["running_sum"] = tracker.update(step, int(layer), info.get("sum_over_tokens") or 0.0)
-                probes.write(json.dumps({"step": step, **record}) + "\n")
-                probes.flush()
-                events += monitor.observe_probe(step, record)
+                if probes is not None:
+                    record["probe_ms"] = (time.perf_counter() - t_probe) * 1e3      # what the probes cost
+                    for layer, info in (record.get("delta") or {}).items():
+                        info["running_sum"] = tracker.update(step, int(layer), info.get("sum_over_tokens") or 0.0)
+                    probes.write(json.dumps({"step": step, **record}) + "\n")
+                    probes.flush()
+                    events += monitor.observe_probe(step, record)
             for event in events:
                 metrics.write({**event, "loss": loss_val})
                 log.warning("step %d: monitor: %s", step, event["message"])
@@ -538,7 +597,7 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
                 for layer in act:
                     spec = spec.with_layers([layer], stabilized_choice_spec(str(spec.choice(layer)), kernels,
                                                                             cfg.monitor_switch_to))
-                if monitor.config.action == "rollback" and (run_dir / checkpoint.CHECKPOINT).exists():
+                if monitor.config.action == "rollback" and checkpoint.find(run_dir) is not None:
                     state = _restore(run_dir, cfg, model, optimizer, device)
                     metrics.write({"step": step, "loss": loss_val, "event": "monitor_action", "action": "rollback",
                                    "to_step": state["step"], "layers": act,
@@ -553,7 +612,7 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
                                "layers": act, "attention": str(spec),
                                "message": f"layers {act} switched to stabilized attention "
                                           f"({cfg.monitor_switch_to}) from step {done}"})
-            if (dist.is_main or fsdp) and (done % cfg.ckpt_every == 0 or done == cfg.max_iters) and done == step + 1:
+            if (dist.is_main or all_save) and (done % cfg.ckpt_every == 0 or done == cfg.max_iters) and done == step + 1:
                 save_checkpoint(done)
             bar.n = step = done
             bar.refresh()
@@ -562,7 +621,7 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
                 if signum:
                     status = "interrupted"
                     break
-        if status == "interrupted" and (dist.is_main or fsdp) and (saved != step or not fresh):
+        if status == "interrupted" and (dist.is_main or all_save) and (saved != step or not fresh):
             save_checkpoint(step)
     except KeyboardInterrupt:                         # a second signal: stopped at once, mid-step
         status, signum, at_once = "interrupted", stop.signum or signal.SIGINT, True
@@ -603,7 +662,7 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
 def _interrupted_message(summary: dict, run_dir: Path, at_once: bool) -> str:
     """One line on what an interrupted run kept and how to continue it."""
     name, done, ckpt = summary["signal"], summary["steps"], summary["checkpoint_step"]
-    path = run_dir / checkpoint.CHECKPOINT
+    path = checkpoint.find(run_dir) or run_dir / checkpoint.CHECKPOINT
     if not at_once:
         head = f"interrupted by {name} after {done} steps: checkpoint of step {ckpt} saved in {path}"
     elif ckpt is None:
