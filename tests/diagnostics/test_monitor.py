@@ -332,5 +332,5 @@ def test_the_replay_tool_reads_a_runs_role_from_its_config(attention, extra, exp
 
 def test_in_time_is_500_steps_or_a_fifth_of_the_steps_to_the_explosion():
     in_time = _replay_tool().in_time
-    assert in_time(1500, 2000) and not in_time(1510, 2000) and not in_time(None, 2000) and not in_time(2100, 2000)
+    assert in_time(2500, 3000) and not in_time(2510, 3000) and not in_time(None, 3000) and not in_time(3100, 3000)
     assert in_time(520, 650) and not in_time(530, 650)               # 20% of 650 = 130 steps
