@@ -197,3 +197,140 @@ def test_bad_config():
         MonitorConfig(action="panic")
     with pytest.raises(ValueError, match="patience=0"):
         MonitorConfig(patience=0)
+
+
+# ---------------------------------------------------------------- the largest logit against its own level
+
+
+def logit_record(logits):
+    """A probe record whose layers' largest logits (one head each) are ``logits``."""
+    return {"row": {"max_logit": [[v, None] for v in logits], "repeated_max_frac": [[0.0, 0.0]] * len(logits)},
+            "spectral": {"q_full": [10.0] * len(logits)}}
+
+
+def test_largest_logit_growth_warns_a_synthetic_failure_long_before_it():
+    """Layer 1's largest logit settles at ~41 after warm-up, then grows 1.25× per probe (as before
+    the failures replayed in docs/notebook/monitor-evaluation.md) until it passes 1e4, which we call
+    the explosion: the indicator (5× the level, a level in no unit of its own) warns at the first
+    probe past 5 × 41, 1700 steps before it; the other layers stay quiet."""
+    m = Monitor(MonitorConfig(max_logit_growth=5.0, patience=1, warmup_steps=200))
+    level = [40.0, 42.0, 41.0]
+    warnings, exploded = [], None
+    for k in range(40):
+        step = 100 * k
+        grown = 41.0 * 1.25 ** (k - 4) if k > 4 else (level[k - 2] if k >= 2 else 3.0 * k)
+        warnings += m.observe_probe(step, logit_record([35.0, grown, 50.0 if k > 1 else 1.0]))
+        if exploded is None and grown > 1e4:
+            exploded = step
+    assert [(w["step"], w["layer"], w["indicator"]) for w in warnings] == [(1200, 1, "max_logit_growth")]
+    assert warnings[0]["threshold"] == pytest.approx(5 * 41.0) and warnings[0]["value"] > 5 * 41.0
+    assert exploded - warnings[0]["step"] >= 500
+
+
+def test_a_synthetic_stabilized_run_with_rising_ties_and_large_logits_gets_no_warning():
+    """What the stabilized runs look like: the tie fraction rises (0.05 to 0.2, four-fold, under the
+    0.25 level), every layer's W_Q grows alike, and the largest logits wander between their level
+    after warm-up and ~2.5× it — 60 to 130 here, levels that pass an absolute 100. Neither the
+    defaults nor the logit against its own level (5×) say anything; an absolute 100 would."""
+    settings = {"max_logit_growth": 5.0, "patience": 1, "warmup_steps": 200}
+    scale_free, absolute = Monitor(MonitorConfig(**settings)), Monitor(MonitorConfig(max_logit=100.0, patience=1))
+    said, absolute_said = [], []
+    for k in range(60):
+        tie = 0.05 + 0.15 * k / 59
+        logits = [60.0 + 70.0 * ((k * 7 + layer * 3) % 11) / 10 for layer in range(4)] if k > 1 else [1.0] * 4
+        record = {"row": {"max_logit": [[v] for v in logits], "repeated_max_frac": [[tie, tie]] * 4},
+                  "spectral": {"q_full": [2.0 + 0.3 * k + 0.1 * layer for layer in range(4)]}}
+        said += scale_free.observe_probe(100 * k, record)
+        absolute_said += absolute.observe_probe(100 * k, record)
+    assert said == []
+    assert absolute_said                                   # the absolute level alone would have cried wolf
+
+
+def test_the_reference_level_is_taken_after_warm_up_only():
+    """Probes before the warm-up's end do not set the level (at initialisation every logit is ~1)."""
+    m = Monitor(MonitorConfig(max_logit_growth=2.0, patience=1, warmup_steps=300))
+    assert m.observe_probe(0, logit_record([1.0])) == [] and m.observe_probe(100, logit_record([20.0])) == []
+    for step in (300, 400, 500):
+        assert m.observe_probe(step, logit_record([50.0])) == []
+    assert m.reference == {0: [50.0, 50.0, 50.0]}
+    assert m.observe_probe(600, logit_record([99.0])) == []
+    assert [w["step"] for w in m.observe_probe(700, logit_record([101.0]))] == [700]
+
+
+@pytest.mark.parametrize("value", [0.0, -1.0, math.inf, math.nan])
+def test_a_bad_growth_factor_is_refused_by_name(value):
+    with pytest.raises(ValueError, match=r"monitor max_logit_growth=.* is invalid; accepted: None \(off\)"):
+        MonitorConfig(max_logit_growth=value)
+
+
+def test_the_cli_refuses_a_bad_growth_factor_in_one_line(tmp_path, capsys):
+    from stableflash.cli import main
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "-q", "--out", str(tmp_path / "r"), "--preset", "tiny", "--set", "monitor_max_logit_growth=-2"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.count("\n") == 1 and "monitor_max_logit_growth=-2" in err
+    assert not (tmp_path / "r").exists()
+
+
+def test_replay_gives_the_warnings_a_real_training_run_logged(data_dir, tmp_path):
+    """A tiny CPU run trained through the CLI with the indicator set low enough to fire, probes on
+    every other step: benchmarks/runs/monitor_replay.py's replay of its probes.jsonl gives the first
+    warning it logged, and a Monitor fed the records in order gives every warning it logged."""
+    import importlib.util
+    from pathlib import Path
+
+    from stableflash.cli import main
+    from stableflash.report.runs import load_run
+    from stableflash.train.config import make_config, monitor_config
+
+    out = tmp_path / "run"
+    assert main(["train", "-q", "--out", str(out), "--preset", "tiny", "--set", f"data={data_dir}",
+                 "--set", "max_iters=24", "--set", "warmup_iters=4", "--set", "probe_every=2", "--set", "eval_iters=1",
+                 "--set", "monitor_max_logit_growth=1.05", "--set", "monitor_patience=1"]) == 0
+    run = load_run(out)
+    logged = [(e["step"], e["layer"], e["indicator"]) for e in run.events
+              if e.get("event") == "monitor_warning" and e["indicator"] != "loss"]
+    assert "max_logit_growth" in {w[2] for w in logged}, "set low enough to fire on a healthy run: a warning to compare"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "runs" / "monitor_replay.py"
+    spec = importlib.util.spec_from_file_location("monitor_replay", path)
+    replay = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(replay)
+    [found] = replay.find_runs([tmp_path])
+    assert found["role"] == "control" and found["warmup"] == 4        # the tiny preset: attention in fp32
+    assert replay.first_warning(found, replay.stored_settings(run.config)) == logged[0][0]
+    monitor = Monitor(monitor_config(make_config("tiny", overrides=["warmup_iters=4", "monitor_max_logit_growth=1.05",
+                                                                    "monitor_patience=1"])))
+    assert replay.stored_settings(run.config) == {k: getattr(monitor.config, k) for k in replay.stored_settings(run.config)}
+    again = [(e["step"], e["layer"], e["indicator"]) for r in run.probes for e in monitor.observe_probe(r["step"], r)]
+    assert again == logged
+
+
+def _replay_tool():
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "runs" / "monitor_replay.py"
+    spec = importlib.util.spec_from_file_location("monitor_replay", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("attention, extra, expected", [
+    ("triton policy=fa2 p_bar=fp8_e4m3 out=fp8_e4m3", {}, "baseline"),              # stored grammar: not stabilized
+    ("triton policy=fa2 p_bar=fp8_e4m3 out=fp8_e4m3 delta=auto", {}, "stabilized"),
+    ("triton policy=fa2 p_bar=fp8_e4m3 out=fp8_e4m3 delta=dO*O16", {}, "stabilized"),  # the same δ, spelled out
+    ("triton policy=fa2 p_bar=fp8_e4m3 out=fp8_e4m3 delta=dO*O32", {}, "mitigation"),  # not fp8's consistent δ
+    ("triton policy=fa2 out=e8m4 rule=ours", {}, "mitigation"),
+    ("triton policy=paper acc=e8m5 row_sum=e8m5 out=e8m5 delta=dP*P", {}, "stabilized"),
+    ("emulated policy=fa2 p_bar=fp32 acc=fp32 row_sum=fp32 out=fp32", {}, "control"),
+    ("triton policy=fa2 out=e8m4", {"qk_norm": True}, "mitigation"),
+    ("triton policy=fa2 out=e8m4", {"monitor": "switch"}, "switched"),
+])
+def test_the_replay_tool_reads_a_runs_role_from_its_config(attention, extra, expected):
+    assert _replay_tool().role({"attention": attention, **extra}, 6) == expected
+
+
+def test_in_time_is_500_steps_or_a_fifth_of_the_steps_to_the_explosion():
+    in_time = _replay_tool().in_time
+    assert in_time(2500, 3000) and not in_time(2510, 3000) and not in_time(None, 3000) and not in_time(3100, 3000)
+    assert in_time(520, 650) and not in_time(530, 650)               # 20% of 650 = 130 steps

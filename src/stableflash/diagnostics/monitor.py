@@ -11,6 +11,10 @@ Indicators, each checked per layer on every probe record (``probes.probe_record`
 - the largest attention logit: the layer's largest score (over heads and the probed rows) above
   ``max_logit`` (off by default: its scale depends on the model; docs/diagnostics.md has what it
   did on the project's failing runs);
+- the largest attention logit against the layer's own level: above ``max_logit_growth`` × the
+  median of the layer's largest logits on the first ``REFERENCE_PROBES`` probes at or after
+  ``warmup_steps`` (the end of the learning-rate warm-up in training) — the same indicator in no
+  unit of its own, for a model whose logits sit at another level (off by default);
 and on every step:
 - the loss itself: its exponential average above ``loss_spike`` × the lowest average so far.
 
@@ -28,6 +32,7 @@ from dataclasses import dataclass, field
 from stableflash.model.spec import with_settings
 
 ACTIONS = ("off", "warn", "switch", "rollback")
+REFERENCE_PROBES = 3       # probes whose median is a layer's reference level (max_logit_growth)
 SCOPES = ("flagged", "all")
 
 
@@ -54,6 +59,7 @@ class MonitorConfig:
     growth: float = 3.0
     delta_drift: float | None = None
     max_logit: float | None = None
+    max_logit_growth: float | None = None
     loss_spike: float = 1.5
     loss_ema: float = 0.1
     warmup_steps: int = 50
@@ -66,7 +72,7 @@ class MonitorConfig:
         for name in ("repeated_max", "spectral_ratio", "growth", "loss_spike", "loss_ema"):
             if not _finite_positive(getattr(self, name)):
                 raise ValueError(f"monitor {name}={getattr(self, name)!r} is invalid; accepted: a finite number > 0")
-        for name in ("delta_drift", "max_logit"):                  # optional indicators: None is off
+        for name in ("delta_drift", "max_logit", "max_logit_growth"):     # optional indicators: None is off
             if getattr(self, name) is not None and not _finite_positive(getattr(self, name)):
                 raise ValueError(f"monitor {name}={getattr(self, name)!r} is invalid; accepted: None (off) or a "
                                  "finite number > 0")
@@ -84,6 +90,8 @@ class Monitor:
     first: dict = field(default_factory=dict)          # (indicator, layer) -> first value seen
     streak: dict = field(default_factory=dict)         # (indicator, layer) -> consecutive exceedances
     flagged: set = field(default_factory=set)          # layers already acted on
+    reference: dict = field(default_factory=dict)      # layer -> its largest logits at or after warm-up (up to
+                                                       # REFERENCE_PROBES of them: max_logit_growth's level)
     ema: float | None = None
     best_ema: float = math.inf
     warned_loss: bool = False
@@ -119,6 +127,14 @@ class Monitor:
         if self.config.max_logit is not None:
             for layer, value, head in largest_logits(record):
                 events += self._check(step, "max_logit", layer, head, value, self.config.max_logit, use_growth=False)
+        if self.config.max_logit_growth is not None and step >= self.config.warmup_steps:
+            for layer, value, head in largest_logits(record):
+                level = self.reference.setdefault(layer, [])
+                if len(level) < REFERENCE_PROBES:             # still measuring the layer's own level
+                    level.append(value)
+                    continue
+                events += self._check(step, "max_logit_growth", layer, head, value,
+                                      self.config.max_logit_growth * statistics.median(level), use_growth=False)
         if self.config.delta_drift is not None:
             for layer, info in (record.get("delta") or {}).items():
                 running = info.get("running_sum")
@@ -172,7 +188,8 @@ class Monitor:
         if self.streak[key] != self.config.patience:
             return []
         what = {"repeated_max": "fraction of rows with repeated maxima", "spectral_q": "spectral norm of W_Q",
-                "delta_drift": "running δ bias", "max_logit": "largest attention logit"}[indicator]
+                "delta_drift": "running δ bias", "max_logit": "largest attention logit",
+                "max_logit_growth": "largest attention logit against its level after warm-up"}[indicator]
         return [self._warning(step, layer, head, indicator, value, limit,
                               f"layer {layer}: {what} {value:.3g} over {limit:.3g} "
                               f"(first seen {self.first[key]:.3g}) for {self.config.patience} probes")]
