@@ -13,6 +13,14 @@
 #       FlashAttention-2 arithmetic), or an attention spec; per-step loss, probes every 100 steps
 #       (W_Q spectral norms per head, repeated row maxima per layer), the monitor warning, and the
 #       batch order recorded (RUN/batches)
+#   bash benchmarks/runs/faithful_gpt2.sh fork NAME FROM ATTENTION STEPS [--set KEY=VALUE ...]
+#       copies run FROM (its checkpoint: start it with STEPS=N to stop and save at step N) to NAME and
+#       resumes the copy detached with ATTENTION (as for start, plus: stabilized = the default
+#       stabilization on the authors' arithmetic, paper-beta2 / paper-beta7 = the paper's row-maximum
+#       rule, fp32-o = P̄, Ō, ℓ and O in fp32 with δ from them) up to step STEPS: the same weights,
+#       optimizer state and batch order from FROM's step on
+#   bash benchmarks/runs/repro_detached.sh command plan bash benchmarks/runs/faithful_gpt2.sh replays NAME SEED AT STEPS
+#       the baseline to step AT, then the five forks above from its checkpoint to STEPS, at once
 #   then: KEEP_BATCHES=1 bash benchmarks/runs/repro_detached.sh wait SECONDS   (packs $OUT/detached.tgz)
 set -u
 export PYTHONPATH=$PWD/src:${PYTHONPATH:-} PYTHONUNBUFFERED=1
@@ -32,19 +40,41 @@ print(f"prepared in {sys.argv[2]} s: {fp['documents']} documents, {fp['bytes'] /
       f"(eot {m['eot_token']}); tokenizer.json sha256 {m['tokenizer_sha256'][:16]}")
 PY
     ;;
-  start)
-    name=$2; seed=$3; attention=$4; shift 4
+  start|fork)
+    verb=$1; name=$2; seed_or_from=$3; attention=$4; shift 4    # start NAME SEED ... | fork NAME FROM ...
+    paper="triton policy=paper block=512"
     case $attention in
-      paper) attention="triton stabilize=none policy=paper block=512";;
+      paper) attention="$paper stabilize=none";;
       fa2) attention="triton stabilize=none policy=fa2";;
+      stabilized) attention="$paper stabilize=consistent-delta";;
+      paper-beta2) attention="$paper stabilize=paper beta=2";;
+      paper-beta7) attention="$paper stabilize=paper beta=7";;
+      fp32-o) attention="$paper stabilize=none acc=fp32 row_sum=fp32 out=fp32 delta=recompute_fp32";;
     esac
-    gpus=$(nvidia-smi -L | wc -l)
+    gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
     if [ "$gpus" -ge 2 ]; then launch=(torchrun --standalone --nproc_per_node=2 -m stableflash.cli); accum=8
     else launch=(python3 -m stableflash.cli); accum=4; fi
+    if [ "$verb" = fork ]; then
+      from=$root/$seed_or_from; steps=$1; shift
+      [ -f "$from/ckpt.pt" ] || { echo "fork: $from has no ckpt.pt"; exit 1; }
+      rm -rf "$root/$name"; cp -r "$from" "$root/$name"
+      bash benchmarks/runs/repro_detached.sh command "$name" "${launch[@]}" train --resume "$root/$name" \
+        --set attention="$attention" --set max_iters="$steps" "$@"
+      exit
+    fi
     bash benchmarks/runs/repro_detached.sh command "$name" "${launch[@]}" train --preset gpt2-small-paper \
       --out "$root/$name" --set data="$DATA" --set batch_size=16 --set grad_accum=$accum \
-      --set max_iters="${STEPS:-7000}" --set seed="$seed" --set attention="$attention" \
+      --set max_iters="${STEPS:-7000}" --set seed="$seed_or_from" --set attention="$attention" \
       --set probe_every=100 --set monitor=warn --set log_every=1 --set eval_every=1000 --set eval_iters=20 \
       --set ckpt_every=1000 --set stop_after_explosion=200 "$@";;
-  *) echo "usage: $0 prepare | start NAME SEED ATTENTION [--set KEY=VALUE ...]"; exit 2;;
+  replays)
+    # replays NAME SEED AT STEPS: the authors'-arithmetic baseline to step AT (checkpointed there),
+    # then its five forks from that checkpoint to step STEPS at once (one GPU holds them):
+    # NAME-paper (the baseline continued), NAME-stabilized, NAME-paper-beta2, NAME-paper-beta7,
+    # NAME-fp32-o. Start it detached: repro_detached.sh command plan bash $0 replays ...
+    name=$2; seed=$3; at=$4; steps=$5
+    STEPS=$at bash "$0" start "$name" "$seed" paper
+    while kill -0 -- -"$(cat "$root/$name.pgid")" 2>/dev/null; do sleep 5; done
+    for a in paper stabilized paper-beta2 paper-beta7 fp32-o; do bash "$0" fork "$name-$a" "$name" "$a" "$steps"; done;;
+  *) echo "usage: $0 prepare | start NAME SEED ATTENTION [--set KEY=VALUE ...] | fork NAME FROM ATTENTION STEPS [--set KEY=VALUE ...] | replays NAME SEED AT STEPS"; exit 2;;
 esac

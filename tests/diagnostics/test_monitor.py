@@ -24,6 +24,20 @@ def test_repeated_maxima_rising_in_one_layer_is_flagged_after_patience():
     assert m.observe_probe(300, record([0.05, 0.50, 0.05], [10, 11, 10])) == []      # warned once
 
 
+def test_the_state_names_the_layers_over_threshold_with_their_streak():
+    m = Monitor(MonitorConfig(patience=3))
+    assert m.state()["over"] == {} and m.state()["loss_ema"] is None and m.state()["best_loss_ema"] is None
+    m.observe_probe(0, record([0.05, 0.04, 0.05], [10, 11, 10]))
+    m.observe_probe(100, record([0.05, 0.30, 0.05], [10, 11, 10]))
+    m.observe_probe(200, record([0.05, 0.40, 0.05], [10, 11, 10]))
+    m.observe_loss(300, 2.5)
+    state = m.state()
+    assert state["over"] == {"repeated_max": {"1": 2}} and state["patience"] == 3 and state["loss_ema"] == 2.5
+    assert state["action"] == "warn" and state["acted_on"] == [] and not state["loss_warned"]
+    m.observe_probe(300, record([0.05, 0.05, 0.05], [10, 11, 10]))          # back under: the streak resets
+    assert m.state()["over"] == {}
+
+
 def test_high_but_not_grown_fraction_is_not_an_alarm():
     """The paper's rule raises the repeated-maxima fraction itself; a high level from the start
     is not the rising signal."""
@@ -301,8 +315,14 @@ def test_replay_gives_the_warnings_a_real_training_run_logged(data_dir, tmp_path
     monitor = Monitor(monitor_config(make_config("tiny", overrides=["warmup_iters=4", "monitor_max_logit_growth=1.05",
                                                                     "monitor_patience=1"])))
     assert replay.stored_settings(run.config) == {k: getattr(monitor.config, k) for k in replay.stored_settings(run.config)}
-    again = [(e["step"], e["layer"], e["indicator"]) for r in run.probes for e in monitor.observe_probe(r["step"], r)]
+    again, states = [], []
+    for r in run.probes:
+        again += [(e["step"], e["layer"], e["indicator"]) for e in monitor.observe_probe(r["step"], r)]
+        states.append(json.loads(json.dumps(monitor.state()))["over"])
     assert again == logged
+    # each probe record carries the monitor's state after it: the same indicators over their threshold
+    assert [r["monitor"]["over"] for r in run.probes] == states and any(states)
+    assert all(r["monitor"]["action"] == "warn" and math.isfinite(r["monitor"]["loss_ema"]) for r in run.probes)
 
 
 def _replay_tool():

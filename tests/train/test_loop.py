@@ -113,6 +113,29 @@ def test_cli_train_resume_and_errors(data_dir, tmp_path, capsys):
         assert match in capsys.readouterr().err
 
 
+def test_resume_with_another_attention_forks_the_run_with_that_arithmetic(data_dir, tmp_path, capsys):
+    """A copy of a run folder resumed with --set attention=... continues from the checkpoint with the
+    new spec in every layer (a fork: the same weights, optimizer and batch order, other arithmetic);
+    the run resumed without it keeps the spec it ran with."""
+    import shutil
+    out = tmp_path / "base"
+    assert main(["train", "--preset", "tiny", "--out", str(out), "-q", "--set", f"data={data_dir}",
+                 "--set", "max_iters=4", "--set", "ckpt_every=2", "--set", "attention=sdpa"]) == 0
+    fork = tmp_path / "fork"
+    shutil.copytree(out, fork)
+    capsys.readouterr()
+    spec = "emulated stabilize=none policy=fa2"
+    assert main(["train", "--resume", str(fork), "-q", "--set", "max_iters=6", "--set", f"attention={spec}",
+                 "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["steps"] == 6 and summary["final_attention"] == summary["attention"] == spec
+    assert json.loads((fork / "config.json").read_text())["attention"] == spec
+    assert [r["step"] for r in read_metrics(fork / "metrics.jsonl") if "event" not in r] == list(range(6))
+    assert losses(fork)[:4] == losses(out)                     # the records before the fork are the run's
+    assert main(["train", "--resume", str(out), "-q", "--set", "max_iters=6", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["final_attention"] == "sdpa"
+
+
 @pytest.mark.slow
 def test_ddp_splits_the_global_batch_like_one_process(data_dir, tmp_path):
     """Two gloo ranks on CPU consume the micro-batches one process consumes, and their average loss

@@ -143,6 +143,19 @@ class Monitor:
                                           use_growth=False)
         return events
 
+    def state(self) -> dict:
+        """What the monitor holds now, for the probe records: its action, the loss average and its
+        minimum, whether the loss warning was given, each indicator's layers over their threshold
+        (with their consecutive-probe streak; a warning comes at ``patience``), and the layers acted on."""
+        over: dict[str, dict[str, int]] = {}
+        for (indicator, layer), streak in sorted(self.streak.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
+            if streak:
+                over.setdefault(indicator, {})[str(layer)] = streak
+        return {"action": self.config.action, "loss_ema": self.ema,
+                "best_loss_ema": self.best_ema if math.isfinite(self.best_ema) else None,
+                "loss_warned": self.warned_loss, "over": over, "patience": self.config.patience,
+                "acted_on": sorted(self.flagged)}
+
     def layers_to_act_on(self, events: list[dict], n_layers: int | None = None) -> list[int]:
         """Layers that switch / rollback change for these warnings and that no action has covered
         yet: those the warnings name, or with scope "all" every one of the ``n_layers`` on any

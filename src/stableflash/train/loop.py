@@ -390,8 +390,14 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
         state = _restore(run_dir, cfg, model, optimizer, device)
         step0 = state["step"]
         switched = state.get("attention", cfg.attention)             # a monitor may have switched layers
+        configured = state["config"].get("attention", cfg.attention)  # the spec the run was started with
         if "config_version" not in state["config"]:                  # a checkpoint of the earlier spec grammar
-            switched = upgrade_stored_spec(switched)
+            switched, configured = upgrade_stored_spec(switched), upgrade_stored_spec(configured)
+        if cfg.attention != configured:               # --set attention=... on resume: a fork with new arithmetic
+            if dist.is_main:
+                log.info("resuming %s at step %d with attention %r (it ran with %r)", run_dir, step0,
+                         cfg.attention, switched)
+            switched = cfg.attention
         model.set_attention(switched)
     refusal = None                                    # decided by rank 0, which the other ranks follow
     if not resume and dist.is_main:
@@ -581,9 +587,9 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
                     record["probe_ms"] = (time.perf_counter() - t_probe) * 1e3      # what the probes cost
                     for layer, info in (record.get("delta") or {}).items():
                         info["running_sum"] = tracker.update(step, int(layer), info.get("sum_over_tokens") or 0.0)
-                    probes.write(json.dumps({"step": step, **record}) + "\n")
-                    probes.flush()
                     events += monitor.observe_probe(step, record)
+                    probes.write(json.dumps({"step": step, **record, "monitor": monitor.state()}) + "\n")
+                    probes.flush()
             for event in events:
                 metrics.write({**event, "loss": loss_val})
                 log.warning("step %d: monitor: %s", step, event["message"])
