@@ -214,3 +214,41 @@ def test_the_compile_tools_give_the_forward_every_switch_it_takes():
     for name, job in sc.configs().items():
         const, _, _ = sc.forward_job(*job)
         assert set(const) | {"HEAD_DIM", "BLOCK_M", "BLOCK_N", "CAUSAL"} == wanted, name
+
+
+def test_faithful_report_tabulates_a_run_and_its_fork_and_remakes_them_from_its_record(data_dir, tmp_path, capsys):
+    """A tiny run and a fork of it resumed with other arithmetic (as faithful_gpt2.sh fork makes):
+    the record keeps the fork's own steps, the table gives each run's steps, losses and last
+    probe, the figure is written, and --from runs.json makes the same table again."""
+    import shutil
+
+    from stableflash.cli import main as cli
+    from stableflash.report.runs import load_run
+    report = load("runs/faithful_report")
+    base = tmp_path / "base"
+    assert cli(["train", "--preset", "tiny", "--out", str(base), "-q", "--set", f"data={data_dir}",
+                "--set", "max_iters=6", "--set", "ckpt_every=3", "--set", "probe_every=2",
+                "--set", "attention=sdpa"]) == 0
+    shutil.copytree(base, tmp_path / "fork")
+    assert cli(["train", "--resume", str(tmp_path / "fork"), "-q", "--set", "max_iters=10",
+                "--set", "attention=emulated stabilize=none policy=fa2"]) == 0
+    out = tmp_path / "report"
+    assert report.main(["--out", str(out), "--run", f"base=a={base}", "--run", f"fork={tmp_path / 'fork'}",
+                        "--fork", "fork=base=a@6", "--machine", "base=a=CPU"]) == 0
+    records = json.loads((out / "runs.json").read_text())
+    assert [r["label"] for r in records] == ["base=a", "fork"] and records[0]["machine"] == "CPU"
+    assert [s for s, _ in records[1]["loss"]] == [6, 7, 8, 9] and records[1]["forked_at"] == 6
+    assert [p["step"] for p in records[1]["probes"]] == [6, 8] and records[1]["attention"].startswith("emulated")
+    fork_losses = [r["loss"] for r in load_run(tmp_path / "fork").metrics if r["step"] >= 6]
+    assert [v for _, v in records[1]["loss"]] == pytest.approx(fork_losses, abs=1e-5)   # kept to 5 decimals
+    rows = json.loads((out / "table.json").read_text())
+    assert [r["steps"] for r in rows] == ["0-5", "6-9"] and [r["last_probe"] for r in rows] == [4, 8]
+    assert rows[1]["min_loss"] == pytest.approx(min(fork_losses), abs=1e-5) and rows[0]["explosion_step"] is None
+    assert (out / "indicators.png").stat().st_size > 10_000
+    table = (out / "table.txt").read_text()
+    capsys.readouterr()
+    assert report.main(["--from", str(out / "runs.json"), "--out", str(tmp_path / "again")]) == 0
+    assert (tmp_path / "again" / "table.txt").read_text() == table
+    with pytest.raises(SystemExit):
+        report.main(["--out", str(out), "--run", f"base={base}", "--fork", "other=base@6"])
+    assert "no --run gives: other" in capsys.readouterr().err
