@@ -15,7 +15,10 @@ STEP on; its explosion step is judged on PARENT's losses before STEP followed by
 FOLDER/table.txt, FOLDER/table.json and FOLDER/indicators.png from runs.json, so the table and the
 figure can be made again from the committed record alone.
 
-The explosion step is ``report.runs.explosion_step``'s (the loss non-finite, or above 2× its running
+The table gives the watched layer's largest logit and W_Q norm at steps 2000, 2300 and 4000 and at the
+last probe, the largest fraction of its rows with repeated maxima over all the probes (the largest
+over heads), the other layers' largest W_Q norm at the last probe, and the largest 50-step mean loss
+(windows wholly within the run's own steps, ending after step 2000, the warm-up). The explosion step is ``report.runs.explosion_step``'s (the loss non-finite, or above 2× its running
 minimum with no return below within 50 steps). The watched layer is the one with the largest W_Q
 spectral norm at the first run's last probe.
 """
@@ -108,6 +111,23 @@ def at(record: dict, step: int, key: str, layer: int):
     return None
 
 
+WARMUP = 2000        # the preset's warm-up steps: the loss before it falls from ln(50257)
+
+
+def peak_mean(record: dict, by_label: dict, window: int = 50) -> str | None:
+    """The largest mean loss over ``window`` consecutive logged steps wholly within the run's own
+    steps and ending after the warm-up, as "VALUE@STEP" (the window's last step)."""
+    rows = [(s, v) for s, v in history(record, by_label) if v is not None]
+    own = record["loss"][0][0] if record["loss"] else None
+    if own is None or len(rows) < window:
+        return None
+    means = np.convolve([v for _, v in rows], np.ones(window) / window, mode="valid")
+    ends = [s for s, _ in rows][window - 1:]
+    first = max(own + window - 1, WARMUP)
+    best = max((i for i in range(len(ends)) if ends[i] >= first), key=lambda i: means[i], default=None)
+    return None if best is None else f"{means[best]:.3f}@{ends[best]}"
+
+
 def table(records: list[dict]) -> tuple[list[dict], str]:
     layer = watched_layer(records)
     by_label = {r["label"]: r for r in records}
@@ -126,8 +146,14 @@ def table(records: list[dict]) -> tuple[list[dict], str]:
             "first_warning": (f"{warn['step']} {warn.get('indicator')}" + (f" L{warn['layer']}" if warn.get("layer") is not None else "")) if warn else None,
             "layer": layer,
             **{f"max_logit@{s}": at(r, s, "max_logit", layer) for s in (2000, 2300, 4000)},
+            **{f"q_norm@{s}": at(r, s, "q_norm", layer) for s in (2000, 2300, 4000)},
+            "repeated_max_peak": max((p["repeated_max"][layer] for p in r["probes"]
+                                      if p["repeated_max"][layer] is not None), default=None),
+            "peak_50_step_mean": peak_mean(r, by_label),
             "max_logit_last": last["max_logit"][layer] if last else None,
             "q_norm_last": last["q_norm"][layer] if last else None,
+            "q_norm_others_last": max((v for i, v in enumerate(last["q_norm"]) if i != layer and v is not None),
+                                      default=None) if last else None,
             "last_probe": last["step"] if last else None})
     cols = list(rows[0])
     fmt = [f"{c}" for c in cols]
