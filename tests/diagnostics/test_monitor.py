@@ -325,6 +325,44 @@ def test_replay_gives_the_warnings_a_real_training_run_logged(data_dir, tmp_path
     assert all(r["monitor"]["action"] == "warn" and math.isfinite(r["monitor"]["loss_ema"]) for r in run.probes)
 
 
+@pytest.mark.parametrize("fmt", ["full", "sharded"])
+def test_a_resumed_run_warns_where_the_uninterrupted_run_does(data_dir, tmp_path, fmt):
+    """The monitor's state travels in the checkpoint (ckpt.pt, or the sharded folder): a run stopped
+    at step 10 and resumed to 16 logs the same warnings, and the same monitor state in its probe
+    records, as the run trained to 16 at once — with the growth indicator, whose level is measured
+    over the first probes after warm-up, which a monitor started afresh at the resume would measure
+    again over the resumed run's first probes."""
+    from stableflash.cli import main
+    from stableflash.report.runs import load_run
+
+    flags = ["--set", f"data={data_dir}", "--set", "warmup_iters=4", "--set", "probe_every=2", "--set", "eval_iters=1",
+             "--set", "monitor_max_logit_growth=1.05", "--set", "monitor_patience=2", "--set", f"ckpt_format={fmt}",
+             "--set", "lr_decay_iters=16"]          # the schedule of 16 steps in both
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    assert main(["train", "-q", "--out", str(whole), "--preset", "tiny", "--set", "max_iters=16", *flags]) == 0
+    assert main(["train", "-q", "--out", str(parts), "--preset", "tiny", "--set", "max_iters=10", *flags]) == 0
+    assert main(["train", "-q", "--resume", str(parts), "--set", "max_iters=16"]) == 0
+
+    def warnings(run):
+        return [(e["step"], e["layer"], e["indicator"]) for e in run.events if e.get("event") == "monitor_warning"]
+
+    a, b = load_run(whole), load_run(parts)
+    assert warnings(a) and any(w[0] > 10 for w in warnings(a)), "set to fire after the resume: something to compare"
+    assert warnings(b) == warnings(a)
+    assert [p["monitor"] for p in b.probes] == [p["monitor"] for p in a.probes]
+
+
+def test_a_malformed_monitor_state_is_refused_by_name():
+    m = Monitor(MonitorConfig())
+    m.observe_probe(0, record([0.05, 0.30], [10, 11]))
+    again = Monitor(MonitorConfig())
+    again.load_state_dict(json.loads(json.dumps(m.state_dict())))
+    assert again.state_dict() == m.state_dict() and again.first == m.first
+    for bad in ({}, {**m.state_dict(), "warned_loss": "no"}, {**m.state_dict(), "first": [["spectral_q", "x", 1.0]]}):
+        with pytest.raises(ValueError, match="monitor state is malformed"):
+            Monitor(MonitorConfig()).load_state_dict(bad)
+
+
 def _replay_tool():
     import importlib.util
     from pathlib import Path

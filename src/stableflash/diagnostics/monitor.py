@@ -156,6 +156,34 @@ class Monitor:
                 "loss_warned": self.warned_loss, "over": over, "patience": self.config.patience,
                 "acted_on": sorted(self.flagged)}
 
+    def state_dict(self) -> dict:
+        """Everything the monitor has learnt, as plain JSON values, for a checkpoint: a resumed run's
+        monitor then warns where the uninterrupted run's would (``load_state_dict``)."""
+        return {"first": [[i, layer, v] for (i, layer), v in self.first.items()],
+                "streak": [[i, layer, n] for (i, layer), n in self.streak.items()],
+                "flagged": sorted(self.flagged),
+                "reference": [[layer, list(values)] for layer, values in self.reference.items()],
+                "ema": self.ema, "best_ema": self.best_ema if math.isfinite(self.best_ema) else None,
+                "warned_loss": self.warned_loss}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Take back what ``state_dict`` gave; a malformed state is a ValueError naming what is wrong."""
+        try:
+            first = {(str(i), int(layer)): float(v) for i, layer, v in state["first"]}
+            streak = {(str(i), int(layer)): int(n) for i, layer, n in state["streak"]}
+            flagged = {int(layer) for layer in state["flagged"]}
+            reference = {int(layer): [float(v) for v in values] for layer, values in state["reference"]}
+            ema = None if state["ema"] is None else float(state["ema"])
+            best = math.inf if state["best_ema"] is None else float(state["best_ema"])
+            warned = state["warned_loss"]
+            if not isinstance(warned, bool):
+                raise TypeError(f"warned_loss is a {type(warned).__name__}, not a bool")
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"monitor state is malformed ({type(exc).__name__}: {exc}); accepted: what "
+                             "Monitor.state_dict returns") from None
+        self.first, self.streak, self.flagged, self.reference = first, streak, flagged, reference
+        self.ema, self.best_ema, self.warned_loss = ema, best, warned
+
     def layers_to_act_on(self, events: list[dict], n_layers: int | None = None) -> list[int]:
         """Layers that switch / rollback change for these warnings and that no action has covered
         yet: those the warnings name, or with scope "all" every one of the ``n_layers`` on any

@@ -98,8 +98,9 @@ def read(path: Path, map_location="cpu") -> dict:
         wrong.append("rng.cpu (not a uint8 tensor)")
     if not wrong and state["step"] < 0:
         wrong.append(f"step ({state['step']})")
-    if not isinstance(state.get("attention", ""), str):
-        wrong.append(f"attention (a {type(state['attention']).__name__})")
+    for key in ("attention", "monitor"):           # optional: a monitor's switched spec, the monitor's state
+        if not isinstance(state.get(key, ""), str):
+            wrong.append(f"{key} (a {type(state[key]).__name__})")
     if wrong:
         raise ValueError(f"checkpoint {path} is not {_WRITTEN_BY}: wrong or missing {', '.join(wrong)}; "
                          f"accepted: a dict with {', '.join(f'{k} ({t.__name__})' for k, t in KEYS.items())}")
@@ -269,9 +270,10 @@ def _barrier() -> None:
 
 
 def save_sharded(run_dir: Path, model: torch.nn.Module, optimizer, step: int, config: dict, attention: str,
-                 rng: dict, rank: int = 0) -> Path:
+                 rng: dict, rank: int = 0, monitor: str | None = None) -> Path:
     """Write the sharded checkpoint of ``step`` (every rank must call it, with the same step, config,
-    attention and ``rng``: rank 0's RNG states, as ``ckpt.pt`` keeps). Model and optimizer state are
+    attention, ``rng`` — rank 0's RNG states, as ``ckpt.pt`` keeps — and ``monitor``, rank 0's
+    monitor state as JSON text, or None). Model and optimizer state are
     taken as ``torch.distributed.checkpoint.state_dict`` gives them (each rank's shards under FSDP),
     so nothing is gathered. Returns the folder; the older sharded folders and ``ckpt.pt`` are removed."""
     import torch.distributed.checkpoint as dcp
@@ -285,7 +287,8 @@ def save_sharded(run_dir: Path, model: torch.nn.Module, optimizer, step: int, co
     state = {"model": get_model_state_dict(model),
              "optimizer": {name: get_optimizer_state_dict(model, opt) for name, opt in optimizer.optimizers.items()},
              "train": {"step": int(step), "config": json.dumps(config), "attention": str(attention),
-                       "rng": {k: v for k, v in rng.items() if v is not None}}}
+                       "rng": {k: v for k, v in rng.items() if v is not None},
+                       **({"monitor": monitor} if monitor is not None else {})}}
     try:
         with _quiet_one_process():
             dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), no_dist=not _distributed())
@@ -439,7 +442,7 @@ def read_metadata(path: Path):
 def load_sharded_checkpoint(path: Path, config: dict, model: torch.nn.Module, optimizer) -> dict:
     """Load the sharded checkpoint folder ``path`` into ``model`` and ``optimizer`` (sharded by FSDP
     or whole: DCP reshards to this world size). Every rank must call it. Returns {"step", "config",
-    "attention", "rng"} as ``read`` returns them for ``ckpt.pt``, after checking that the checkpoint
+    "attention", "rng"} and, where the checkpoint holds it, "monitor", as ``read`` returns them for ``ckpt.pt``, after checking that the checkpoint
     was made by a compatible config and fits the model."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
@@ -451,6 +454,8 @@ def load_sharded_checkpoint(path: Path, config: dict, model: torch.nn.Module, op
     if missing:
         raise ValueError(f"checkpoint {path} is not {_WRITTEN_BY}: it has no {', '.join(missing)}")
     train = {k: None for k in _TRAIN_KEYS}
+    if "train.monitor" in entries:                    # optional: the monitor's state
+        train["monitor"] = None
     train["rng"] = {}
     for device in ("cpu", "cuda"):
         md = entries.get(f"train.rng.{device}")
@@ -459,6 +464,8 @@ def load_sharded_checkpoint(path: Path, config: dict, model: torch.nn.Module, op
     _dcp_load(path, {"train": train})
     wrong = [f"{k} (a {type(train[k]).__name__})" for k, kind in (("step", int), ("config", str), ("attention", str))
              if not isinstance(train[k], kind) or isinstance(train[k], bool)]
+    if not isinstance(train.get("monitor", ""), str):
+        wrong.append(f"monitor (a {type(train['monitor']).__name__})")
     saved = None
     if not wrong:
         try:
@@ -489,4 +496,5 @@ def load_sharded_checkpoint(path: Path, config: dict, model: torch.nn.Module, op
     set_model_state_dict(model, state["model"])
     for name, opt in optimizer.optimizers.items():
         set_optimizer_state_dict(model, opt, state["optimizer"][name])
-    return {"step": train["step"], "config": saved, "attention": train["attention"], "rng": train["rng"]}
+    return {"step": train["step"], "config": saved, "attention": train["attention"], "rng": train["rng"],
+            **({"monitor": train["monitor"]} if "monitor" in train else {})}

@@ -379,7 +379,7 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
     optimizer = build_optimizer(model, cfg, device.type)
     _make_run_dir(run_dir)                # after the checks above: a run that cannot start leaves no folder
 
-    step0, history = 0, History()
+    step0, history, monitor_state = 0, History(), None
     stopper = ExplosionStop(cfg.stop_after_explosion)
     has_checkpoint = checkpoint.find(run_dir) is not None
     if resume and not has_checkpoint and (_run_files(run_dir) or (run_dir / "config.json").is_file()):
@@ -389,6 +389,7 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
     elif resume:
         state = _restore(run_dir, cfg, model, optimizer, device)
         step0 = state["step"]
+        monitor_state = state.get("monitor")                          # rank 0's, as it was at the save
         switched = state.get("attention", cfg.attention)             # a monitor may have switched layers
         configured = state["config"].get("attention", cfg.attention)  # the spec the run was started with
         if "config_version" not in state["config"]:                  # a checkpoint of the earlier spec grammar
@@ -458,6 +459,12 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
     metrics = MetricsWriter(run_dir, cfg.tensorboard, enabled=dist.is_main)
 
     monitor = Monitor(monitor_config(cfg))
+    if monitor_state is not None and dist.is_main:
+        try:
+            monitor.load_state_dict(json.loads(monitor_state))
+        except ValueError as exc:                     # json's errors are ValueErrors too
+            log.warning("the checkpoint's monitor state cannot be read (%s): the monitor starts afresh at step %d, "
+                        "its first values those after the resume", exc, step0)
     if cfg.monitor in ("switch", "rollback") and cfg.monitor_max_logit is None and dist.is_main:
         log.warning("monitor=%s with the default indicators acts too late on most of the failing "
                     "configurations measured; warned by the largest attention logit "
@@ -476,13 +483,14 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
         """Rank 0 writes a full checkpoint, every rank its shard of a sharded one; see ``all_save``."""
         nonlocal saved, fresh
         rng = {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
+        watched = json.dumps(monitor.state_dict()) if dist.is_main else None     # rank 0 observes
         if sharded_ckpt:
-            if dist.world_size > 1:                   # rank 0's RNG states, as ckpt.pt keeps
-                shared = [rng]
+            if dist.world_size > 1:                   # rank 0's RNG states and monitor, as ckpt.pt keeps
+                shared = [rng, watched]
                 torch_dist.broadcast_object_list(shared, src=0)
-                rng = shared[0]
+                rng, watched = shared
             checkpoint.save_sharded(run_dir, model, optimizer, done, cfg.to_dict(), str(model.attention_spec), rng,
-                                    rank=dist.rank)
+                                    rank=dist.rank, monitor=watched)
             saved, fresh = done, True
             return
         if fsdp:
@@ -492,7 +500,7 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
         if dist.is_main:
             path = checkpoint.save(run_dir, {
                 "model": model_state, "optimizer": optimizer_state, "step": done,
-                "config": cfg.to_dict(), "attention": str(model.attention_spec), "rng": rng})
+                "config": cfg.to_dict(), "attention": str(model.attention_spec), "rng": rng, "monitor": watched})
             checkpoint.remove_other_format(run_dir, path)
         saved, fresh = done, True                     # after the write: a save cut short saved nothing
 
