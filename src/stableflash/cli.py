@@ -127,6 +127,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:             # before training started, or while its summary was written
         print(f"stableflash train: interrupted; nothing saved beyond what {run_dir} holds", file=sys.stderr)
         return 130
+    code = 0 if summary["status"] == "finished" else 3
+    if int(os.environ.get("RANK", "0")) != 0:      # under torchrun rank 0 speaks for the run (one JSON document)
+        return code
     if args.json:
         print(json.dumps(summary, indent=2, default=str))
     else:
@@ -137,7 +140,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         print(f"{summary['status']}: {summary['steps']} steps{ranks}, final loss "
               f"{'-' if loss is None else f'{loss:.4f}'}, best val loss {'-' if val is None else f'{val:.4f}'}; "
               f"metrics in {Path(run_dir) / 'metrics.jsonl'}")
-    return 0 if summary["status"] == "finished" else 3
+    return code
 
 
 def _cmd_data_prepare(args: argparse.Namespace) -> int:

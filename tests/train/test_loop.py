@@ -8,6 +8,7 @@ import torch
 from stableflash.cli import main
 from stableflash.train.config import make_config
 from stableflash.train.loop import build_model, train
+from stableflash.report.runs import load_run
 from stableflash.train.metrics import read_metrics
 
 
@@ -139,22 +140,29 @@ def test_resume_with_another_attention_forks_the_run_with_that_arithmetic(data_d
 @pytest.mark.slow
 def test_ddp_splits_the_global_batch_like_one_process(data_dir, tmp_path):
     """Two gloo ranks on CPU consume the micro-batches one process consumes, and their average loss
-    per step matches the one-process run (same global batch) to float32 summation order."""
+    per step matches the one-process run (same global batch) to float32 summation order; rank 0
+    probes the step's last global micro-batch, as one process does, so the probe records agree."""
     import os
     import subprocess
     import sys
     # on the CPU on any machine: two ranks need two GPUs, and a GPU's sums differ from the CPU's
-    single = train(cfg_for(data_dir, "max_iters=5", "grad_accum=2", "device=cpu"), tmp_path / "one", progress=False)
+    single = train(cfg_for(data_dir, "max_iters=5", "grad_accum=2", "device=cpu", "probe_every=2"), tmp_path / "one",
+                   progress=False)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), PYTHONFAULTHANDLER="1",   # a crash shows its stack
                CUDA_VISIBLE_DEVICES="")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
            "stableflash.cli", "train", "--preset", "tiny", "--out", str(tmp_path / "two"), "-q",
-           "--set", f"data={data_dir}", "--set", "max_iters=5", "--set", "grad_accum=2", "--set", "device=cpu"]
+           "--set", f"data={data_dir}", "--set", "max_iters=5", "--set", "grad_accum=2", "--set", "device=cpu",
+           "--set", "probe_every=2"]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[:2000] + "\n[...]\n" + res.stderr[-2000:]   # the ranks' own errors come first
     one, two = losses(tmp_path / "one"), losses(tmp_path / "two")
     assert single["status"] == "finished" and len(two) == 5
     assert max(abs(a - b) for a, b in zip(one, two)) < 1e-4, (one, two)
+    p1, p2 = (load_run(tmp_path / name).probes for name in ("one", "two"))
+    assert [p["step"] for p in p1] == [p["step"] for p in p2] == [0, 2, 4]
+    for a, b in zip(p1, p2):          # the same batch's logits: equal to the weights' float32 drift
+        assert torch.tensor(b["row"]["max_logit"]) == pytest.approx(torch.tensor(a["row"]["max_logit"]), rel=1e-3)
 
 
 def test_tensorboard_gets_the_same_scalars_as_metrics_jsonl(data_dir, tmp_path):

@@ -584,7 +584,7 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
             if cfg.probe_every and step % cfg.probe_every == 0 and (probes is not None or fsdp):
                 t_probe = time.perf_counter()
                 px, py = x, y
-                if fsdp and g != cfg.grad_accum - 1:  # the step's last global micro-batch, as one process probes
+                if g != cfg.grad_accum - 1:           # the step's last global micro-batch, as one process probes
                     px, py = sampler.get_batch(source.indices(step, cfg.grad_accum - 1), device)
                 with unsharded(model) if fsdp else contextlib.nullcontext(), autocast():
                     record = probe_record(model, px, py, n_seq=cfg.probe_seqs, delta_layers=cfg.delta_layer_list(),
