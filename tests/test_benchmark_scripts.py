@@ -252,3 +252,38 @@ def test_faithful_report_tabulates_a_run_and_its_fork_and_remakes_them_from_its_
     with pytest.raises(SystemExit):
         report.main(["--out", str(out), "--run", f"base={base}", "--fork", "other=base@6"])
     assert "no --run gives: other" in capsys.readouterr().err
+
+
+def test_faithful_fork_resumes_a_copy_with_the_given_arithmetic(data_dir, tmp_path):
+    """`faithful_gpt2.sh fork NAME FROM ATTENTION STEPS` copies run FROM and resumes the copy detached
+    with ATTENTION (a name of the script's, or a spec: here one the CPU runs) up to STEPS; FROM is left
+    as it was."""
+    import shutil
+    import subprocess
+    import time
+
+    from stableflash.cli import main as cli
+    if shutil.which("setsid") is None:
+        pytest.skip("needs setsid")
+    root = tmp_path / "detached"
+    assert cli(["train", "--preset", "tiny", "--out", str(root / "base"), "-q", "--set", f"data={data_dir}",
+                "--set", "max_iters=4", "--set", "ckpt_every=2"]) == 0
+    before = (root / "base" / "metrics.jsonl").read_text()
+    env = {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "DETACHED_ROOT": str(root), "HOME": str(tmp_path)}
+    out = subprocess.run(["bash", str(BENCHMARKS / "runs" / "faithful_gpt2.sh"), "fork", "f", "base",
+                          "emulated stabilize=none policy=fa2 out=fp32", "6",
+                          "--set", "compile=false"], capture_output=True, text=True, env=env, cwd=BENCHMARKS.parent,
+                         timeout=60)
+    assert out.returncode == 0 and "started f" in out.stdout, out.stdout + out.stderr
+    import os
+    pgid, deadline = int((root / "f.pgid").read_text()), time.monotonic() + 120   # the copy holds base's summary:
+    while time.monotonic() < deadline:                                          # wait for the fork's process
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.5)
+    summary = json.loads((root / "f" / "summary.json").read_text())
+    assert summary["steps"] == 6, (root / "f.log").read_text()[-2000:]
+    assert summary["final_attention"] == "emulated stabilize=none policy=fa2 out=fp32"
+    assert (root / "base" / "metrics.jsonl").read_text() == before

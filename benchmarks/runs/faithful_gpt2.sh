@@ -21,6 +21,8 @@
 #       optimizer state and batch order from FROM's step on
 #   bash benchmarks/runs/repro_detached.sh command plan bash benchmarks/runs/faithful_gpt2.sh replays NAME SEED AT STEPS
 #       the baseline to step AT, then the five forks above from its checkpoint to STEPS, at once
+#   bash benchmarks/runs/repro_detached.sh command queue bash benchmarks/runs/faithful_gpt2.sh queue STEPS NAME SEED ATTENTION ...
+#       several runs from step 0 one after another (one GPU runs one at full speed)
 #   then: KEEP_BATCHES=1 bash benchmarks/runs/repro_detached.sh wait SECONDS   (packs $OUT/detached.tgz)
 set -u
 export PYTHONPATH=$PWD/src:${PYTHONPATH:-} PYTHONUNBUFFERED=1
@@ -76,5 +78,15 @@ PY
     STEPS=$at bash "$0" start "$name" "$seed" paper
     while kill -0 -- -"$(cat "$root/$name.pgid")" 2>/dev/null; do sleep 5; done
     for a in paper stabilized paper-beta2 paper-beta7 fp32-o; do bash "$0" fork "$name-$a" "$name" "$a" "$steps"; done;;
-  *) echo "usage: $0 prepare | start NAME SEED ATTENTION [--set KEY=VALUE ...] | fork NAME FROM ATTENTION STEPS [--set KEY=VALUE ...] | replays NAME SEED AT STEPS"; exit 2;;
+  queue)
+    # queue STEPS NAME SEED ATTENTION [NAME SEED ATTENTION ...]: the runs one after another, each to
+    # step STEPS (or its own stop: an explosion, a non-finite loss). Start it detached:
+    # repro_detached.sh command queue bash $0 queue ...
+    steps=$2; shift 2
+    while [ $# -ge 3 ]; do
+      STEPS=$steps bash "$0" start "$1" "$2" "$3"
+      while kill -0 -- -"$(cat "$root/$1.pgid")" 2>/dev/null; do sleep 5; done
+      shift 3
+    done;;
+  *) echo "usage: $0 prepare | start NAME SEED ATTENTION [--set KEY=VALUE ...] | fork NAME FROM ATTENTION STEPS [--set KEY=VALUE ...] | replays NAME SEED AT STEPS | queue STEPS NAME SEED ATTENTION ..."; exit 2;;
 esac
