@@ -17,7 +17,7 @@
 #       copies run FROM (its checkpoint: start it with STEPS=N to stop and save at step N) to NAME and
 #       resumes the copy detached with ATTENTION (as for start, plus: stabilized = the default
 #       stabilization on the authors' arithmetic, paper-beta2 / paper-beta7 = the paper's row-maximum
-#       rule, fp32-o = P̄, Ō, ℓ and O in fp32 with δ from them) up to step STEPS: the same weights,
+#       rule, fp32-o = Ō, ℓ and O in fp32, P̄ in bf16, δ from that O) up to step STEPS: the same weights,
 #       optimizer state and batch order from FROM's step on
 #   bash benchmarks/runs/repro_detached.sh command plan bash benchmarks/runs/faithful_gpt2.sh replays NAME SEED AT STEPS
 #       the baseline to step AT, then the five forks above from its checkpoint to STEPS, at once
