@@ -173,3 +173,21 @@ def test_graph_timing_measures_the_gpus_time_on_the_gpu():
         ms = {t: time_one(name, shape, "fwd+bwd", BenchConfig(shapes=(shape,), providers=(name,), timing=t),
                           torch.bfloat16, torch.device("cuda"), gen) for t in ("events", "graph")}
         assert 0 < ms["graph"] <= 1.2 * ms["events"], (name, ms)
+
+
+def test_sdpa_default_is_torchs_own_choice_and_a_peer():
+    """"sdpa-default" calls SDPA with no backend forced (what a user's model runs; cuDNN on Hopper),
+    is one of the peers every ratio is taken against, and agrees with float64 attention to bf16-level
+    error on CPU, where torch picks its math kernel."""
+    from stableflash.bench.attention import PEERS, PROVIDERS, BenchConfig, provider_fn
+
+    assert "sdpa-default" in PROVIDERS and PEERS[0] == "sdpa-default"
+    assert "sdpa-default" in BenchConfig().providers
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(2, 3, 64, 32, generator=gen) for _ in range(3))
+    fn = provider_fn("sdpa-default", (2, 3, 64, 32), True, torch.device("cpu"))
+    got = fn(*(t.bfloat16() for t in (q, k, v)), causal=True).double()
+    s = (q.double() @ k.double().transpose(-1, -2)) / 32 ** 0.5
+    s = s.masked_fill(torch.ones(64, 64, dtype=torch.bool).triu(1), float("-inf"))
+    want = torch.softmax(s, -1) @ v.double()
+    assert ((got - want).norm() / want.norm()).item() < 1e-2     # bf16 inputs: about 2^-8 relative

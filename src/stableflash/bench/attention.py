@@ -10,6 +10,8 @@ for forward+backward.
 """
 from __future__ import annotations
 
+import contextlib
+
 import datetime as dt
 import platform
 from dataclasses import asdict, dataclass
@@ -103,8 +105,10 @@ LEGACY_PROVIDERS = {
     "ours-fp8-pv-norule": "stableflash-none-fp8-pv", "ours-fp8-pv-guard": "stableflash-fp8-pv",
     "ours-softcap": "stableflash-tie-shift-softcap",
 }
-PROVIDERS = (*VARIANTS, "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex")
-PEERS = ("sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex")
+# "sdpa-default": F.scaled_dot_product_attention with the backend torch picks itself (cuDNN on
+# Hopper with recent torch), what a user's model runs; the others force one backend each
+PROVIDERS = (*VARIANTS, "sdpa-default", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex")
+PEERS = ("sdpa-default", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex")
 TIMINGS = ("events", "graph")
 
 
@@ -144,10 +148,11 @@ def provider_name(name: str) -> str:
 
 
 def _sdpa(backend) -> Callable:
+    """SDPA on ``backend``, or with None on the backend torch picks (no ``sdpa_kernel`` around it)."""
     from torch.nn.attention import sdpa_kernel
 
     def fn(q, k, v, causal):
-        with sdpa_kernel(backend):
+        with sdpa_kernel(backend) if backend is not None else contextlib.nullcontext():
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
     return fn
 
@@ -182,8 +187,8 @@ def provider_fn(name: str, shape, causal: bool, device) -> Callable:
         return stableflash
     if name == "flex":
         return _flex(shape, causal, device)
-    return _sdpa({"sdpa-flash": SDPBackend.FLASH_ATTENTION, "sdpa-cudnn": SDPBackend.CUDNN_ATTENTION,
-                  "sdpa-efficient": SDPBackend.EFFICIENT_ATTENTION}[name])
+    return _sdpa({"sdpa-default": None, "sdpa-flash": SDPBackend.FLASH_ATTENTION,
+                  "sdpa-cudnn": SDPBackend.CUDNN_ATTENTION, "sdpa-efficient": SDPBackend.EFFICIENT_ATTENTION}[name])
 
 
 def flops(shape, causal: bool, mode: str) -> float:
