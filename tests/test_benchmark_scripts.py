@@ -277,7 +277,8 @@ def test_faithful_fork_resumes_a_copy_with_the_given_arithmetic(data_dir, tmp_pa
     assert out.returncode == 0 and "started f" in out.stdout, out.stdout + out.stderr
     import os
     pgid, deadline = int((root / "f.pgid").read_text()), time.monotonic() + 120   # the copy holds base's summary:
-    while time.monotonic() < deadline:                                          # wait for the fork's process
+    assert os.getpgid(pgid) == pgid                     # the script returned once the fork led its own group
+    while time.monotonic() < deadline:                  # wait for the fork's process group to end
         try:
             os.killpg(pgid, 0)
         except ProcessLookupError:

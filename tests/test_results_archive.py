@@ -17,8 +17,9 @@ from stableflash.report import build_report, explosion_step, load_run, loss_seri
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "notebook" / "results"
-ARCHIVES = 16           # folders with a runs.tar.xz
-RUNS = 266              # run folders (holding metrics.jsonl) in them
+ARCHIVES = 17           # folders with a runs.tar.xz
+RUNS = 277              # run folders (holding metrics.jsonl) in them
+CURRENT_GRAMMAR = 11    # of them written with config_version (faithful-gpt2-2026-11-24); the rest predate it
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +40,7 @@ def run_dirs(unpacked) -> list[Path]:
 
 def test_every_run_loads(unpacked, run_dirs):
     assert len(run_dirs) == RUNS
-    with_probes, empty, unstabilized = 0, [], 0
+    with_probes, empty, unstabilized, current = 0, [], 0, []
     for path in run_dirs:
         run = load_run(path)
         assert run.skipped == {} and run.problems == [], path
@@ -47,7 +48,14 @@ def test_every_run_loads(unpacked, run_dirs):
         if len(loss_series(run)[0]) == 0:
             empty.append(path.relative_to(unpacked).as_posix())
         with_probes += bool(run.probes)
-        assert "config_version" not in (run.summary or {}), path       # every archived run predates the grammar
+        if "config_version" in json.loads((path / "config.json").read_text()):   # written in the current grammar
+            current.append(path.relative_to(unpacked).parts[0])
+            for source in (run.config, run.summary or {}):
+                for key in ("attention", "final_attention"):
+                    if source.get(key):
+                        parse_attention_spec(source[key])
+            continue
+        assert "config_version" not in (run.summary or {}), path
         for source in (run.config, run.summary or {}):
             for key in ("attention", "final_attention"):
                 if source.get(key):
@@ -58,7 +66,8 @@ def test_every_run_loads(unpacked, run_dirs):
                     assert all("stabilize=" in " ".join(e) for e in entries if e and e[0] != "sdpa"), source[key]
                     unstabilized += any(c.backend == "triton" and c.stabilize == "none"
                                         for c in (spec.default, *(c for _, c in spec.overrides)))
-    assert with_probes == 230          # runs with probe records (the rest ran with probes off)
+    assert with_probes == 241          # runs with probe records (the rest ran with probes off)
+    assert current == ["faithful-gpt2-2026-11-24"] * CURRENT_GRAMMAR
     assert unstabilized > 100          # the kernel baselines: "triton policy=..." in the earlier grammar
     # the one run that stopped before its first logged step (its metrics.jsonl was empty when archived)
     assert empty == ["mitigations-H200-2026-11-22/sess/m-sr-out/seed1/baseline"]

@@ -21,6 +21,10 @@ set -u
 root=${DETACHED_ROOT:-/tmp/detached}; mkdir -p "$root"     # DETACHED_ROOT: another folder (tests)
 export PYTHONPATH=$PWD/src:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp}
+led() {   # led PID: wait (up to 5 s) until PID leads its own process group, so that `wait` and `stop`
+          # find the group at once (the child calls setsid only after the fork returned its pid)
+  for _ in $(seq 50); do [ "$(ps -o pgid= -p "$1" 2>/dev/null | tr -d ' ')" = "$1" ] && return; sleep 0.1; done
+}
 case $1 in
   start)
     name=$2; preset=$3; shift 3
@@ -28,11 +32,13 @@ case $1 in
     setsid nohup python3 -m stableflash.cli repro --preset "$preset" --no-probe -q --out "$root/$name" "$@" \
       > "$root/$name.log" 2>&1 < /dev/null &
     echo $! > "$root/$name.pgid"              # setsid: the run leads its own process group
+    led $!
     echo "started $name: $preset $*";;
   command)
     name=$2; shift 2
     setsid nohup "$@" > "$root/$name.log" 2>&1 < /dev/null &
     echo $! > "$root/$name.pgid"
+    led $!
     echo "started $name: $*";;
   stop)
     shift
