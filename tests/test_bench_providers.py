@@ -191,3 +191,19 @@ def test_sdpa_default_is_torchs_own_choice_and_a_peer():
     s = s.masked_fill(torch.ones(64, 64, dtype=torch.bool).triu(1), float("-inf"))
     want = torch.softmax(s, -1) @ v.double()
     assert ((got - want).norm() / want.norm()).item() < 1e-2     # bf16 inputs: about 2^-8 relative
+
+
+def test_the_correctness_check_covers_rows_with_tied_maxima():
+    """The tied inputs give every causal row from 2·TIED_PERIOD − 1 on (which sees every distinct key
+    twice) its largest score at least twice; the check reports the errors on them beside those on random inputs (here for SDPA
+    on the CPU, bf16 inputs: bf16-level errors)."""
+    from stableflash.bench.attention import TIED_PERIOD, check, tied_inputs
+
+    gen = torch.Generator().manual_seed(3)
+    q, k, v, _ = tied_inputs((1, 2, 64, 16), torch.float32, torch.device("cpu"), gen)
+    s = (q @ k.transpose(-1, -2)).masked_fill(torch.ones(64, 64, dtype=torch.bool).triu(1), float("-inf"))
+    ties = (s == s.amax(-1, keepdim=True)).sum(-1)
+    assert bool((ties[..., 2 * TIED_PERIOD - 1:] >= 2).all()) and bool((ties[..., :TIED_PERIOD] == 1).all())
+    errs = check("sdpa-default", True, torch.bfloat16, torch.device("cpu"), torch.Generator().manual_seed(0))
+    assert set(errs) == {"O", "dQ", "dK", "dV", "O tied", "dQ tied", "dK tied", "dV tied"}
+    assert all(0 < e < 3e-2 for e in errs.values()), errs

@@ -219,18 +219,34 @@ def _inputs(shape, dtype, device, gen):
     return q, k, v, do
 
 
-def check(name: str, causal: bool, dtype, device, gen) -> dict:
-    """Forward and gradient error against float64 at (2, 4, 512, 64) — before any timing."""
-    shape = (2, 4, 512, 64)
+TIED_PERIOD = 16      # tied inputs: key j repeats key j mod 16, so every causal row from 31 on (every
+                      # row of a non-causal call) holds its largest score at least twice (P̄ = 1 more
+                      # than once: the paper's case)
+
+
+def tied_inputs(shape, dtype, device, gen):
+    """Random q, k, v, dO whose keys repeat with period ``TIED_PERIOD`` along the sequence, so that
+    the scores of a row are equal in groups, its largest included (in any arithmetic: the same
+    products of the same numbers)."""
     q, k, v, do = _inputs(shape, dtype, device, gen)
+    idx = torch.arange(shape[2], device=device) % TIED_PERIOD
+    return q, k[:, :, idx].contiguous(), v, do
+
+
+def check(name: str, causal: bool, dtype, device, gen) -> dict:
+    """Forward and gradient error against float64 at (2, 4, 512, 64) — before any timing — on random
+    inputs ("O", "dQ", "dK", "dV") and on inputs whose rows have tied maxima ("O tied", ...)."""
+    shape = (2, 4, 512, 64)
     fn = provider_fn(name, shape, causal, device)
-    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
-    o = fn(*leaves, causal)
-    grads = torch.autograd.grad(o, leaves, do)
-    want = reference.forward_backward(q, k, v, do, causal=causal)
     errs = {}
-    for key, got, ref in zip(("O", "dQ", "dK", "dV"), (o, *grads), want):
-        errs[key] = ((got.double() - ref).norm() / ref.norm()).item()
+    for suffix, make in (("", _inputs), (" tied", tied_inputs)):
+        q, k, v, do = make(shape, dtype, device, gen)
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        o = fn(*leaves, causal)
+        grads = torch.autograd.grad(o, leaves, do)
+        want = reference.forward_backward(q, k, v, do, causal=causal)
+        for key, got, ref in zip(("O", "dQ", "dK", "dV"), (o, *grads), want):
+            errs[key + suffix] = ((got.double() - ref).norm() / ref.norm()).item()
     return errs
 
 
@@ -349,12 +365,14 @@ def format_table(result: dict) -> str:
     env = result["env"]
     console = Console(width=160, record=True, force_terminal=False)
     with console.capture() as cap:
-        t = Table(title=f"correctness vs float64 (‖err‖/‖ref‖, B=2 H=4 N=512 d=64) — {env['gpu']}")
-        for c in ("provider", "O", "dQ", "dK", "dV"):
+        t = Table(title=f"correctness vs float64 (‖err‖/‖ref‖, B=2 H=4 N=512 d=64; tied: rows with repeated "
+                        f"maxima) — {env['gpu']}")
+        keys = ("O", "dQ", "dK", "dV", "O tied", "dQ tied", "dK tied", "dV tied")
+        for c in ("provider", *keys):
             t.add_column(c)
         for name, errs in result["checks"].items():
-            t.add_row(name, *([f"{errs[k]:.2e}" for k in ("O", "dQ", "dK", "dV")] if "error" not in errs
-                              else [errs["error"][:60], "", "", ""]))
+            t.add_row(name, *([f"{errs[k]:.2e}" if k in errs else "-" for k in keys] if "error" not in errs
+                              else [errs["error"][:60], *[""] * (len(keys) - 1)]))
         console.print(t)
         providers = list(dict.fromkeys(r["provider"] for r in result["rows"]))
         t = Table(title=f"TFLOP/s (median, {result['config'].get('timing', 'events')} timing), "
