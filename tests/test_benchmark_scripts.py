@@ -288,3 +288,15 @@ def test_faithful_fork_resumes_a_copy_with_the_given_arithmetic(data_dir, tmp_pa
     assert summary["steps"] == 6, (root / "f.log").read_text()[-2000:]
     assert summary["final_attention"] == "emulated stabilize=none policy=fa2 out=fp32"
     assert (root / "base" / "metrics.jsonl").read_text() == before
+
+
+def test_gluon_compiles_a_hopper_warpgroup_product_without_a_gpu():
+    """benchmarks/tools/gluon_hopper_probe.py: a 64 × 64 × 64 Gluon warpgroup product compiles for
+    sm_90a with the triton wheel's own ptxas, and its SASS holds the K / 16 = 4 HGMMA instructions
+    of one warpgroup tile — the ground a Gluon Hopper path is built and inspected on in CI."""
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    import triton
+    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm").exists():
+        pytest.skip("this triton wheel ships no nvdisasm")
+    result = load("tools/gluon_hopper_probe").probe()
+    assert result["hgmma"] == 4 and result["ptx_has_wgmma"] and result["target"] == "sm_90a", result
