@@ -142,3 +142,26 @@ def test_cli_prepare_and_training_on_the_packages_preset(tmp_path, monkeypatch, 
     cached = list((tmp_path / "cache" / "stableflash").glob("packages-*"))
     assert len(cached) == 1 and json.loads((run / "data.json").read_text())
     assert read_meta(cached[0])["source"]["kind"] == "installed-packages"
+
+
+def test_under_torchrun_rank_0_alone_reads_the_packages(monkeypatch):
+    """`data=packages` on several ranks: rank 0 reads (and, the first time, prepares) the corpus once
+    and sends its folder; the other ranks take that folder without reading the packages themselves."""
+    from pathlib import Path
+
+    from stableflash.train import loop
+    from stableflash.train.config import DistInfo
+
+    calls = []
+    monkeypatch.setattr(pc, "default_packages_dir", lambda: calls.append(1) or Path("/cache/packages-abc"))
+
+    def broadcast(objects, src):
+        assert src == 0
+        if objects[0] is None:                         # a rank other than 0 receives rank 0's folder
+            objects[0] = "/cache/packages-abc"
+    monkeypatch.setattr(loop.torch_dist, "broadcast_object_list", broadcast)
+    assert loop.resolve_data_dir("packages", DistInfo(rank=0, world_size=2)) == Path("/cache/packages-abc")
+    assert calls == [1]
+    assert loop.resolve_data_dir("packages", DistInfo(rank=1, local_rank=1, world_size=2)) == Path("/cache/packages-abc")
+    assert calls == [1]
+    assert loop.resolve_data_dir("packages") == Path("/cache/packages-abc") and calls == [1, 1]

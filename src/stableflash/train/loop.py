@@ -48,18 +48,18 @@ PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
 
 def resolve_data_dir(data: str, dist: DistInfo | None = None) -> Path:
     """``"embedded"`` → the prepared default corpus; ``"packages"`` → the installed-packages corpus
-    (``train.packages_corpus``, prepared by rank 0 while the other ranks wait); anything else is a
-    folder of token files."""
+    (``train.packages_corpus``; under torchrun rank 0 alone reads the packages and prepares it, and
+    sends its folder to the other ranks, which wait for it); anything else is a folder of token files."""
     if data == "embedded":
         from stableflash.train.corpus import default_data_dir
         return Path(default_data_dir())
     if data == "packages":
         from stableflash.train.packages_corpus import default_packages_dir
-        if dist is not None and dist.world_size > 1:
-            if dist.is_main:
-                default_packages_dir()
-            torch_dist.barrier()
-        return Path(default_packages_dir())
+        if dist is None or dist.world_size == 1:
+            return Path(default_packages_dir())
+        shared = [str(default_packages_dir()) if dist.is_main else None]
+        torch_dist.broadcast_object_list(shared, src=0)
+        return Path(shared[0])
     return Path(data)
 
 
