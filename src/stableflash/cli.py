@@ -146,21 +146,21 @@ def _cmd_train(args: argparse.Namespace) -> int:
 def _cmd_data_prepare(args: argparse.Namespace) -> int:
     from stableflash.train import corpus
 
-    text_fraction = 0.0005 if args.val_fraction is None else args.val_fraction
     if args.embedded and args.packages:
         raise ValueError("--embedded and --packages name two corpora; accepted: one of them")
+    # each preparation's own default share of documents for val.bin, unless --val-fraction names one
+    fraction = {} if args.val_fraction is None else {"val_fraction": args.val_fraction}
     if args.embedded:
         meta = corpus.prepare_embedded(args.out, overwrite=args.overwrite)
     elif args.packages:
-        from stableflash.train.packages_corpus import DEFAULT_VAL_FRACTION, prepare_packages
-        meta = prepare_packages(args.out, vocab_size=args.vocab_size, overwrite=args.overwrite,
-                                val_fraction=DEFAULT_VAL_FRACTION if args.val_fraction is None else args.val_fraction)
+        from stableflash.train.packages_corpus import prepare_packages
+        meta = prepare_packages(args.out, vocab_size=args.vocab_size, overwrite=args.overwrite, **fraction)
     elif args.hf_dataset:
         meta = corpus.prepare_hf(args.hf_dataset, args.out, split=args.hf_split, text_field=args.text_field,
-                                 tokenizer=args.tokenizer, val_fraction=text_fraction, overwrite=args.overwrite)
+                                 tokenizer=args.tokenizer, overwrite=args.overwrite, **fraction)
     elif args.inputs:
-        meta = corpus.prepare_text(args.inputs, args.out, tokenizer=args.tokenizer, val_fraction=text_fraction,
-                                   pattern=args.pattern, overwrite=args.overwrite)
+        meta = corpus.prepare_text(args.inputs, args.out, tokenizer=args.tokenizer, pattern=args.pattern,
+                                   overwrite=args.overwrite, **fraction)
     else:
         raise ValueError("nothing to prepare; accepted: INPUT files or folders, --hf-dataset NAME, or --embedded")
     print(json.dumps(meta, indent=2, default=str))

@@ -11,7 +11,6 @@ for forward+backward.
 from __future__ import annotations
 
 import contextlib
-
 import datetime as dt
 import platform
 from dataclasses import asdict, dataclass
