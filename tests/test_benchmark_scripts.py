@@ -249,6 +249,16 @@ def test_faithful_report_tabulates_a_run_and_its_fork_and_remakes_them_from_its_
     capsys.readouterr()
     assert report.main(["--from", str(out / "runs.json"), "--out", str(tmp_path / "again")]) == 0
     assert (tmp_path / "again" / "table.txt").read_text() == table
+    # a later run joins the committed record: its records first, as they were, then the new run's
+    assert report.main(["--from", str(out / "runs.json"), "--run", f"later={base}", "--machine", "later=GPU",
+                        "--out", str(tmp_path / "joined")]) == 0
+    joined = json.loads((tmp_path / "joined" / "runs.json").read_text())
+    assert joined[:2] == records and joined[2]["label"] == "later" and joined[2]["machine"] == "GPU"
+    assert (tmp_path / "joined" / "table.txt").read_text().splitlines()[:3] == table.splitlines()
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        report.main(["--from", str(out / "runs.json"), "--run", f"fork={base}", "--out", str(tmp_path / "x")])
+    assert "--run labels already in" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         report.main(["--out", str(out), "--run", f"base={base}", "--fork", "other=base@6"])
     assert "no --run gives: other" in capsys.readouterr().err

@@ -3,7 +3,7 @@ a table and a figure of the loss and of the indicators of the layer whose W_Q gr
 
     python benchmarks/runs/faithful_report.py --run LABEL=RUN_DIR [--run ...] [--machine LABEL=GPU ...]
                                               [--fork LABEL=PARENT@STEP ...] --out FOLDER
-    python benchmarks/runs/faithful_report.py --from FOLDER/runs.json --out FOLDER
+    python benchmarks/runs/faithful_report.py --from FOLDER/runs.json [--run LABEL=RUN_DIR ...] --out FOLDER
 
 The first form reads run folders (metrics.jsonl, probes.jsonl, config.json, summary.json) and writes
 FOLDER/runs.json: per run its attention, seed, machine, status, the loss of every logged step, its
@@ -13,7 +13,9 @@ the heads), and the monitor's state where the probe records hold it. A fork (``f
 fork``: a copy of PARENT resumed at STEP with other arithmetic) keeps only its own records from
 STEP on; its explosion step is judged on PARENT's losses before STEP followed by its own. Both forms then write
 FOLDER/table.txt, FOLDER/table.json and FOLDER/indicators.png from runs.json, so the table and the
-figure can be made again from the committed record alone.
+figure can be made again from the committed record alone. Given both, the runs of --run (and their
+--fork and --machine) are added after the records of --from, and the whole is written to FOLDER/runs.json:
+a later lease's runs join a committed record whose full run folders are no longer at hand.
 
 The table gives the watched layer's largest logit and W_Q norm at steps 2000, 2300 and 4000 and at the
 last probe, the largest fraction of its rows with repeated maxima over all the probes (the largest
@@ -169,7 +171,7 @@ def figure(records: list[dict], out: Path) -> None:
     by_label = {r["label"]: r for r in records}
     fig, axes = plt.subplots(3, 1, figsize=(10, 10), sharex=True)
     for i, r in enumerate(records):
-        colour = f"C{i}"
+        colour, ls, mark = f"C{i % 10}", ("-", "--", ":")[i // 10 % 3], ".x+"[i // 10 % 3]   # ten colours, then styles
         rows = [(s, v) for s, v in history(r, by_label) if v is not None]
         own = r["loss"][0][0] if r["loss"] else None
         steps, loss = np.array([s for s, _ in rows]), np.array([v for _, v in rows])
@@ -178,13 +180,13 @@ def figure(records: list[dict], out: Path) -> None:
             w = min(50, len(loss))
             smooth = np.convolve(loss, np.ones(w) / w, mode="valid")
             keep = steps[w - 1:] >= own
-            axes[0].plot(steps[w - 1:][keep], smooth[keep], color=colour, label=r["label"], lw=1.2)
+            axes[0].plot(steps[w - 1:][keep], smooth[keep], color=colour, ls=ls, label=r["label"], lw=1.2)
         elif own is None and stop is not None:           # stopped at its first step: marked where it stopped
             axes[0].plot([stop], [loss[-50:].mean()], "x", color=colour, ms=10, mew=2,
                          label=f"{r['label']} (non-finite at {stop})")
         ps = [p["step"] for p in r["probes"]]
-        axes[1].plot(ps, [p["max_logit"][layer] for p in r["probes"]], color=colour, marker=".", lw=1)
-        axes[2].plot(ps, [p["q_norm"][layer] for p in r["probes"]], color=colour, marker=".", lw=1)
+        axes[1].plot(ps, [p["max_logit"][layer] for p in r["probes"]], color=colour, ls=ls, marker=mark, lw=1, ms=4)
+        axes[2].plot(ps, [p["q_norm"][layer] for p in r["probes"]], color=colour, ls=ls, marker=mark, lw=1, ms=4)
         if stop is not None and own is not None:
             for ax in axes:
                 ax.axvline(stop, color=colour, ls=":", lw=1)
@@ -212,13 +214,18 @@ def main(argv=None) -> int:
     ap.add_argument("--from", dest="source", type=Path, help="a runs.json this script wrote")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
-    if bool(args.run) == bool(args.source):
-        ap.error("give either --run LABEL=RUN_DIR (one or more) or --from runs.json")
+    if not args.run and not args.source:
+        ap.error("give --run LABEL=RUN_DIR (one or more), --from runs.json, or both")
     args.out.mkdir(parents=True, exist_ok=True)
+    records = json.loads(args.source.read_text()) if args.source else []
     if args.run:
         machines = dict(args.machine)
         forks = {}
-        labels = [label for label, _ in args.run]
+        known = [r["label"] for r in records]
+        again = sorted({label for label, _ in args.run} & set(known))
+        if again:
+            ap.error(f"--run labels already in {args.source}: {', '.join(again)}; accepted: new labels")
+        labels = known + [label for label, _ in args.run]
         for text in args.fork:                 # labels may hold "=": the split that names a --run's label
             head, sep, step = text.rpartition("@")
             cuts = [i for i, c in enumerate(head) if c == "=" and head[:i] in labels and head[i + 1:] in labels]
@@ -226,16 +233,15 @@ def main(argv=None) -> int:
                 names = [head[:i] for i, c in enumerate(head) if c == "="]
                 missing = [n for n in names if n not in labels] if names else []
                 if missing and len(missing) == len(names):
-                    ap.error(f"--fork {text!r} names runs that no --run gives: {', '.join(missing)}")
+                    ap.error(f"--fork {text!r} names runs that no --run{' or --from record' if records else ''} gives: "
+                             f"{', '.join(missing)}")
                 ap.error(f"--fork {text!r} is invalid; accepted: LABEL=PARENT@STEP, LABEL and PARENT labels of --run")
             forks[head[:cuts[0]]] = (head[cuts[0] + 1:], int(step))
-        unknown = sorted(set(machines) - set(labels))
+        unknown = sorted(set(machines) - {label for label, _ in args.run})
         if unknown:
             ap.error(f"--machine names runs that no --run gives: {', '.join(unknown)}")
-        records = [compact(label, Path(path), machines.get(label), forks.get(label)) for label, path in args.run]
+        records += [compact(label, Path(path), machines.get(label), forks.get(label)) for label, path in args.run]
         write_text_atomic(args.out / "runs.json", json.dumps(records, separators=(",", ":")) + "\n")
-    else:
-        records = json.loads(args.source.read_text())
     rows, text = table(records)
     write_text_atomic(args.out / "table.json", json.dumps(rows, indent=1) + "\n")
     write_text_atomic(args.out / "table.txt", text)
