@@ -24,10 +24,12 @@
 #   bash benchmarks/runs/repro_detached.sh command queue bash benchmarks/runs/faithful_gpt2.sh queue STEPS NAME SEED ATTENTION ...
 #       several runs from step 0 one after another (one GPU runs one at full speed)
 #   then: KEEP_BATCHES=1 bash benchmarks/runs/repro_detached.sh wait SECONDS   (packs $OUT/detached.tgz)
+# PRESET: another training preset for `start` (the tests run the verbs on "tiny").
 set -u
 export PYTHONPATH=$PWD/src:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 DATA=${DATA:-/tmp/data/packages}
 root=${DETACHED_ROOT:-/tmp/detached}; mkdir -p "$root"
+ended() { while kill -0 -- -"$(cat "$root/$1.pgid")" 2>/dev/null; do sleep 5; done; }   # run NAME's group has ended
 case $1 in
   prepare)
     start=$SECONDS
@@ -64,7 +66,7 @@ PY
         --set attention="$attention" --set max_iters="$steps" "$@"
       exit
     fi
-    bash benchmarks/runs/repro_detached.sh command "$name" "${launch[@]}" train --preset gpt2-small-paper \
+    bash benchmarks/runs/repro_detached.sh command "$name" "${launch[@]}" train --preset "${PRESET:-gpt2-small-paper}" \
       --out "$root/$name" --set data="$DATA" --set batch_size=16 --set grad_accum=$accum \
       --set max_iters="${STEPS:-7000}" --set seed="$seed_or_from" --set attention="$attention" \
       --set probe_every=100 --set monitor=warn --set log_every=1 --set eval_every=1000 --set eval_iters=20 \
@@ -76,7 +78,7 @@ PY
     # NAME-fp32-o. Start it detached: repro_detached.sh command plan bash $0 replays ...
     name=$2; seed=$3; at=$4; steps=$5
     STEPS=$at bash "$0" start "$name" "$seed" paper
-    while kill -0 -- -"$(cat "$root/$name.pgid")" 2>/dev/null; do sleep 5; done
+    ended "$name"
     for a in paper stabilized paper-beta2 paper-beta7 fp32-o; do bash "$0" fork "$name-$a" "$name" "$a" "$steps"; done;;
   queue)
     # queue STEPS NAME SEED ATTENTION [NAME SEED ATTENTION ...]: the runs one after another, each to
@@ -85,7 +87,7 @@ PY
     steps=$2; shift 2
     while [ $# -ge 3 ]; do
       STEPS=$steps bash "$0" start "$1" "$2" "$3"
-      while kill -0 -- -"$(cat "$root/$1.pgid")" 2>/dev/null; do sleep 5; done
+      ended "$1"
       shift 3
     done;;
   *) echo "usage: $0 prepare | start NAME SEED ATTENTION [--set KEY=VALUE ...] | fork NAME FROM ATTENTION STEPS [--set KEY=VALUE ...] | replays NAME SEED AT STEPS | queue STEPS NAME SEED ATTENTION ..."; exit 2;;

@@ -137,7 +137,7 @@ def forward_job(kind: str, policy: PrecisionPolicy, dtype: str, softcap: float |
     """(the kernel's switches, pointer types beside the inputs' dtype, a chosen key block's tile
     or {}) for one call's arguments, through the launcher's own conversion."""
     from stableflash.attention import ShiftRule
-    from stableflash.attention.triton import launch, op
+    from stableflash.attention.triton import launch
     if not hasattr(launch, "kernel_config"):
         return _legacy_job(kind, policy, dtype, softcap, block_k)
     config = launch.kernel_config(policy, ShiftRule(kind), DTYPES[dtype], softcap, block_k)
