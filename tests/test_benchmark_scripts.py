@@ -303,7 +303,7 @@ def test_faithful_fork_resumes_a_copy_with_the_given_arithmetic(data_dir, tmp_pa
 def test_faithful_queue_runs_its_runs_one_after_another(data_dir, tmp_path):
     """`faithful_gpt2.sh queue STEPS NAME SEED ATTENTION ...` trains each run from step 0 to STEPS,
     the next starting only once the previous one's process group has ended, each with its own seed
-    and arithmetic."""
+    and arithmetic, and the micro-batch and micro-batches per step that BATCH and ACCUM set."""
     import os
     import shutil
     import subprocess
@@ -312,7 +312,7 @@ def test_faithful_queue_runs_its_runs_one_after_another(data_dir, tmp_path):
         pytest.skip("needs setsid")
     root = tmp_path / "detached"
     env = {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "DETACHED_ROOT": str(root), "HOME": str(tmp_path),
-           "DATA": str(data_dir), "PRESET": "tiny"}
+           "DATA": str(data_dir), "PRESET": "tiny", "BATCH": "4", "ACCUM": "2"}
     out = subprocess.run(["bash", str(BENCHMARKS / "runs" / "faithful_gpt2.sh"), "queue", "2",
                           "a", "0", "sdpa", "b", "1", "emulated stabilize=none policy=fa2"],
                          capture_output=True, text=True, env=env, cwd=BENCHMARKS.parent, timeout=240)
@@ -321,6 +321,7 @@ def test_faithful_queue_runs_its_runs_one_after_another(data_dir, tmp_path):
     configs = {n: json.loads((root / n / "config.json").read_text()) for n in "ab"}
     assert [summaries[n]["steps"] for n in "ab"] == [2, 2], (root / "b.log").read_text()[-2000:]
     assert [configs[n]["seed"] for n in "ab"] == [0, 1]
+    assert [(configs[n]["batch_size"], configs[n]["grad_accum"]) for n in "ab"] == [(4, 2), (4, 2)]   # BATCH, ACCUM
     assert [configs[n]["attention"] for n in "ab"] == ["sdpa", "emulated stabilize=none policy=fa2"]
     # one after the other: b's run folder was made after a's summary was written
     assert os.stat(root / "b" / "config.json").st_mtime >= os.stat(root / "a" / "summary.json").st_mtime

@@ -2,8 +2,10 @@
 # Faithful bf16 GPT-2 small runs on the installed-packages corpus (docs/reproduction.md, "GPT-2 small,
 # faithful bf16"). The authors' recipe (preset gpt2-small-paper: AdamW (0.9, 0.95), wd 0, 2000
 # warm-up steps to 1e-3, cosine over 600K steps, clip 1.0, bf16 autocast, compiled) with 16 × 1024
-# tokens per micro-batch and 8 micro-batches per step on two GPUs (131,072 tokens), 4 on one
-# (65,536 tokens); no stabilization. Verbs (repository root, on the GPU machine):
+# tokens per micro-batch and 4 micro-batches per GPU per step: 65,536 tokens on one GPU, 131,072 on
+# two (one torchrun process per GPU, DDP); BATCH and ACCUM set the micro-batch and the micro-batches
+# per step over all GPUs (the paper's 524,288 tokens on eight: BATCH=32 ACCUM=16); no stabilization.
+# Verbs (repository root, on the GPU machine):
 #   bash benchmarks/runs/faithful_gpt2.sh prepare
 #       the corpus into $DATA (default /tmp/data/packages): `stableflash data prepare --packages`,
 #       timed; prints its fingerprint (the same on every machine of one image)
@@ -56,8 +58,9 @@ PY
       fp32-o) attention="$paper stabilize=none acc=fp32 row_sum=fp32 out=fp32 delta=recompute_fp32";;
     esac
     gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
-    if [ "$gpus" -ge 2 ]; then launch=(torchrun --standalone --nproc_per_node=2 -m stableflash.cli); accum=8
-    else launch=(python3 -m stableflash.cli); accum=4; fi
+    if [ "$gpus" -ge 2 ]; then launch=(torchrun --standalone --nproc_per_node="$gpus" -m stableflash.cli)
+    else launch=(python3 -m stableflash.cli); gpus=1; fi
+    accum=${ACCUM:-$((4 * gpus))}
     if [ "$verb" = fork ]; then
       from=$root/$seed_or_from; steps=$1; shift
       [ -f "$from/ckpt.pt" ] || { echo "fork: $from has no ckpt.pt"; exit 1; }
@@ -67,7 +70,7 @@ PY
       exit
     fi
     bash benchmarks/runs/repro_detached.sh command "$name" "${launch[@]}" train --preset "${PRESET:-gpt2-small-paper}" \
-      --out "$root/$name" --set data="$DATA" --set batch_size=16 --set grad_accum=$accum \
+      --out "$root/$name" --set data="$DATA" --set batch_size="${BATCH:-16}" --set grad_accum="$accum" \
       --set max_iters="${STEPS:-7000}" --set seed="$seed_or_from" --set attention="$attention" \
       --set probe_every=100 --set monitor=warn --set log_every=1 --set eval_every=1000 --set eval_iters=20 \
       --set ckpt_every=1000 --set stop_after_explosion=200 "$@";;
