@@ -1,6 +1,7 @@
 """The monitor: which indicator fires when, patience, actions, and no alarm on a healthy run."""
 import json
 import math
+import statistics
 
 import pytest
 
@@ -392,3 +393,175 @@ def test_in_time_is_500_steps_or_a_fifth_of_the_steps_to_the_explosion():
     in_time = _replay_tool().in_time
     assert in_time(2500, 3000) and not in_time(2510, 3000) and not in_time(None, 3000) and not in_time(3100, 3000)
     assert in_time(520, 650) and not in_time(530, 650)               # 20% of 650 = 130 steps
+
+
+# ---------------------------------------------------------------- the largest logit against its recent past
+
+
+def settled(k):
+    """A layer's largest logit settled after warm-up: 32 to 48, wandering from probe to probe."""
+    return 40.0 + 4.0 * ((k * 7) % 5 - 2)
+
+
+def test_rise_warns_a_synthetic_runaway_within_three_probes():
+    """Layer 1 settles at ~40 after warm-up, then from step 2000 grows 1.5× per probe (a compounding
+    runaway) until it passes 1e4, which we call the explosion (step 3300): 2.5× the median of its
+    last probes warns at the third probe of the runaway (135 against 2.5 × 44), 1100 steps before;
+    the layers that stay settled get nothing."""
+    m = Monitor(MonitorConfig(max_logit_rise=2.5, patience=1, warmup_steps=200))
+    warnings, exploded = [], None
+    for k in range(40):
+        step = 100 * k
+        runaway = 40.0 * 1.5 ** (k - 19) if k >= 20 else settled(k)
+        warnings += m.observe_probe(step, logit_record([settled(k + 1), runaway if k > 1 else 1.0, settled(k + 2)]))
+        if exploded is None and runaway > 1e4:
+            exploded = step
+    assert [(w["step"], w["layer"], w["indicator"]) for w in warnings] == [(2200, 1, "max_logit_rise")]
+    last_ten = [settled(k) for k in range(12, 20)] + [60.0, 90.0]
+    assert warnings[0]["value"] == pytest.approx(135.0)
+    assert warnings[0]["threshold"] == pytest.approx(2.5 * statistics.median(last_ten)) == pytest.approx(110.0)
+    assert exploded == 3300 and exploded - warnings[0]["step"] >= 500
+
+
+def test_rise_is_silent_on_a_large_but_slow_run_where_level_indicators_cry_wolf():
+    """A healthy layer whose largest logit climbs from 100 to ~1000 over 6000 steps (4% per probe,
+    ±25% from probe to probe): the median of its last probes climbs with it, so 2.5× that median is
+    never passed; the absolute level (200) and the level against the first probes after warm-up (5×)
+    both warn."""
+    def run(config):
+        m, said = Monitor(config), []
+        for k in range(62):
+            wobble = 1.0 + 0.25 * (((k * 5) % 9) - 4) / 4
+            said += m.observe_probe(100 * k, logit_record([100.0 * 1.04 ** k * wobble if k > 1 else 1.0]))
+        return said
+    assert run(MonitorConfig(max_logit_rise=2.5, patience=1, warmup_steps=200)) == []
+    absolute = run(MonitorConfig(max_logit=200.0, patience=1))
+    against_warm_up = run(MonitorConfig(max_logit_growth=5.0, patience=1, warmup_steps=200))
+    assert absolute and {w["indicator"] for w in absolute} == {"max_logit"}
+    assert against_warm_up and {w["indicator"] for w in against_warm_up} == {"max_logit_growth"}
+
+
+def test_rise_measures_after_warm_up_and_keeps_the_last_probes_only():
+    """Probes before the warm-up's end are not part of the level; the first REFERENCE_PROBES after it
+    only measure it; the level is the median of the last RISE_WINDOW (10) probes."""
+    from stableflash.diagnostics.monitor import REFERENCE_PROBES, RISE_WINDOW
+    assert (REFERENCE_PROBES, RISE_WINDOW) == (3, 10)
+    m = Monitor(MonitorConfig(max_logit_rise=2.0, patience=1, warmup_steps=300))
+    assert m.observe_probe(0, logit_record([1.0])) == [] and m.observe_probe(100, logit_record([200.0])) == []
+    assert m.recent == {}
+    for step in (300, 400):                                   # 10 then 1000: measured, not checked
+        assert m.observe_probe(step, logit_record([10.0 if step == 300 else 1000.0])) == []
+    assert m.observe_probe(500, logit_record([10.0])) == []  # measured; the third
+    assert m.observe_probe(600, logit_record([19.0])) == []  # 19 < 2 × median(10, 1000, 10)
+    assert [w["step"] for w in m.observe_probe(700, logit_record([30.0]))] == [700]   # > 2 × median(.., 19) = 2 × 14.5
+    for k in range(20):
+        m.observe_probe(800 + 100 * k, logit_record([float(k)]))
+    assert m.recent == {0: [float(k) for k in range(10, 20)]}
+
+
+def test_the_rise_history_travels_in_the_monitor_state():
+    m = Monitor(MonitorConfig(max_logit_rise=2.5, patience=1, warmup_steps=0))
+    for k in range(5):
+        m.observe_probe(100 * k, logit_record([40.0 + k, 50.0]))
+    again = Monitor(MonitorConfig(max_logit_rise=2.5, patience=1, warmup_steps=0))
+    again.load_state_dict(json.loads(json.dumps(m.state_dict())))
+    assert again.recent == m.recent == {0: [40.0, 41.0, 42.0, 43.0, 44.0], 1: [50.0] * 5}
+    said = m.observe_probe(500, logit_record([111.0, 50.0]))           # 111 > 2.5 × median(40..44)
+    assert [w["layer"] for w in said] == [0] and again.observe_probe(500, logit_record([111.0, 50.0])) == said
+    earlier = {k: v for k, v in m.state_dict().items() if k != "recent"}      # a state saved before the indicator
+    older = Monitor(MonitorConfig(max_logit_rise=2.5))
+    older.load_state_dict(earlier)
+    assert older.recent == {}
+
+
+@pytest.mark.parametrize("value", [0.0, -1.0, math.inf, math.nan, True, "3"])
+def test_a_bad_rise_factor_is_refused_by_name(value):
+    with pytest.raises(ValueError, match=r"monitor max_logit_rise=.* is invalid; accepted: None \(off\) or a finite "
+                                         r"number > 0"):
+        MonitorConfig(max_logit_rise=value)
+
+
+def test_the_cli_refuses_a_bad_rise_factor_in_one_line_and_passes_a_good_one(tmp_path, capsys):
+    from stableflash.cli import main
+    from stableflash.train.config import make_config, monitor_config
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "-q", "--out", str(tmp_path / "r"), "--preset", "tiny", "--set", "monitor_max_logit_rise=-2"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.count("\n") == 1 and "monitor_max_logit_rise=-2" in err
+    assert "accepted: None or a positive finite number" in err
+    assert not (tmp_path / "r").exists()
+    assert monitor_config(make_config("tiny", overrides=["monitor_max_logit_rise=2.5"])).max_logit_rise == 2.5
+    assert TrainConfig().monitor_max_logit_rise is None and MonitorConfig().max_logit_rise is None    # off by default
+
+
+# ---------------------------------------------------------------- the replay tool: forks, new archives
+
+
+def _run(path, attention, role="baseline", exploded_at=None, probes=()):
+    return {"path": path, "archive": "a", "attention": attention, "role": role, "exploded_at": exploded_at,
+            "warmup": 0, "probes": list(probes)}
+
+
+def test_the_replay_tool_tells_a_fork_from_its_parent_by_the_records_it_carries():
+    """A folder copied from a run at its checkpoint and resumed: its metrics begin with every line of
+    the parent's. Resumed with the parent's attention it is the parent continued (the parent, its first
+    part, is left out); with other attention it is a fork from the step after the parent's last."""
+    replay = _replay_tool()
+    head = [json.dumps({"step": s, "loss": 3.0 - s / 10}).encode() for s in range(4)]
+    runs = [_run("parent", "triton policy=paper"), _run("same", "triton policy=paper", exploded_at=9),
+            _run("other", "triton policy=paper delta=dP*P", role="stabilized"), _run("alone", "triton policy=paper")]
+    lines = {"parent": head, "same": head + [b'{"step": 4, "loss": 9.0}'],
+             "other": head + [b'{"step": 4, "loss": 2.5}', b'{"step": 5, "loss": 2.4}'],
+             "alone": [b'{"step": 0, "loss": 3.1}'] + head[1:]}
+    replay.find_forks(runs, lines)
+    got = {r["path"]: (r["role"], r.get("forked_from"), r.get("forked_at"), r.get("continued_by")) for r in runs}
+    assert got == {"parent": ("continued", None, None, "same"), "same": ("baseline", None, None, None),
+                   "other": ("forked", "parent", 4, None), "alone": ("baseline", None, None, None)}
+    scored = replay.score(runs, {r["path"]: None for r in runs})
+    assert scored["failures"] == 1 and scored["stabilized_or_control"] == 0        # the fork is left out
+    assert scored["not_in_time"] == [["same", None, 9]]
+
+
+def test_the_replay_tool_counts_a_forks_warnings_from_the_fork_on():
+    replay = _replay_tool()
+    probes = [{"step": 100 * k, **logit_record([500.0 if k == 2 or k > 5 else 10.0])} for k in range(8)]
+    run = _run("fork", "x", probes=probes)
+    settings = {"max_logit": 100.0, "patience": 1}
+    assert replay.first_warning(run, settings) == 200
+    assert replay.first_warning(run, settings, since=400) == 600 and replay.first_warning(run, settings, since=800) is None
+
+
+CHECKED = ("defaults (W_Q ratio 4, growth 3, repeated maxima 0.25, patience 2)", "largest logit above 150, patience 1",
+           "largest logit above 2.5x the median of its last probes, patience 1")
+
+
+def test_committed_replay_matches_the_code():
+    """docs/notebook/results/monitor-replay/replay.json against the committed archives it names: the
+    runs and their roles (forks included), the held-out choice, and the scores per part (tuning, held
+    out, new) of the defaults and of the two settings docs/diagnostics.md compares are what the
+    replay gives now."""
+    import tarfile
+    import tempfile
+    from pathlib import Path
+
+    replay = _replay_tool()
+    results = Path(__file__).resolve().parents[2] / "docs" / "notebook" / "results"
+    committed = json.loads((results / "monitor-replay" / "replay.json").read_text())
+    archives = sorted({r["archive"] for r in committed["runs"]})
+    with tempfile.TemporaryDirectory() as tmp:
+        for archive in archives:
+            with tarfile.open(results / archive / "runs.tar.xz") as tar:
+                tar.extractall(Path(tmp) / archive, filter="data")
+        runs = replay.find_runs([Path(tmp)])
+    assert [{k: v for k, v in r.items() if k != "probes"} for r in runs] == committed["runs"]
+    assert replay.held_out_archives([r for r in runs if r["archive"] not in committed["new"]]) == committed["held_out"]
+    parts = {"tuning": [r for r in runs if r["archive"] not in committed["held_out"] + committed["new"]],
+             "held out": [r for r in runs if r["archive"] in committed["held_out"]],
+             "new": [r for r in runs if r["archive"] in committed["new"]]}
+    by_name = dict(replay.SETTINGS)
+    rows = [row for row in committed["rows"] if row["setting"] in CHECKED]
+    assert len(rows) == len(CHECKED)
+    for row in rows:
+        warned = {r["path"]: replay.first_warning(r, by_name[row["setting"]]) for r in runs}
+        for part, rs in parts.items():
+            assert replay.score(rs, warned) == row[part], (row["setting"], part)

@@ -97,8 +97,8 @@ def test_report_of_training_runs(data_dir, tmp_path, capsys):
 
 def test_an_acting_monitor_without_the_logit_indicator_says_what_it_misses(data_dir, tmp_path, caplog):
     """monitor=switch (or rollback) with the default indicators logs that they acted too late on
-    most failures measured and names monitor_max_logit; with it set, or with monitor=warn, no such
-    warning."""
+    most failures measured and names monitor_max_logit; with a logit indicator set (the level, its
+    growth or its rise), or with monitor=warn, no such warning."""
     with caplog.at_level("WARNING", logger="stableflash.train.loop"):
         run(data_dir, tmp_path / "a", "max_iters=2", "probe_every=0", "monitor=switch")
     assert any("monitor_max_logit=200" in r.getMessage() and "monitor=switch" in r.getMessage()
@@ -107,4 +107,5 @@ def test_an_acting_monitor_without_the_logit_indicator_says_what_it_misses(data_
     with caplog.at_level("WARNING", logger="stableflash.train.loop"):
         run(data_dir, tmp_path / "b", "max_iters=2", "probe_every=0", "monitor=switch", "monitor_max_logit=200")
         run(data_dir, tmp_path / "c", "max_iters=2", "probe_every=0", "monitor=warn")
+        run(data_dir, tmp_path / "d", "max_iters=2", "probe_every=0", "monitor=rollback", "monitor_max_logit_rise=2.5")
     assert not any("monitor_max_logit" in r.getMessage() for r in caplog.records)

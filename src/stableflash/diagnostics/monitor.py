@@ -15,6 +15,11 @@ Indicators, each checked per layer on every probe record (``probes.probe_record`
   median of the layer's largest logits on the first ``REFERENCE_PROBES`` probes at or after
   ``warmup_steps`` (the end of the learning-rate warm-up in training) — the same indicator in no
   unit of its own, for a model whose logits sit at another level (off by default);
+- the largest attention logit against its recent past: above ``max_logit_rise`` × the median of
+  the layer's largest logits on its last ``RISE_WINDOW`` probes at or after ``warmup_steps``,
+  checked once ``REFERENCE_PROBES`` of them are in. A runaway multiplies a layer's logits within a few
+  probes; a healthy layer's logits drift, and the median of its recent probes drifts with them, so
+  a level that is large but grows slowly stays under it (off by default);
 and on every step:
 - the loss itself: its exponential average above ``loss_spike`` × the lowest average so far.
 
@@ -33,11 +38,12 @@ from stableflash.model.spec import with_settings
 
 ACTIONS = ("off", "warn", "switch", "rollback")
 REFERENCE_PROBES = 3       # probes whose median is a layer's reference level (max_logit_growth)
+RISE_WINDOW = 10           # a layer's latest probes whose median is its recent level (max_logit_rise)
 SCOPES = ("flagged", "all")
 
 
 def _finite_positive(value) -> bool:
-    return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
 
 
 def largest_logits(record: dict):
@@ -60,6 +66,7 @@ class MonitorConfig:
     delta_drift: float | None = None
     max_logit: float | None = None
     max_logit_growth: float | None = None
+    max_logit_rise: float | None = None
     loss_spike: float = 1.5
     loss_ema: float = 0.1
     warmup_steps: int = 50
@@ -72,7 +79,7 @@ class MonitorConfig:
         for name in ("repeated_max", "spectral_ratio", "growth", "loss_spike", "loss_ema"):
             if not _finite_positive(getattr(self, name)):
                 raise ValueError(f"monitor {name}={getattr(self, name)!r} is invalid; accepted: a finite number > 0")
-        for name in ("delta_drift", "max_logit", "max_logit_growth"):     # optional indicators: None is off
+        for name in ("delta_drift", "max_logit", "max_logit_growth", "max_logit_rise"):   # optional: None is off
             if getattr(self, name) is not None and not _finite_positive(getattr(self, name)):
                 raise ValueError(f"monitor {name}={getattr(self, name)!r} is invalid; accepted: None (off) or a "
                                  "finite number > 0")
@@ -92,6 +99,8 @@ class Monitor:
     flagged: set = field(default_factory=set)          # layers already acted on
     reference: dict = field(default_factory=dict)      # layer -> its largest logits at or after warm-up (up to
                                                        # REFERENCE_PROBES of them: max_logit_growth's level)
+    recent: dict = field(default_factory=dict)         # layer -> its largest logits on its last RISE_WINDOW probes
+                                                       # at or after warm-up (max_logit_rise's level)
     ema: float | None = None
     best_ema: float = math.inf
     warned_loss: bool = False
@@ -135,6 +144,9 @@ class Monitor:
                     continue
                 events += self._check(step, "max_logit_growth", layer, head, value,
                                       self.config.max_logit_growth * statistics.median(level), use_growth=False)
+        if self.config.max_logit_rise is not None and step >= self.config.warmup_steps:
+            for layer, value, head in largest_logits(record):
+                events += self._rise(step, layer, head, value)
         if self.config.delta_drift is not None:
             for layer, info in (record.get("delta") or {}).items():
                 running = info.get("running_sum")
@@ -163,6 +175,7 @@ class Monitor:
                 "streak": [[i, layer, n] for (i, layer), n in self.streak.items()],
                 "flagged": sorted(self.flagged),
                 "reference": [[layer, list(values)] for layer, values in self.reference.items()],
+                "recent": [[layer, list(values)] for layer, values in self.recent.items()],
                 "ema": self.ema, "best_ema": self.best_ema if math.isfinite(self.best_ema) else None,
                 "warned_loss": self.warned_loss}
 
@@ -173,6 +186,9 @@ class Monitor:
             streak = {(str(i), int(layer)): int(n) for i, layer, n in state["streak"]}
             flagged = {int(layer) for layer in state["flagged"]}
             reference = {int(layer): [float(v) for v in values] for layer, values in state["reference"]}
+            # a state saved without the rise indicator's history: none measured yet
+            recent = {int(layer): [float(v) for v in values][-RISE_WINDOW:]
+                      for layer, values in state.get("recent", [])}
             ema = None if state["ema"] is None else float(state["ema"])
             best = math.inf if state["best_ema"] is None else float(state["best_ema"])
             warned = state["warned_loss"]
@@ -181,7 +197,7 @@ class Monitor:
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"monitor state is malformed ({type(exc).__name__}: {exc}); accepted: what "
                              "Monitor.state_dict returns") from None
-        self.first, self.streak, self.flagged, self.reference = first, streak, flagged, reference
+        self.first, self.streak, self.flagged, self.reference, self.recent = first, streak, flagged, reference, recent
         self.ema, self.best_ema, self.warned_loss = ema, best, warned
 
     def layers_to_act_on(self, events: list[dict], n_layers: int | None = None) -> list[int]:
@@ -221,6 +237,18 @@ class Monitor:
             if others:
                 yield layer, value, self.config.spectral_ratio * statistics.median(others)
 
+    def _rise(self, step: int, layer: int, head, value: float) -> list[dict]:
+        """The rise indicator for one layer's largest logit: checked against the median of the layer's
+        last probes once ``REFERENCE_PROBES`` of them are in, then added to them."""
+        recent = self.recent.setdefault(layer, [])
+        events = []
+        if len(recent) >= REFERENCE_PROBES:
+            events = self._check(step, "max_logit_rise", layer, head, value,
+                                 self.config.max_logit_rise * statistics.median(recent), use_growth=False)
+        recent.append(value)
+        del recent[:-RISE_WINDOW]
+        return events
+
     def _check(self, step, indicator, layer, head, value, limit, use_growth=True) -> list[dict]:
         key = (indicator, layer)
         self.first.setdefault(key, value)
@@ -230,7 +258,8 @@ class Monitor:
             return []
         what = {"repeated_max": "fraction of rows with repeated maxima", "spectral_q": "spectral norm of W_Q",
                 "delta_drift": "running δ bias", "max_logit": "largest attention logit",
-                "max_logit_growth": "largest attention logit against its level after warm-up"}[indicator]
+                "max_logit_growth": "largest attention logit against its level after warm-up",
+                "max_logit_rise": "largest attention logit against the median of its last probes"}[indicator]
         return [self._warning(step, layer, head, indicator, value, limit,
                               f"layer {layer}: {what} {value:.3g} over {limit:.3g} "
                               f"(first seen {self.first[key]:.3g}) for {self.config.patience} probes")]

@@ -95,6 +95,7 @@ class TrainConfig:
     monitor_delta_drift: float | None = None
     monitor_max_logit: float | None = None    # warn when a layer's largest attention logit passes this
     monitor_max_logit_growth: float | None = None   # ... or passes this multiple of its level after warm-up
+    monitor_max_logit_rise: float | None = None     # ... or this multiple of the median of its last probes
     monitor_switch_to: str = "delta=consistent"   # what "switch"/"rollback" change on a flagged layer
     monitor_scope: str = "flagged"            # which layers they change: the flagged ones, or all
     notes: str = ""
@@ -322,7 +323,8 @@ RANGES: dict[str, tuple] = {
         "batch_size", "grad_accum", "max_iters", "eval_every", "eval_iters", "log_every", "ckpt_every",
         "n_layer", "n_head", "n_embd", "block_size", "vocab_size", "probe_seqs", "monitor_patience",
         "peak_tflops", "attn_softcap", "monitor_repeated_max", "monitor_spectral_ratio", "monitor_growth",
-        "monitor_loss_spike", "monitor_delta_drift", "monitor_max_logit", "monitor_max_logit_growth")},
+        "monitor_loss_spike", "monitor_delta_drift", "monitor_max_logit", "monitor_max_logit_growth",
+        "monitor_max_logit_rise")},
     **{name: (0, True, None, False) for name in (
         "warmup_iters", "lr_decay_iters", "probe_every", "stop_after_explosion", "seed", "eot_token",
         "min_lr", "weight_decay", "grad_clip")},                      # grad_clip 0: no clipping
@@ -424,7 +426,7 @@ def monitor_config(cfg: TrainConfig):
                          spectral_ratio=cfg.monitor_spectral_ratio, growth=cfg.monitor_growth,
                          loss_spike=cfg.monitor_loss_spike, patience=cfg.monitor_patience,
                          delta_drift=cfg.monitor_delta_drift, max_logit=cfg.monitor_max_logit,
-                         max_logit_growth=cfg.monitor_max_logit_growth,
+                         max_logit_growth=cfg.monitor_max_logit_growth, max_logit_rise=cfg.monitor_max_logit_rise,
                          warmup_steps=cfg.warmup_iters,
                          scope=cfg.monitor_scope)
 

@@ -465,7 +465,8 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
         except ValueError as exc:                     # json's errors are ValueErrors too
             log.warning("the checkpoint's monitor state cannot be read (%s): the monitor starts afresh at step %d, "
                         "its first values those after the resume", exc, step0)
-    if cfg.monitor in ("switch", "rollback") and cfg.monitor_max_logit is None and dist.is_main:
+    logit_indicators = (cfg.monitor_max_logit, cfg.monitor_max_logit_growth, cfg.monitor_max_logit_rise)
+    if cfg.monitor in ("switch", "rollback") and all(v is None for v in logit_indicators) and dist.is_main:
         log.warning("monitor=%s with the default indicators acts too late on most of the failing "
                     "configurations measured; warned by the largest attention logit "
                     "(--set monitor_max_logit=200, in the units of the GPT-2 and Llama presets) it acts in "
