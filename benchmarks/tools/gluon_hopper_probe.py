@@ -8,14 +8,22 @@ layout, fp32 accumulator in the warpgroup-MMA layout) written in Gluon (`triton.
 wheel, disassembles the cubin with its nvdisasm and counts the HGMMA instructions. The kernel is
 compiled, never run. It is the smallest check that a Gluon Hopper path (wgmma, later TMA,
 mbarriers and warp specialisation) can be built and inspected on a machine without a GPU, on each
-triton the project meets (the GPU machines' and the newest).
+triton the project meets (the GPU machines' and the newest). The attention forward built on it
+(``stableflash.attention.gluon``) is checked the same way by gluon_forward_check.py.
+
+In a process that runs Triton's interpreter (TRITON_INTERPRET=1, as the CPU test suite does)
+``probe`` compiles in a fresh process without it: once an interpreted kernel has run, Gluon's
+frontend can fail in the same process ("'InterpreterBuilder' object has no attribute
+'get_blocked_layout'", triton 3.9 with an empty triton cache).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -41,8 +49,19 @@ def one_tile(a_ptr, b_ptr, c_ptr, M: gl.constexpr):
     gl.store(c_ptr + offs, gl.convert_layout(acc, blocked))
 
 
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
+
+
 def probe(m: int = 64) -> dict:
     """Compile ``one_tile`` for sm_90a; its cubin size and HGMMA count, with the triton version."""
+    if _interpreting():
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "probe.json"
+            subprocess.run([sys.executable, __file__, "--m", str(m), "--json", str(out)], env=env, check=True,
+                           capture_output=True)
+            return json.loads(out.read_text())
     src = gluon._runtime.GluonASTSource(one_tile, signature={"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*fp32",
                                                              "M": "constexpr"}, constexprs={"M": m})
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32))
@@ -58,8 +77,9 @@ def probe(m: int = 64) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", type=Path, help="also write the result here")
+    ap.add_argument("--m", type=int, default=64, help="the tile's size (M = N = K)")
     args = ap.parse_args(argv)
-    result = probe()
+    result = probe(args.m)
     if args.json:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
     print(f"triton {result['triton']}: {result['target']} cubin {result['cubin_bytes']} bytes, "

@@ -1,0 +1,169 @@
+"""The Gluon Hopper attention forward: its sm_90a SASS without a GPU, and (on an H100/H200) its accuracy and speed.
+
+    python benchmarks/tools/gluon_forward_check.py [--variants] [--json OUT.json]
+    python benchmarks/tools/gluon_forward_check.py --time [--non-causal] [--shapes 32,12,1024,64 ...] [--json OUT.json]
+
+Without --time: compiles ``stableflash.attention.gluon``'s forward for compute capability 9.0
+(sm_90a) with the triton wheel's own ptxas, for head_dim 64 and 128, causal and not, and reads
+each cubin's SASS (``stableflash.attention.gluon.sass``): HGMMA count; the warpgroup waits by how
+many products they leave in flight (``WARPGROUP.DEPBAR.LE gsb0, N``: N ≥ 1 is an asynchronous
+product past the wait); the softmax exponentials placed while a product is in flight; TMA loads
+and stores (UTMALDG, UTMASTG); local-memory spills (STL, LDL); registers per thread (cuobjdump);
+dynamic shared memory; USETMAXREG (the warp-specialised register split). Nothing runs.
+--variants adds, per configuration, the kernel without warp specialisation, without the
+scheduling fence, and with ping-pong consumers (the switches a GPU run compares).
+
+With --time (a CUDA device of compute capability 9.0): first each provider's O against float64 at
+(2, 4, 509, d) on fresh random inputs (‖O − O₆₄‖ / ‖O₆₄‖), then the forward's time
+(triton.testing.do_bench, median ms, and TFLOP/s with 4·B·H·N²·d flops, halved under causal) of
+the Gluon forward (and its variants), the Triton forward for ``stabilize=True`` ("fa2", δ from
+dO·(O+R): the same outputs) and SDPA's cuDNN and flash backends.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import triton
+
+KEYS = ("hgmma", "wait_depths", "ex2_in_flight", "tma_loads", "tma_stores", "stl", "ldl", "registers",
+        "shared_bytes", "setmaxnreg", "bar_sync")
+
+
+def compile_rows(variants: bool) -> list[dict]:
+    from stableflash.attention.gluon import sass
+    from stableflash.attention.gluon.hopper_forward import tiles_for
+    rows = []
+    for d in (64, 128):
+        for causal in (False, True):
+            base = tiles_for(d, causal)
+            tiles = [base]
+            if variants:
+                tiles += [base._replace(warp_specialize=False), base._replace(sched_fence=False),
+                          base._replace(pingpong=True)]
+            rows += [sass.check(d, causal, t) for t in tiles]
+    return rows
+
+
+def _fmt_waits(w: dict) -> str:
+    return " ".join(f"≤{n}:{c}" for n, c in sorted(w.items()))
+
+
+def print_compile(rows: list[dict]) -> None:
+    print(f"triton {triton.__version__}, target sm_90a (compiled, not run)")
+    head = ("d", "causal", "tiles", "WS", "fence", "ping-pong", "HGMMA", "waits (in flight ≤ N: count)",
+            "EX2 in flight", "UTMALDG", "UTMASTG", "STL", "LDL", "regs", "smem B", "USETMAXREG")
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
+    for r in rows:
+        cells = (r["head_dim"], r["causal"], f"{r['block_m']}×{r['block_n']}×{r['stages']}", r["warp_specialize"],
+                 r["sched_fence"], r["pingpong"], r["hgmma"], _fmt_waits(r["wait_depths"]),
+                 f"{r['ex2_in_flight']}/{r['ex2']}", r["tma_loads"], r["tma_stores"], r["stl"], r["ldl"],
+                 r["registers"], r["shared_bytes"], r["setmaxnreg"])
+        print("| " + " | ".join(str(c) for c in cells) + " |")
+
+
+def _providers(d: int, causal: bool):
+    """name → fn(q, k, v) giving O, for the timing (the Gluon variants, the Triton forward, SDPA)."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from stableflash.attention.gluon import flash_forward_hopper
+    from stableflash.attention.gluon.hopper_forward import tiles_for
+    from stableflash.attention.policy import PrecisionPolicy
+    from stableflash.attention.stabilization import parse_stabilize
+    from stableflash.attention.triton.launch import kernel_config
+    from stableflash.attention.triton.op import _forward
+
+    stab = parse_stabilize(True)
+    config = kernel_config(stab.policy_for(PrecisionPolicy.preset("fa2", "bf16")), stab.rule, torch.bfloat16)
+    base = tiles_for(d, causal)
+
+    def gluon(tiles):
+        return lambda q, k, v: flash_forward_hopper(q, k, v, causal, tiles=tiles)[0]
+
+    def sdpa(backend):
+        def fn(q, k, v):
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        return fn
+
+    return {
+        "gluon": gluon(base),
+        "gluon-no-ws": gluon(base._replace(warp_specialize=False)),
+        "gluon-no-fence": gluon(base._replace(sched_fence=False)),
+        "gluon-pingpong": gluon(base._replace(pingpong=True)),
+        "triton-stabilized": lambda q, k, v: _forward(q, k, v, causal, d ** -0.5, config)[0],
+        "sdpa-cudnn": sdpa(SDPBackend.CUDNN_ATTENTION),
+        "sdpa-flash": sdpa(SDPBackend.FLASH_ATTENTION),
+    }
+
+
+def time_rows(shapes: list[tuple[int, ...]], causal: bool) -> list[dict]:
+    import torch
+    from triton.testing import do_bench
+
+    from stableflash.attention import reference
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows = []
+    for d in sorted({s[3] for s in shapes}):
+        q, k, v = (torch.randn(2, 4, 509, d, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(3))
+        ref = reference.attention(q, k, v, causal=causal)
+        for name, fn in _providers(d, causal).items():
+            err = ((fn(q, k, v).double() - ref).norm() / ref.norm()).item()
+            rows.append({"kind": "accuracy", "provider": name, "head_dim": d, "causal": causal, "rel_err_O": err})
+    for B, H, N, d in shapes:
+        q, k, v = (torch.randn(B, H, N, d, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(3))
+        flops = 4 * B * H * N * N * d * (0.5 if causal else 1.0)
+        for name, fn in _providers(d, causal).items():
+            with torch.no_grad():
+                ms = do_bench(lambda fn=fn, q=q, k=k, v=v: fn(q, k, v))
+            rows.append({"kind": "time", "provider": name, "shape": [B, H, N, d], "causal": causal, "ms": ms,
+                         "tflops": flops / ms * 1e-9})
+    return rows
+
+
+def print_time(rows: list[dict]) -> None:
+    import torch
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
+    for r in rows:
+        if r["kind"] == "accuracy":
+            print(f"accuracy d={r['head_dim']} causal={r['causal']} {r['provider']:18s} O {r['rel_err_O']:.3e}")
+    for r in rows:
+        if r["kind"] == "time":
+            shape = "×".join(map(str, r["shape"]))
+            print(f"time {shape:16s} causal={r['causal']} {r['provider']:18s} {r['ms']:.3f} ms "
+                  f"{r['tflops']:.0f} TFLOP/s")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--variants", action="store_true", help="also compile without warp specialisation / the fence")
+    ap.add_argument("--time", action="store_true", help="on a GPU: accuracy against float64, then forward timings")
+    ap.add_argument("--non-causal", action="store_true", help="with --time: time non-causal attention")
+    ap.add_argument("--shapes", nargs="+", default=["32,12,1024,64", "8,16,4096,64", "4,16,8192,128"],
+                    help="with --time: B,H,N,d shapes")
+    ap.add_argument("--json", type=Path, help="also write the rows here")
+    args = ap.parse_args(argv)
+    from stableflash.attention.gluon import unavailable_reason
+    reason = unavailable_reason()
+    if reason is not None:
+        print(f"the Gluon Hopper forward is not available here: {reason}", file=sys.stderr)
+        return 1
+    if args.time:
+        rows = time_rows([tuple(int(x) for x in s.split(",")) for s in args.shapes], not args.non_causal)
+        print_time(rows)
+    else:
+        rows = compile_rows(args.variants)
+        print_compile(rows)
+    if args.json:
+        args.json.write_text(json.dumps({"triton": triton.__version__, "rows": rows}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

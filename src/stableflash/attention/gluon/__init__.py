@@ -1,0 +1,26 @@
+"""Attention kernels for Hopper (sm_90a) written in Gluon (``triton.experimental.gluon``).
+
+``flash_forward_hopper(q, k, v, causal, scale=None)``: the attention forward with TMA, mbarriers,
+asynchronous warpgroup products and warp specialisation (``hopper_forward.py``), computing what
+the Triton forward computes for ``stabilize=True`` on the "fa2" policy — O, the log-sum-exp and
+the residual of the O store that the stabilized backward reads. It is a module function only:
+``flash_attention(backend="auto")`` does not select it (not yet measured on a GPU).
+``sass.check(head_dim, causal)`` compiles it for sm_90a without a GPU and counts its SASS.
+
+This package imports on any machine: ``available()`` says whether this triton has the Gluon
+Hopper API the kernels use, ``unavailable_reason()`` why not; the kernel modules are imported
+only when used.
+"""
+from stableflash.attention.gluon.support import available, unavailable_reason
+
+__all__ = ["available", "flash_forward_hopper", "unavailable_reason"]
+
+
+def flash_forward_hopper(q, k, v, causal: bool = False, scale: float | None = None, *, tiles=None):
+    """(O, LSE, R) of the Gluon Hopper forward (``launch.flash_forward_hopper``); RuntimeError
+    naming the reason where this triton lacks the Gluon Hopper API."""
+    reason = unavailable_reason()
+    if reason is not None:
+        raise RuntimeError(f"flash_forward_hopper is not available: {reason}")
+    from stableflash.attention.gluon.launch import flash_forward_hopper as forward
+    return forward(q, k, v, causal, scale, tiles=tiles)

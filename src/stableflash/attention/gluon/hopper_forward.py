@@ -1,0 +1,426 @@
+"""The attention forward for Hopper (sm_90a) in Gluon: TMA, mbarriers, asynchronous warpgroup
+products, warp specialisation.
+
+What it computes is the Triton forward's ``stabilize=True`` default on the "fa2" policy
+(``attention/triton/forward.py`` with STAB = STANDARD, EMU = 0, DELTA_SRC = DO_O_R): per key block,
+scores S = QKᵀ in fp32, the running shift m ← max(m, rowmax(S)·c) with c = scale·log2 e,
+P = exp2(S·c − m), ℓ ← ℓ·α + rowsum(P) with α = exp2(m_old − m), Ō ← Ō·α + P̄V with P̄ = P rounded
+to bf16; then O = Ō/ℓ stored in bf16, the log-sum-exp L = (m + log2 ℓ)·ln 2 in fp32, and the
+residual R = bf16(O − bf16(O)) that the stabilized backward's δ = rowsum(dO ∘ (O + R)) reads (δ
+source "dO·(O+R)", what ``stabilize=True`` resolves to for bf16 "fa2"). Causal is top-left aligned
+(query i sees keys j ≤ i), as the Triton kernels' CAUSAL switch.
+
+How (one program per BLOCK_M query rows of one batch·head, the last query blocks launched first):
+
+- Q, K, V, O and R move through host-side TMA descriptors of rank 4 over the (B, H, N, d) tensors
+  as they are laid out: a tile never crosses a head, rows past N read as zeros and are not
+  written back, so N need not be a multiple of a block.
+- K and V tiles stream through a ring of STAGES shared-memory slots, each with a "K ready" and a
+  "V ready" mbarrier (TMA transaction counts) and a "slot free" mbarrier.
+- The consumer warpgroups (BLOCK_M / 64 of them, 64 rows each) overlap within a warpgroup as
+  FlashAttention-3 does: S_j = Q·K_jᵀ and the previous block's Ō += P̄_{j−1}·V_{j−1} are issued
+  asynchronously back to back, the wait for S_j leaves the P̄V product in flight
+  (``warpgroup_mma_wait(1)``) and block j's softmax runs while it computes. P̄ stays in registers
+  as the product's A operand. Whole key blocks and masked ones (the causal diagonal, the ragged
+  tail) run in two loops, so that no branch lies between a product's issue and its wait.
+- WARP_SPECIALIZE: one producer warp (a ``gl.warp_specialize`` worker with 24 registers) issues
+  every K/V load and waits on the "slot free" barriers; the consumer warpgroups (the default
+  partition, raised to 240 registers) only compute. Without it the consumers issue the loads,
+  refilling a slot once every warpgroup is done with it.
+- PINGPONG (with WARP_SPECIALIZE, BLOCK_M = 128): the two consumer warpgroups run as partitions of
+  their own (64 rows each, their own Q, O and R tiles) and take turns to issue their products
+  through a pair of mbarriers, so that one's softmax runs while the other's products do
+  (FlashAttention-3's ping-pong); each frees its K tile as soon as its S is done.
+- SCHED_FENCE: a 0 ns NANOSLEEP between the softmax and the wait for P̄V (``_schedule_fence``),
+  without which ptxas schedules that wait above the softmax and nothing overlaps.
+- Epilogue: O and R go through shared memory (Q's tile, and one more) and TMA stores; L through
+  ordinary stores.
+
+Gluon's spellings that differ between the triton releases the project meets (3.6 on the GPU
+machines, 3.9 in CI) are bound once below: the TMA copies (``async_copy_global_to_shared`` /
+``async_copy_shared_to_global`` in 3.6, ``async_load`` / ``async_store`` in 3.9, where the 3.6
+names raise) and the CTA barrier (``thread_barrier`` in 3.6, ``barrier`` in 3.9).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+
+# Gluon's names differ between the triton releases the project meets (3.6 on the GPU machines, 3.9 in
+# CI): pick what this one offers, once, at import. In 3.9 the 3.6 TMA names still exist but raise.
+if hasattr(tma, "async_load"):
+    tma_load = tma.async_load
+    tma_store = tma.async_store
+else:
+    tma_load = tma.async_copy_global_to_shared
+    tma_store = tma.async_copy_shared_to_global
+cta_barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
+
+
+class Tiles(NamedTuple):
+    """A launch's tiles and schedule: BLOCK_M query rows (64 per consumer warpgroup), BLOCK_N keys per
+    block, STAGES ring slots for K and V; whether a producer warp issues the loads (warp_specialize),
+    the scheduling fence (sched_fence), and ping-pong: the two consumer warpgroups as partitions of
+    their own, taking turns to issue their products."""
+    block_m: int
+    block_n: int
+    stages: int
+    warp_specialize: bool = True
+    sched_fence: bool = True
+    pingpong: bool = False
+
+    @property
+    def num_warps(self) -> int:
+        """The kernel's num_warps: its default partition's warps (the first consumer warpgroup alone
+        with ping-pong)."""
+        return 4 if self.pingpong else self.block_m // 16
+
+    @property
+    def q_rows(self) -> int:
+        """The rows of a Q, O or R block (a TMA descriptor's block): each consumer's share."""
+        return self.block_m // 2 if self.pingpong else self.block_m
+
+    def check(self) -> None:
+        """ValueError for tiles the kernel has no schedule for (the loads without warp specialisation
+        refill a slot only after its block is done: one slot would wait for itself)."""
+        if (self.block_m % 64 or not 64 <= self.block_m <= 256 or self.block_n % 16 or not 16 <= self.block_n <= 256
+                or not 2 <= self.stages <= 4):
+            raise ValueError(f"{self} is invalid; accepted: block_m 64-256 in steps of 64, block_n 16-256 in steps "
+                             "of 16, 2-4 stages")
+        if self.pingpong and (self.block_m != 128 or not self.warp_specialize):
+            raise ValueError(f"{self} is invalid; ping-pong takes block_m=128 and warp_specialize=True")
+
+
+def tiles_for(head_dim: int, causal: bool) -> Tiles:
+    """The default tiles: 128 query rows (two consumer warpgroups) and 128 keys per block; three ring
+    slots at head_dim 64, two at 128 (shared memory: Q, R and STAGES × (K, V) tiles of 128 × d bf16,
+    192 KiB at d = 128). Not yet tuned on a GPU."""
+    return Tiles(128, 128, 3 if head_dim <= 64 else 2)
+
+
+def descriptor_layout(rows: int, head_dim: int):
+    """The shared-memory layout of a (1, 1, rows, head_dim) bf16 TMA block (128-byte swizzle): the
+    layout of the host descriptors and of the kernel's tiles."""
+    return gl.NVMMASharedLayout.get_default_for([1, 1, rows, head_dim], gl.bfloat16)
+
+
+@gluon.jit
+def _issue_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, b, hk, j,
+              BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+    """TMA loads of key block j's K and V tiles into ring slot j % STAGES, each completing its own
+    "ready" barrier (the transaction count is the whole tile, rows past N included: TMA counts
+    the zeros it fills in)."""
+    slot = j % STAGES
+    mbarrier.expect(k_ready.index(slot), BLOCK_N * HEAD_DIM * 2)
+    tma_load(k_desc, [b, hk, j * BLOCK_N, 0], k_ready.index(slot), k_smem.index(slot))
+    mbarrier.expect(v_ready.index(slot), BLOCK_N * HEAD_DIM * 2)
+    tma_load(v_desc, [b, hk, j * BLOCK_N, 0], v_ready.index(slot), v_smem.index(slot))
+
+
+@gluon.jit
+def _producer(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_free, v_free, b, hk, n_blocks,
+              BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+    """The producer partition (one warp): key blocks 0 .. n_blocks − 1 into the ring, K before V; a
+    slot's u-th reuse (u ≥ 1) waits for the consumers' u-th release of its K ("K free" phase u − 1)
+    and of its V ("V free")."""
+    for j in range(n_blocks):
+        slot = j % STAGES
+        if j >= STAGES:
+            mbarrier.wait(k_free.index(slot), ((j // STAGES) & 1) ^ 1)
+        mbarrier.expect(k_ready.index(slot), BLOCK_N * HEAD_DIM * 2)
+        tma_load(k_desc, [b, hk, j * BLOCK_N, 0], k_ready.index(slot), k_smem.index(slot))
+        if j >= STAGES:
+            mbarrier.wait(v_free.index(slot), ((j // STAGES) & 1) ^ 1)
+        mbarrier.expect(v_ready.index(slot), BLOCK_N * HEAD_DIM * 2)
+        tma_load(v_desc, [b, hk, j * BLOCK_N, 0], v_ready.index(slot), v_smem.index(slot))
+
+
+@gluon.jit
+def _mask(s, start_m, start_n, n_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+          layout: gl.constexpr):
+    """Scores of keys past n_k, and with CAUSAL of keys j > i, set to −inf (the Triton kernel's
+    masked blocks: the diagonal and the ragged tail)."""
+    cols = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+    keep = cols[None, :] < n_k
+    if CAUSAL:
+        rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+        keep = keep & (cols[None, :] <= rows[:, None])
+    return gl.where(keep, s, float("-inf"))
+
+
+@gluon.jit
+def _schedule_fence(x):
+    """x unchanged, after a NANOSLEEP of 0 ns that ptxas does not move instructions across. Applied
+    to ℓ (which sums every exponential of the block) just before the wait for the P̄V product: without
+    it ptxas's scheduler places that wait above the softmax's exponentials (0-2 of the loops' 132
+    MUFU.EX2 stay between the waits, ``sass.check``), and the softmax no longer overlaps the
+    product. With it all 132 do."""
+    return gl.inline_asm_elementwise("nanosleep.u32 0;\n\tmov.b32 $0, $1;", "=r,r", [x], dtype=gl.float32,
+                                     is_pure=False, pack=1)
+
+
+@gluon.jit
+def _max_combine(a, b):
+    return gl.maximum(a, b)
+
+
+@gluon.jit
+def _add_combine(a, b):
+    return a + b
+
+
+@gluon.jit
+def _softmax(s, m_i, l_i, qk_scale):
+    """One key block of the "fa2" arithmetic with the standard row maximum (the Triton forward's
+    EMU = 0, STAB = STANDARD branch): (P, m, ℓ, α). The row maximum and sum are ``gl.reduce`` with
+    the combines of ``tl.max`` and ``tl.sum`` written here: ``gl.max`` / ``gl.sum`` wrap
+    triton.language's combine functions, which become interpreted functions (and cannot be
+    compiled) in a process where TRITON_INTERPRET=1 — the CPU test suite's."""
+    m_new = gl.maximum(m_i, gl.reduce(s, 1, _max_combine) * qk_scale)
+    p = gl.exp2(s * qk_scale - m_new[:, None])
+    alpha = gl.exp2(m_i - m_new)
+    l_i = l_i * alpha + gl.reduce(p, 1, _add_combine)
+    return p, m_new, l_i, alpha
+
+
+@gluon.jit
+def _take_turn(sched_mine, t, PINGPONG: gl.constexpr):
+    """Ping-pong: wait until the other consumer warpgroup has issued its products of issue point
+    t − 1 (warpgroup 0's first wait is met by the arrival made at launch)."""
+    if PINGPONG:
+        mbarrier.wait(sched_mine, t & 1)
+
+
+@gluon.jit
+def _pass_turn(sched_other, PINGPONG: gl.constexpr):
+    """Ping-pong: this warpgroup has issued its products; the other one may issue its own."""
+    if PINGPONG:
+        mbarrier.arrive(sched_other, count=1)
+
+
+@gluon.jit
+def _step(q, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_free, v_free, sched_mine, sched_other,
+          p, acc, m_i, l_i, zero_s, start_m, j, b, hk, n_k, n_blocks, qk_scale, HEAD_DIM: gl.constexpr,
+          ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASKED: gl.constexpr,
+          WARP_SPECIALIZE: gl.constexpr, SCHED_FENCE: gl.constexpr, PINGPONG: gl.constexpr, mma_s: gl.constexpr,
+          mma_o: gl.constexpr):
+    """Key block j ≥ 1 of a consumer's loop: issue S_j = Q·K_jᵀ and Ō += P̄_{j−1}·V_{j−1}
+    asynchronously, wait for S_j alone, run block j's softmax while the P̄V product computes, then
+    wait for it, free K_j and V_{j−1} (or, without WARP_SPECIALIZE, refill slot (j − 1) % STAGES)
+    and rescale Ō by α_j. A consumer of one warpgroup (PINGPONG) frees K_j as soon as S_j is done,
+    as CUTLASS's pipelines do (one thread of the warpgroup arrives once the product it waited for
+    is complete); a consumer of several warpgroups first waits for all of them (a barrier of the
+    partition). MASKED (compile time): block j holds the causal diagonal or the ragged tail."""
+    slot = j % STAGES
+    prev = (j - 1) % STAGES
+    mbarrier.wait(k_ready.index(slot), (j // STAGES) & 1)
+    mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
+    _take_turn(sched_mine, j, PINGPONG)
+    s_tok = warpgroup_mma(q, k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), zero_s,
+                          use_acc=False, is_async=True)
+    o_tok = warpgroup_mma(p, v_smem.index(prev).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
+    _pass_turn(sched_other, PINGPONG)
+    s = warpgroup_mma_wait(1, deps=[s_tok])                 # S_j done, P̄_{j−1}V_{j−1} still in flight
+    if PINGPONG:
+        mbarrier.arrive(k_free.index(slot), count=1)
+    if MASKED:
+        s = _mask(s, start_m, j * BLOCK_N, n_k, ROWS, BLOCK_N, CAUSAL, mma_s)
+    p_new, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale)
+    if SCHED_FENCE:
+        l_i = _schedule_fence(l_i)
+    acc, p = warpgroup_mma_wait(0, deps=[o_tok, p])
+    # P̄_j is packed to bf16 only now: its registers are the in-flight product's A operand, which
+    # ptxas would otherwise wait for before the softmax
+    p_new = gl.convert_layout(p_new.to(gl.bfloat16), gl.DotOperandLayout(operand_index=0, parent=mma_o, k_width=2))
+    cta_barrier()                                           # every warp of this partition is done with slot prev
+    if WARP_SPECIALIZE:
+        if not PINGPONG:
+            mbarrier.arrive(k_free.index(slot), count=1)
+        mbarrier.arrive(v_free.index(prev), count=1)
+    else:
+        if j - 1 + STAGES < n_blocks:
+            _issue_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, b, hk, j - 1 + STAGES, BLOCK_N, HEAD_DIM,
+                      STAGES)
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, mma_o))[:, None]
+    return p_new, acc, m_i, l_i
+
+
+@gluon.jit
+def _consumer(k_desc, v_desc, o_desc, r_desc, lse_ptr, q_smem, k_smem, v_smem, r_smem,
+              q_bar, k_ready, v_ready, k_free, v_free, sched_mine, sched_other,
+              b, h, hk, start_m, n_q, n_k, n_blocks, full, lse_row0, qk_scale,
+              HEAD_DIM: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+              CAUSAL: gl.constexpr, WARP_SPECIALIZE: gl.constexpr, SCHED_FENCE: gl.constexpr,
+              PINGPONG: gl.constexpr):
+    """ROWS query rows from start_m (ROWS / 64 warpgroups, the warps of the partition it runs in):
+    Algorithm 1's loop over key blocks 0 .. n_blocks − 1 (blocks from ``full`` on masked),
+    software-pipelined so that block j's softmax overlaps block j − 1's P̄V, then the epilogue (O, R
+    through shared memory and TMA; L). Without WARP_SPECIALIZE it also issues the loads: slot
+    (j − 1) % STAGES is refilled with block j − 1 + STAGES once every warpgroup is done with it.
+    PINGPONG: one of two such consumers, each its own partition, taking turns to issue products
+    (``sched_mine`` / ``sched_other``) so that one's softmax runs while the other's products do."""
+    WARPS: gl.constexpr = ROWS // 16                        # 4 warps (one warpgroup) per 64 rows
+    mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                    instr_shape=[16, BLOCK_N, 16])
+    mma_o: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                    instr_shape=[16, HEAD_DIM, 16])
+    p_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_o, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, mma_s)
+    row_o: gl.constexpr = gl.SliceLayout(1, mma_o)
+
+    q = q_smem.reshape([ROWS, HEAD_DIM])
+    zero_s = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=mma_s)
+    acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=mma_o)
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=row_s)
+    l_i = gl.zeros([ROWS], gl.float32, layout=row_s)
+
+    mbarrier.wait(q_bar, 0)
+    # key block 0: its scores, then its softmax (nothing to overlap with yet)
+    mbarrier.wait(k_ready.index(0), 0)
+    _take_turn(sched_mine, 0, PINGPONG)
+    s = warpgroup_mma(q, k_smem.index(0).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), zero_s, use_acc=False)
+    _pass_turn(sched_other, PINGPONG)
+    if WARP_SPECIALIZE:                                     # K_0 is free once every warpgroup's S_0 is done
+        if not PINGPONG:
+            cta_barrier()
+        mbarrier.arrive(k_free.index(0), count=1)
+    if full <= 0:
+        s = _mask(s, start_m, 0, n_k, ROWS, BLOCK_N, CAUSAL, mma_s)
+    p, m_i, l_i, _ = _softmax(s, m_i, l_i, qk_scale)
+    p = gl.convert_layout(p.to(gl.bfloat16), p_op)
+    # whole key blocks first, then the masked ones (the causal diagonal, the ragged tail): two loops,
+    # so that no branch separates a product's issue from its wait (ptxas waits for every product
+    # in flight where control flow joins)
+    n_full = gl.maximum(full // BLOCK_N, 1)
+    for j in range(1, n_full):
+        p, acc, m_i, l_i = _step(q, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_free, v_free, sched_mine,
+                                 sched_other, p, acc, m_i, l_i, zero_s, start_m, j, b, hk, n_k, n_blocks, qk_scale,
+                                 HEAD_DIM, ROWS, BLOCK_N, STAGES, CAUSAL, False, WARP_SPECIALIZE, SCHED_FENCE,
+                                 PINGPONG, mma_s, mma_o)
+    for j in range(n_full, n_blocks):
+        p, acc, m_i, l_i = _step(q, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_free, v_free, sched_mine,
+                                 sched_other, p, acc, m_i, l_i, zero_s, start_m, j, b, hk, n_k, n_blocks, qk_scale,
+                                 HEAD_DIM, ROWS, BLOCK_N, STAGES, CAUSAL, True, WARP_SPECIALIZE, SCHED_FENCE,
+                                 PINGPONG, mma_s, mma_o)
+    last = (n_blocks - 1) % STAGES
+    mbarrier.wait(v_ready.index(last), ((n_blocks - 1) // STAGES) & 1)
+    _take_turn(sched_mine, n_blocks, PINGPONG)
+    acc = warpgroup_mma(p, v_smem.index(last).reshape([BLOCK_N, HEAD_DIM]), acc)
+    _pass_turn(sched_other, PINGPONG)
+
+    # epilogue: O = Ō/ℓ (bf16), its store's residual R (bf16), L = (m + log2 ℓ)·ln 2
+    l_o = gl.convert_layout(l_i, row_o)
+    o = acc / l_o[:, None]
+    o16 = o.to(gl.bfloat16)
+    r16 = (o - o16.to(gl.float32)).to(gl.bfloat16)
+    lse = (m_i + gl.log2(l_i)) * 0.6931471805599453
+    rows = start_m + gl.arange(0, ROWS, layout=row_s)
+    gl.store(lse_ptr + lse_row0 + rows, lse, mask=rows < n_q)
+    cta_barrier()                                           # every warpgroup's last S is done: Q's tile is free
+    q.store(o16)
+    r_smem.reshape([ROWS, HEAD_DIM]).store(r16)
+    fence_async_shared()
+    cta_barrier()
+    tma_store(o_desc, [b, h, start_m, 0], q_smem)
+    tma_store(r_desc, [b, h, start_m, 0], r_smem)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, r_desc, lse_ptr, n_q, n_k, n_heads, group, qk_scale,
+                           HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                           STAGES: gl.constexpr, CAUSAL: gl.constexpr, WARP_SPECIALIZE: gl.constexpr,
+                           SCHED_FENCE: gl.constexpr, PINGPONG: gl.constexpr):
+    """One program: query rows [start_m, start_m + BLOCK_M) of batch·head program_id(1), on a grid of
+    (query blocks, B·H) whose first axis runs longest-first (the last query blocks see the most
+    keys under a causal mask). Descriptors: rank 4 over (B, H, N, d), blocks (1, 1, rows, d): k_desc
+    and v_desc BLOCK_N rows; q_desc, o_desc and r_desc BLOCK_M rows, or BLOCK_M / 2 with PINGPONG.
+    ``lse_ptr``: (B, H, n_q) fp32, contiguous. ``group``: query heads per key/value head.
+    ``qk_scale``: the softmax scale times log2 e. Launch with num_warps = BLOCK_M // 16 (the
+    consumer warpgroups; WARP_SPECIALIZE adds a producer warp), or 4 with PINGPONG (the first
+    consumer warpgroup; the second and the producer are worker partitions). PINGPONG needs
+    WARP_SPECIALIZE and BLOCK_M = 128."""
+    start_m = (gl.num_programs(0) - 1 - gl.program_id(0)) * BLOCK_M
+    bh = gl.program_id(1)
+    b = bh // n_heads
+    h = bh % n_heads
+    hk = h // group
+    if CAUSAL:
+        stop = gl.minimum(n_k, start_m + BLOCK_M)
+        full = gl.minimum((n_k // BLOCK_N) * BLOCK_N, (start_m // BLOCK_N) * BLOCK_N)
+    else:
+        stop = n_k
+        full = (n_k // BLOCK_N) * BLOCK_N
+    n_blocks = (stop + BLOCK_N - 1) // BLOCK_N
+    lse_row0 = bh * n_q
+
+    CONSUMERS: gl.constexpr = 2 if PINGPONG else 1          # partitions computing (each frees a slot)
+    ROWS: gl.constexpr = BLOCK_M // CONSUMERS                # query rows per computing partition
+    q_smem = gl.allocate_shared_memory(gl.bfloat16, [CONSUMERS, 1, 1, ROWS, HEAD_DIM], q_desc.layout)
+    r_smem = gl.allocate_shared_memory(gl.bfloat16, [CONSUMERS, 1, 1, ROWS, HEAD_DIM], r_desc.layout)
+    k_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+    sched = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(CONSUMERS):
+        mbarrier.init(q_bar.index(i), count=1)
+    for i in gl.static_range(2):
+        mbarrier.init(sched.index(i), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_free.index(i), count=CONSUMERS)
+        mbarrier.init(v_free.index(i), count=CONSUMERS)
+    fence_async_shared()
+
+    for i in gl.static_range(CONSUMERS):
+        mbarrier.expect(q_bar.index(i), ROWS * HEAD_DIM * 2)
+        tma_load(q_desc, [b, h, start_m + i * ROWS, 0], q_bar.index(i), q_smem.index(i))
+    if PINGPONG:
+        mbarrier.arrive(sched.index(0), count=1)           # warpgroup 0 issues first
+        gl.warp_specialize([
+            (_consumer, (k_desc, v_desc, o_desc, r_desc, lse_ptr, q_smem.index(0), k_smem, v_smem, r_smem.index(0),
+                         q_bar.index(0), k_ready, v_ready, k_free, v_free, sched.index(0), sched.index(1),
+                         b, h, hk, start_m, n_q, n_k, n_blocks, full, lse_row0, qk_scale,
+                         HEAD_DIM, ROWS, BLOCK_N, STAGES, CAUSAL, True, SCHED_FENCE, True)),
+            (_consumer, (k_desc, v_desc, o_desc, r_desc, lse_ptr, q_smem.index(1), k_smem, v_smem, r_smem.index(1),
+                         q_bar.index(1), k_ready, v_ready, k_free, v_free, sched.index(1), sched.index(0),
+                         b, h, hk, start_m + ROWS, n_q, n_k, n_blocks, full, lse_row0, qk_scale,
+                         HEAD_DIM, ROWS, BLOCK_N, STAGES, CAUSAL, True, SCHED_FENCE, True)),
+            (_producer, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_free, v_free, b, hk, n_blocks,
+                         BLOCK_N, HEAD_DIM, STAGES)),
+        ], [4, 1], [240, 24])
+    elif WARP_SPECIALIZE:
+        gl.warp_specialize([
+            (_consumer, (k_desc, v_desc, o_desc, r_desc, lse_ptr, q_smem.index(0), k_smem, v_smem, r_smem.index(0),
+                         q_bar.index(0), k_ready, v_ready, k_free, v_free, sched.index(0), sched.index(1),
+                         b, h, hk, start_m, n_q, n_k, n_blocks, full, lse_row0, qk_scale,
+                         HEAD_DIM, ROWS, BLOCK_N, STAGES, CAUSAL, True, SCHED_FENCE, False)),
+            (_producer, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_free, v_free, b, hk, n_blocks,
+                         BLOCK_N, HEAD_DIM, STAGES)),
+        ], [1], [24])
+    else:
+        for j in gl.static_range(STAGES):
+            if j < n_blocks:
+                _issue_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, b, hk, j, BLOCK_N, HEAD_DIM, STAGES)
+        _consumer(k_desc, v_desc, o_desc, r_desc, lse_ptr, q_smem.index(0), k_smem, v_smem, r_smem.index(0),
+                  q_bar.index(0), k_ready, v_ready, k_free, v_free, sched.index(0), sched.index(1),
+                  b, h, hk, start_m, n_q, n_k, n_blocks, full, lse_row0, qk_scale,
+                  HEAD_DIM, ROWS, BLOCK_N, STAGES, CAUSAL, False, SCHED_FENCE, False)
+    for i in gl.static_range(CONSUMERS):
+        mbarrier.invalidate(q_bar.index(i))
+    for i in gl.static_range(2):
+        mbarrier.invalidate(sched.index(i))
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(k_ready.index(i))
+        mbarrier.invalidate(v_ready.index(i))
+        mbarrier.invalidate(k_free.index(i))
+        mbarrier.invalidate(v_free.index(i))

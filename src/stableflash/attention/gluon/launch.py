@@ -1,0 +1,122 @@
+"""The host side of the Gluon Hopper forward: argument checks, TMA descriptors, the launch."""
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from stableflash.attention.gluon.hopper_forward import Tiles, attn_fwd_hopper_kernel, descriptor_layout, tiles_for
+
+HEAD_DIMS = (64, 128)
+LOG2E = 1.0 / math.log(2.0)
+MAX_HEAD_PROGRAMS = 65535            # the grid's second axis holds B·H
+
+
+def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float | None) -> None:
+    """Raise an error naming the argument, its value and what is accepted, for anything the kernel
+    cannot take. Checked in an order that runs without a GPU up to the device itself: types and
+    shapes, dtype, head_dim, memory layout, then the device (CUDA, compute capability 9.0)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} of type {type(t).__name__} is invalid; accepted: a torch.Tensor")
+        if t.dim() != 4:
+            raise ValueError(f"{name} of shape {tuple(t.shape)} is invalid; accepted: 4 dimensions (B, H, N, d)")
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal={causal!r} is invalid; accepted: True or False")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
+                              or not math.isfinite(scale) or scale <= 0):
+        raise ValueError(f"scale={scale!r} is invalid; accepted: None (1/sqrt(head_dim)) or a finite number > 0")
+    B, H, n_q, d = q.shape
+    if k.shape != v.shape:
+        raise ValueError(f"k of shape {tuple(k.shape)} and v of shape {tuple(v.shape)} must have the same shape")
+    if k.shape[0] != B or k.shape[3] != d:
+        raise ValueError(f"k of shape {tuple(k.shape)} does not match q of shape {tuple(q.shape)}; accepted: "
+                         "the same batch B and head_dim d")
+    if k.shape[1] == 0 or H % k.shape[1]:
+        raise ValueError(f"q heads ({H}) must be a multiple of k/v heads ({k.shape[1]}) for grouped-query attention")
+    if min(B, H, n_q, k.shape[2]) == 0:
+        raise ValueError(f"q of shape {tuple(q.shape)} and k of shape {tuple(k.shape)}: every dimension must be "
+                         "at least 1")
+    if B * H > MAX_HEAD_PROGRAMS:
+        raise ValueError(f"B·H = {B * H} is invalid; accepted: at most {MAX_HEAD_PROGRAMS} (the grid's second axis)")
+    if B * H * n_q >= 2**31:
+        raise ValueError(f"B·H·N_q = {B * H * n_q} is invalid; accepted: below 2**31 (the kernel indexes the "
+                         "log-sum-exp in int32)")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dtype != torch.bfloat16:
+            raise TypeError(f"{name} of dtype {t.dtype} is invalid; accepted: torch.bfloat16")
+    if d not in HEAD_DIMS:
+        raise ValueError(f"head_dim={d} is invalid; accepted: one of {HEAD_DIMS}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        strides = t.stride()
+        if strides[3] != 1:
+            raise ValueError(f"{name} with strides {strides} is invalid; accepted: the last dimension contiguous "
+                             f"(stride 1), e.g. {name}.contiguous()")
+        if any(s == 0 or (s * 2) % 16 for s in strides[:3]) or t.data_ptr() % 16:
+            raise ValueError(f"{name} with strides {strides} (bf16) and data_ptr % 16 = {t.data_ptr() % 16} is "
+                             "invalid for TMA; accepted: a 16-byte aligned base and strides that are nonzero "
+                             f"multiples of 8 elements, e.g. {name}.contiguous()")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.device.type != "cuda":
+            raise ValueError(f"{name} on device {t.device} is invalid; accepted: a CUDA device of compute "
+                             "capability 9.0 (Hopper: H100, H200)")
+        if t.device != q.device:
+            raise ValueError(f"{name} on {t.device} is invalid; accepted: q's device {q.device}")
+    cap = _capability(q.device.index if q.device.index is not None else torch.cuda.current_device())
+    if cap != (9, 0):
+        raise ValueError(f"q on {q.device} of compute capability {cap} is invalid; accepted: compute capability "
+                         "(9, 0) (the kernel is compiled for sm_90a: Hopper's wgmma and TMA)")
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
+    """A rank-4 TMA descriptor over t (B, H, N, d) as it is laid out, blocks of (1, 1, rows, d)."""
+    return TensorDescriptor(base=t, shape=list(t.shape), strides=list(t.stride()), block_shape=[1, 1, rows, t.shape[3]],
+                            layout=descriptor_layout(rows, t.shape[3]))
+
+
+def flash_forward_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+                         scale: float | None = None, *, tiles: Tiles | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The attention forward of ``hopper_forward.attn_fwd_hopper_kernel`` on a Hopper GPU.
+
+    q (B, H, N_q, d), k and v (B, H_kv, N_k, d), bf16, d 64 or 128, H a multiple of H_kv, the last
+    dimension contiguous and TMA-aligned; causal top-left aligned (query i sees keys j ≤ i); scale
+    None for 1/sqrt(d). Returns what the Triton forward returns for ``stabilize=True`` on the "fa2"
+    policy (``triton.op._forward`` with δ source "dO·(O+R)"): O like q (bf16), the log-sum-exp
+    (B, H, N_q) fp32 in natural log, and R (B, H, N_q, d) bf16 contiguous, the residual of the O
+    store (O as computed − O as stored, rounded to bf16). ``tiles``: a ``Tiles`` other than
+    ``tiles_for(d, causal)`` (for timing variants)."""
+    check_inputs(q, k, v, causal, scale)
+    o = torch.empty_like(q)
+    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+    residual = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    grid, args, meta = launch_args(q, k, v, o, lse, residual, causal, scale, tiles)
+    attn_fwd_hopper_kernel[grid](*args, **meta)
+    return o, lse, residual
+
+
+def launch_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
+                residual: torch.Tensor, causal: bool, scale: float | None, tiles: Tiles | None = None
+                ) -> tuple[tuple[int, int], tuple, dict]:
+    """(grid, arguments, compile-time arguments) of ``attn_fwd_hopper_kernel`` for checked inputs and
+    the outputs it writes (o like q, lse (B, H, N_q) fp32 contiguous, residual (B, H, N_q, d) bf16
+    contiguous). Floating-point contraction is asked for explicitly (S·c − m and ℓ·α + Σ P as FMAs,
+    as the Triton kernels compile them under triton 3.6-3.9's default, which 3.10 turns off)."""
+    B, H, n_q, d = q.shape
+    t = tiles or tiles_for(d, causal)
+    t.check()
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    args = (_descriptor(q, t.q_rows), _descriptor(k, t.block_n), _descriptor(v, t.block_n), _descriptor(o, t.q_rows),
+            _descriptor(residual, t.q_rows), lse, n_q, k.shape[2], H, H // k.shape[1], scale * LOG2E)
+    meta = {"HEAD_DIM": d, "BLOCK_M": t.block_m, "BLOCK_N": t.block_n, "STAGES": t.stages, "CAUSAL": causal,
+            "WARP_SPECIALIZE": t.warp_specialize, "SCHED_FENCE": t.sched_fence, "PINGPONG": t.pingpong,
+            "num_warps": t.num_warps, "enable_fp_fusion": True}
+    return (triton.cdiv(n_q, t.block_m), B * H), args, meta

@@ -1,0 +1,193 @@
+"""Compile the Gluon Hopper forward for sm_90a without a GPU, and read its SASS.
+
+``compile_forward`` builds the kernel for compute capability 9.0 with the ptxas that ships in the
+triton wheel (``triton.compile`` on a ``GluonASTSource`` with an explicit ``GPUTarget``: no driver,
+nothing runs); ``sass_summary`` disassembles the cubin with the wheel's nvdisasm and counts what
+shows whether the sm90 features came through:
+
+- ``hgmma``: warpgroup products (HGMMA), one per 16 of the reduction dimension per product site;
+- ``wait_depths``: the ``WARPGROUP.DEPBAR.LE gsb0, N`` waits by N — a wait with N ≥ 1 leaves N
+  product groups in flight (the product is asynchronous past it); ``arrives``: WARPGROUP.ARRIVE;
+- ``ex2_in_flight``: MUFU.EX2 (the softmax's exponentials) placed between a wait that leaves a
+  product in flight and the next wait, in program order: the softmax work that overlaps a product;
+- ``tma_loads`` / ``tma_stores``: UTMALDG / UTMASTG;
+- ``stl`` / ``ldl``: local-memory stores and loads (register spills);
+- ``registers`` (the kernel's, cuobjdump), ``shared_bytes`` (dynamic), ``setmaxnreg``: the register
+  counts USETMAXREG sets (the warp-specialised partitions' split, e.g. 240 for the consumers and 24
+  for the producer; ``registers`` is then the count every warp starts with);
+- ``bar_sync``: CTA or named barriers (BAR.SYNC), most of them inserted by the compiler.
+
+``compile_through_runtime`` compiles the launcher's own arguments (``launch.launch_args``: host
+TMA descriptors, grid, compile-time arguments) through triton's runtime (``warmup``, nothing
+launched) with a stand-in for the CUDA driver: the launch path up to the driver call.
+
+``offline_checks`` runs these in a fresh Python process when this one runs Triton's interpreter
+(TRITON_INTERPRET=1, as the CPU test suite does): after an interpreted kernel has run, Gluon's
+frontend can fail in the same process (``'InterpreterBuilder' object has no attribute
+'get_blocked_layout'``, with triton 3.9 and an empty triton cache).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental import gluon
+
+from stableflash.attention.gluon.hopper_forward import Tiles, attn_fwd_hopper_kernel, descriptor_layout, tiles_for
+
+_BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+
+
+def tools_present() -> bool:
+    """Whether this triton wheel ships the nvdisasm and cuobjdump the summary needs."""
+    return (_BIN / "nvdisasm").exists() and (_BIN / "cuobjdump").exists()
+
+
+def _desc(rows: int, head_dim: int) -> str:
+    """The signature type of a host TMA descriptor as the launcher builds it (``launch._descriptor``)."""
+    return f"tensordesc<bf16[1,1,{rows},{head_dim}],{descriptor_layout(rows, head_dim)!r}>"
+
+
+def compile_forward(head_dim: int, causal: bool, tiles: Tiles | None = None):
+    """The forward's kernel compiled for sm_90a (a triton ``CompiledKernel``; never launched)."""
+    t = tiles or tiles_for(head_dim, causal)
+    t.check()
+    q, kv = _desc(t.q_rows, head_dim), _desc(t.block_n, head_dim)
+    signature = {"q_desc": q, "k_desc": kv, "v_desc": kv, "o_desc": q, "r_desc": q, "lse_ptr": "*fp32",
+                 "n_q": "i32", "n_k": "i32", "n_heads": "i32", "group": "i32", "qk_scale": "fp32"}
+    constexprs = {"HEAD_DIM": head_dim, "BLOCK_M": t.block_m, "BLOCK_N": t.block_n, "STAGES": t.stages,
+                  "CAUSAL": causal, "WARP_SPECIALIZE": t.warp_specialize, "SCHED_FENCE": t.sched_fence,
+                  "PINGPONG": t.pingpong}
+    signature.update({name: "constexpr" for name in constexprs})
+    src = gluon._runtime.GluonASTSource(attn_fwd_hopper_kernel, signature=signature, constexprs=constexprs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": t.num_warps, "enable_fp_fusion": True})
+
+
+def disassemble(cubin: bytes) -> tuple[str, str]:
+    """(SASS listing, cuobjdump's resource usage) of a cubin, by the wheel's own tools."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        sass = subprocess.run([str(_BIN / "nvdisasm"), f.name], capture_output=True, text=True, check=True).stdout
+        usage = subprocess.run([str(_BIN / "cuobjdump"), "--dump-resource-usage", f.name], capture_output=True,
+                               text=True, check=True).stdout
+    return sass, usage
+
+
+def _ex2_in_flight(sass: str) -> int:
+    """MUFU.EX2 between a WARPGROUP.DEPBAR.LE that leaves a product in flight and the next DEPBAR."""
+    count, open_ = 0, False
+    for line in sass.splitlines():
+        wait = re.search(r"WARPGROUP\.DEPBAR\.LE\s+gsb0,\s*0x([0-9a-f]+)", line)
+        if wait:
+            open_ = int(wait.group(1), 16) > 0
+        elif open_ and "MUFU.EX2" in line:
+            count += 1
+    return count
+
+
+def sass_summary(kernel) -> dict:
+    """What the compiled kernel's SASS holds (the module docstring lists the keys)."""
+    sass, usage = disassemble(kernel.asm["cubin"])
+    regs = re.search(r"REG:(\d+)", usage)
+    ops = lambda pattern: len(re.findall(pattern, sass))
+    waits = Counter(int(n, 16) for n in re.findall(r"WARPGROUP\.DEPBAR\.LE\s+gsb0,\s*0x([0-9a-f]+)", sass))
+    return {"hgmma": ops(r"\bHGMMA\."), "wait_depths": dict(sorted(waits.items())),
+            "arrives": ops(r"WARPGROUP\.ARRIVE"), "ex2_in_flight": _ex2_in_flight(sass),
+            "ex2": ops(r"MUFU\.EX2"), "tma_loads": ops(r"\bUTMALDG\b"), "tma_stores": ops(r"\bUTMASTG\b"),
+            "stl": ops(r"\bSTL(\.|\s)"), "ldl": ops(r"\bLDL(\.|\s)"), "bar_sync": ops(r"\bBAR\.SYNC"),
+            "setmaxnreg": sorted({int(n, 16) for n in re.findall(r"USETMAXREG\.\S+\s+(?:UP\d+,\s*)?0x([0-9a-f]+)",
+                                                                 sass)}),
+            "registers": int(regs.group(1)) if regs else None, "shared_bytes": kernel.metadata.shared}
+
+
+def check(head_dim: int, causal: bool, tiles: Tiles | None = None) -> dict:
+    """Compile one configuration and summarise it, with the triton version and the tiles."""
+    t = tiles or tiles_for(head_dim, causal)
+    summary = sass_summary(compile_forward(head_dim, causal, t))
+    return {"triton": triton.__version__, "target": "sm_90a", "head_dim": head_dim, "causal": causal,
+            **t._asdict(), **summary}
+
+
+class _StandInDriver:
+    """What triton's runtime asks of the active driver to compile a launch — device 0, its stream,
+    an sm_90a target — answered without CUDA; anything else from an uninitialised CudaDriver."""
+
+    def __init__(self):
+        from triton.backends.nvidia.driver import CudaDriver
+        self._real = CudaDriver.__new__(CudaDriver)
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+
+def compile_through_runtime(head_dim: int = 64, causal: bool = True, tiles: Tiles | None = None) -> dict:
+    """Bind ``launch.launch_args`` for CPU tensors — q a (2, 200, 4, d) buffer seen as (B, H, N, d),
+    k and v (2, 2, 150, d) (grouped-query heads, N not a multiple of the block) — to the kernel and
+    compile them through triton's runtime (``warmup``) for sm_90a with a stand-in driver; the grid
+    and what the PTX holds. Replaces triton's active driver for the rest of the process."""
+    import torch
+    from triton.runtime import driver
+
+    from stableflash.attention.gluon.launch import launch_args
+    driver.set_active(_StandInDriver())
+    q = torch.zeros(2, 200, 4, head_dim, dtype=torch.bfloat16).transpose(1, 2)
+    k, v = (torch.zeros(2, 2, 150, head_dim, dtype=torch.bfloat16) for _ in range(2))
+    o, residual, lse = torch.empty_like(q), torch.empty(q.shape, dtype=q.dtype), torch.empty(q.shape[:3])
+    grid, args, meta = launch_args(q, k, v, o, lse, residual, causal, None, tiles)
+    kernel = attn_fwd_hopper_kernel.warmup(*args, grid=grid, **meta)
+    ptx = kernel.asm["ptx"]
+    return {"grid": list(grid), "wgmma": "wgmma.mma_async" in ptx, "tma": "cp.async.bulk.tensor.4d" in ptx,
+            "num_warps": kernel.metadata.num_warps, "shared_bytes": kernel.metadata.shared}
+
+
+def interpreting() -> bool:
+    """Whether this process runs Triton's interpreter (TRITON_INTERPRET set to a true value)."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
+
+
+def _checks_here(configs: list, runtime: bool) -> dict:
+    rows = [check(d, causal, Tiles(*t) if t is not None else None) for d, causal, t in configs]
+    return {"rows": rows, "runtime": compile_through_runtime() if runtime else None}
+
+
+def offline_checks(configs: list, runtime: bool = False, isolate: bool | None = None) -> dict:
+    """{"rows": ``check`` of each (head_dim, causal, tiles or None), "runtime": ``compile_through_runtime()``
+    if asked}. ``isolate`` (default: when this process runs Triton's interpreter): in a fresh Python
+    process without TRITON_INTERPRET (the module docstring says why)."""
+    configs = [(d, causal, None if t is None else list(t)) for d, causal, t in configs]
+    if isolate is None:
+        isolate = interpreting()
+    if not isolate:
+        return _checks_here(configs, runtime)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    src = str(Path(__file__).resolve().parents[3])          # the folder holding the stableflash package
+    env["PYTHONPATH"] = os.pathsep.join([src, *filter(None, [env.get("PYTHONPATH")])])
+    code = ("import json, sys; from stableflash.attention.gluon import sass; "
+            "print('\\n' + json.dumps(sass._checks_here(json.loads(sys.argv[1]), sys.argv[2] == '1')))")
+    done = subprocess.run([sys.executable, "-c", code, json.dumps(configs), "1" if runtime else "0"], env=env,
+                          capture_output=True, text=True, check=False)
+    if done.returncode:
+        raise RuntimeError(f"the sm_90a compile check failed in its own process:\n{done.stderr[-4000:]}")
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    for row in result["rows"]:
+        row["wait_depths"] = {int(n): c for n, c in row["wait_depths"].items()}
+    return result

@@ -1,0 +1,213 @@
+"""The Gluon Hopper forward (``stableflash.attention.gluon``).
+
+Without a GPU: the package imports and answers ``available()`` on any machine; the launcher's
+argument errors; the kernel compiles for sm_90a with the triton wheel's ptxas and its SASS holds
+asynchronous warpgroup products with the softmax between their waits, TMA loads and stores, the
+warp-specialised register split and no spills (head_dim 64, causal: a few seconds).
+
+On an H100/H200 (compute capability 9.0; skipped elsewhere): O, the log-sum-exp and the residual R
+against float64, on fresh random inputs and on inputs whose keys repeat every 16 positions (tied
+row maxima), at head_dim 64 and 128, causal and not, sequence lengths that are not multiples of
+the 128-row blocks, grouped-query heads. Tolerance: the error of O, of O + R (what the stabilized
+backward's δ reads) and of the log-sum-exp against float64 is at most 1.25× the Triton forward's
+error for ``stabilize=True`` on the same inputs (the same arithmetic, summed in another order;
+1.25× is the bound the Triton kernels' GPU tests use against the emulated backend), and O is within
+1/128 of the Triton forward's O relative to max |O| (about one bf16 rounding).
+"""
+import math
+
+import pytest
+import torch
+
+from stableflash.attention import gluon as sg
+from stableflash.attention.gluon import support
+
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+needs_gluon = pytest.mark.skipif(not sg.available(), reason=f"Gluon Hopper API missing: {sg.unavailable_reason()}")
+on_hopper = pytest.mark.skipif(not (HOPPER and sg.available()),
+                               reason="needs a CUDA device of compute capability 9.0 and triton's Gluon")
+
+
+def test_package_imports_and_answers_on_any_machine():
+    assert isinstance(sg.available(), bool)
+    reason = sg.unavailable_reason()
+    assert (reason is None) == sg.available()
+    assert reason is None or (isinstance(reason, str) and reason)
+
+
+def test_unavailable_triton_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(sg, "unavailable_reason", lambda: "triton 3.1 has no triton.experimental.gluon")
+    q = torch.zeros(1, 1, 8, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="not available: triton 3.1 has no triton.experimental.gluon"):
+        sg.flash_forward_hopper(q, q, q, True)
+
+
+@needs_gluon
+def test_support_names_what_is_missing(monkeypatch):
+    support.unavailable_reason.cache_clear()
+    monkeypatch.setitem(support._NEEDED, "triton.experimental.gluon.language.nvidia.hopper", ("no_such_name",))
+    try:
+        assert "lacks no_such_name" in support.unavailable_reason()
+    finally:
+        support.unavailable_reason.cache_clear()
+
+
+def _bf16(*shape):
+    return torch.zeros(*shape, dtype=torch.bfloat16)
+
+
+@needs_gluon
+@pytest.mark.parametrize("args, error, match", [
+    ((_bf16(1, 2, 8, 64).float(), _bf16(1, 2, 8, 64), _bf16(1, 2, 8, 64), True), TypeError,
+     r"q of dtype torch.float32 is invalid; accepted: torch.bfloat16"),
+    ((_bf16(1, 2, 8, 96),) * 3 + (False,), ValueError, r"head_dim=96 is invalid; accepted: one of \(64, 128\)"),
+    ((_bf16(1, 2, 64, 8).transpose(2, 3), _bf16(1, 2, 8, 64), _bf16(1, 2, 8, 64), False), ValueError,
+     r"q with strides \(1024, 512, 1, 8\) is invalid; accepted: the last dimension contiguous"),
+    ((_bf16(1, 2, 8, 64), _bf16(1, 3, 8, 64), _bf16(1, 3, 8, 64), False), ValueError,
+     r"q heads \(2\) must be a multiple of k/v heads \(3\)"),
+    ((_bf16(1, 2, 8, 64), _bf16(1, 2, 8, 64), _bf16(1, 2, 9, 64), False), ValueError, r"must have the same shape"),
+    ((_bf16(2, 8, 64),) * 3 + (False,), ValueError, r"accepted: 4 dimensions \(B, H, N, d\)"),
+    ((_bf16(1, 2, 8, 64),) * 3 + (1,), TypeError, r"causal=1 is invalid; accepted: True or False"),
+    ((_bf16(1, 2, 8, 64),) * 3 + (False, -1.0), ValueError, r"scale=-1.0 is invalid"),
+    ((_bf16(1, 2, 8, 64),) * 3 + (True,), ValueError,
+     r"q on device cpu is invalid; accepted: a CUDA device of compute capability 9.0"),
+])
+def test_argument_errors_name_the_argument_and_what_is_accepted(args, error, match):
+    if torch.cuda.is_available() and "device cpu" not in match:
+        args = tuple(a.cuda() if isinstance(a, torch.Tensor) else a for a in args)
+    with pytest.raises(error, match=match):
+        sg.flash_forward_hopper(*args)
+
+
+@pytest.fixture(scope="module")
+def offline():
+    """The sm_90a compile checks of head_dim 64, causal — the default tiles and ping-pong — and the
+    launcher's arguments compiled through triton's runtime, in one go (in a process of their own
+    when this one runs Triton's interpreter: ``sass.offline_checks``)."""
+    from stableflash.attention.gluon import sass
+    from stableflash.attention.gluon.hopper_forward import tiles_for
+    if not sass.tools_present():
+        pytest.skip("this triton wheel ships no nvdisasm / cuobjdump")
+    t = tiles_for(64, True)
+    result = sass.offline_checks([(64, True, t), (64, True, t._replace(pingpong=True))], runtime=True)
+    return {"default": (t, result["rows"][0]), "pingpong": (t._replace(pingpong=True), result["rows"][1]),
+            "runtime": result["runtime"]}
+
+
+@needs_gluon
+@pytest.mark.parametrize("variant", ["default", "pingpong"])
+def test_compiles_for_sm90_without_a_gpu(offline, variant):
+    """head_dim 64, causal, the default tiles (and with ping-pong consumers): HGMMA at the three S
+    sites (d/16 each) and the three P̄V sites (BLOCK_N/16 each) of each consumer partition; a wait
+    that leaves a product in flight, with the softmax's exponentials placed before the next wait;
+    TMA loads and stores; the producer/consumer register split; no local-memory spills."""
+    t, r = offline[variant]
+    consumers = 2 if t.pingpong else 1
+    assert r["target"] == "sm_90a" and t.warp_specialize
+    assert r["hgmma"] == consumers * (3 * (64 // 16) + 3 * (t.block_n // 16)), r
+    assert r["wait_depths"].get(1, 0) >= 2 * consumers, r  # per loop: S_j done, P̄V still in flight
+    assert r["ex2_in_flight"] >= consumers * t.block_n, r    # the softmax of both loops between the waits
+    assert r["tma_loads"] > 0 and r["tma_stores"] == 2 * consumers, r
+    assert r["stl"] == 0 and r["ldl"] == 0, r
+    assert 24 in r["setmaxnreg"] and 240 in r["setmaxnreg"], r
+
+
+@needs_gluon
+def test_the_launchers_arguments_compile_through_tritons_runtime(offline):
+    """``launch.launch_args`` — host TMA descriptors over (B, H, N, d) tensors in a (B, N, H, d)
+    buffer, grouped-query heads, N not a multiple of the block — bound to the kernel's signature and
+    compiled by triton's runtime (``warmup``, nothing launched) for sm_90a with a stand-in for the
+    CUDA driver (``sass.compile_through_runtime``): the launch path up to the driver call."""
+    r = offline["runtime"]
+    assert r["grid"] == [2, 8] and r["wgmma"] and r["tma"], r
+    assert r["num_warps"] == 12, r                          # 8 consumer warps, the producer warp's warpgroup
+
+
+@needs_gluon
+def test_tiles_the_kernel_has_no_schedule_for_are_refused():
+    from stableflash.attention.gluon.hopper_forward import Tiles
+    with pytest.raises(ValueError, match="2-4 stages"):
+        Tiles(128, 512, 2).check()
+    with pytest.raises(ValueError, match="2-4 stages"):
+        Tiles(128, 128, 1).check()
+    with pytest.raises(ValueError, match="ping-pong takes block_m=128 and warp_specialize=True"):
+        Tiles(128, 128, 2, warp_specialize=False, pingpong=True).check()
+    Tiles(128, 128, 2, pingpong=True).check()
+
+
+# --- on a Hopper GPU -----------------------------------------------------------------------------
+
+def _inputs(B, H, Hk, n_q, n_k, d, tied, gen):
+    q = torch.randn(B, H, n_q, d, generator=gen, device="cuda").to(torch.bfloat16)
+    k, v = (torch.randn(B, Hk, n_k, d, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(2))
+    if tied:                                   # keys repeat every 16 positions: tied row maxima
+        k = k[:, :, torch.arange(n_k, device="cuda") % 16].contiguous()
+    return q, k, v
+
+
+def _triton_forward(q, k, v, causal, scale):
+    from stableflash.attention.policy import PrecisionPolicy
+    from stableflash.attention.stabilization import parse_stabilize
+    from stableflash.attention.triton.launch import kernel_config
+    from stableflash.attention.triton.op import _forward
+    stab = parse_stabilize(True)
+    config = kernel_config(stab.policy_for(PrecisionPolicy.preset("fa2", "bf16")), stab.rule, torch.bfloat16)
+    assert config.delta.residual                       # the δ source these outputs serve: dO·(O+R)
+    return _forward(q, k, v, causal, scale, config)
+
+
+CASES = [(2, 4, 4, 509, 509), (1, 8, 2, 1024, 1024), (2, 3, 3, 130, 257), (1, 2, 2, 257, 130)]
+
+
+@pytest.mark.gpu
+@on_hopper
+@pytest.mark.parametrize("tied", [False, True], ids=["random", "tied"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("case", CASES, ids=["x".join(map(str, c)) for c in CASES])
+def test_forward_against_float64(case, d, causal, tied):
+    """B×H×H_kv×N_q×N_k cases: none a multiple of the 128-row blocks but the second, grouped-query
+    heads in the second, fewer keys than queries in the last (causal: top-left aligned)."""
+    from stableflash.attention import reference
+    B, H, Hk, n_q, n_k = case
+    gen = torch.Generator(device="cuda").manual_seed(1000 * CASES.index(case) + 10 * d + 2 * causal + tied)
+    q, k, v = _inputs(B, H, Hk, n_q, n_k, d, tied, gen)
+    scale = 1.0 / math.sqrt(d)
+    o, lse, r = sg.flash_forward_hopper(q, k, v, causal)
+    o_t, lse_t, r_t = _triton_forward(q, k, v, causal, scale)
+    assert o.shape == q.shape and o.dtype == torch.bfloat16 and o.stride() == q.stride()
+    assert lse.shape == (B, H, n_q) and lse.dtype == torch.float32
+    assert r.shape == q.shape and r.dtype == torch.bfloat16 and r.is_contiguous()
+    rep = H // Hk
+    ref, ref_lse = reference.attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), causal=causal,
+                                       return_lse=True)
+    err = lambda x: ((x.double() - ref).norm() / ref.norm()).item()
+    assert err(o) <= 1.25 * err(o_t), (err(o), err(o_t))
+    assert err(o.float() + r.float()) <= 1.25 * err(o_t.float() + r_t.float()), (
+        err(o.float() + r.float()), err(o_t.float() + r_t.float()))
+    lse_err, lse_err_t = ((x.double() - ref_lse).abs().max().item() for x in (lse, lse_t))
+    assert lse_err <= 1.25 * lse_err_t + 1e-6, (lse_err, lse_err_t)
+    assert (o.double() - o_t.double()).abs().max().item() <= o_t.double().abs().max().item() / 128
+
+
+@pytest.mark.gpu
+@on_hopper
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_variants_and_layouts_agree_bit_for_bit(d, causal):
+    """The same arithmetic in the same order whatever issues the loads (warp specialisation on or
+    off), whether the scheduling fence is there and whether the two consumer warpgroups take turns
+    as partitions of their own (ping-pong); q, k, v as (B, N, H, d) buffers seen as (B, H, N, d)
+    give what their contiguous copies give."""
+    from stableflash.attention.gluon.hopper_forward import tiles_for
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    q, k, v = (torch.randn(2, 333, 4, d, generator=gen, device="cuda").to(torch.bfloat16).transpose(1, 2)
+               for _ in range(3))
+    base = sg.flash_forward_hopper(q, k, v, causal)
+    t = tiles_for(d, causal)
+    for other in (sg.flash_forward_hopper(q, k, v, causal, tiles=t._replace(warp_specialize=False)),
+                  sg.flash_forward_hopper(q, k, v, causal, tiles=t._replace(sched_fence=False)),
+                  sg.flash_forward_hopper(q, k, v, causal, tiles=t._replace(pingpong=True)),
+                  sg.flash_forward_hopper(*(x.contiguous() for x in (q, k, v)), causal)):
+        for a, b in zip(base, other):
+            assert torch.equal(a, b)
