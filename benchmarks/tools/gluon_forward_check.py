@@ -28,10 +28,6 @@ from pathlib import Path
 
 import triton
 
-KEYS = ("hgmma", "wait_depths", "ex2_in_flight", "tma_loads", "tma_stores", "stl", "ldl", "registers",
-        "shared_bytes", "setmaxnreg", "bar_sync")
-
-
 def compile_rows(variants: bool) -> list[dict]:
     from stableflash.attention.gluon import sass
     from stableflash.attention.gluon.hopper_forward import tiles_for
@@ -142,7 +138,7 @@ def print_time(rows: list[dict]) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--variants", action="store_true", help="also compile without warp specialisation / the fence")
+    ap.add_argument("--variants", action="store_true", help="also compile without warp specialisation, without the fence, and with ping-pong")
     ap.add_argument("--time", action="store_true", help="on a GPU: accuracy against float64, then forward timings")
     ap.add_argument("--non-causal", action="store_true", help="with --time: time non-causal attention")
     ap.add_argument("--shapes", nargs="+", default=["32,12,1024,64", "8,16,4096,64", "4,16,8192,128"],

@@ -33,6 +33,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
 
+from stableflash.attention.gluon import sass
+
 
 @gluon.jit
 def one_tile(a_ptr, b_ptr, c_ptr, M: gl.constexpr):
@@ -49,13 +51,9 @@ def one_tile(a_ptr, b_ptr, c_ptr, M: gl.constexpr):
     gl.store(c_ptr + offs, gl.convert_layout(acc, blocked))
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
-
-
 def probe(m: int = 64) -> dict:
     """Compile ``one_tile`` for sm_90a; its cubin size and HGMMA count, with the triton version."""
-    if _interpreting():
+    if sass.interpreting():
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "probe.json"
@@ -65,13 +63,9 @@ def probe(m: int = 64) -> dict:
     src = gluon._runtime.GluonASTSource(one_tile, signature={"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*fp32",
                                                              "M": "constexpr"}, constexprs={"M": m})
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32))
-    nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.asm["cubin"])
-        f.flush()
-        sass = subprocess.run([str(nvdisasm), f.name], capture_output=True, text=True, check=True).stdout
+    listing = sass.listing(kernel.asm["cubin"])
     return {"triton": triton.__version__, "target": "sm_90a", "cubin_bytes": len(kernel.asm["cubin"]),
-            "hgmma": len(re.findall(r"\bHGMMA\b", sass)), "ptx_has_wgmma": "wgmma.mma_async" in kernel.asm["ptx"]}
+            "hgmma": len(re.findall(r"\bHGMMA\b", listing)), "ptx_has_wgmma": "wgmma.mma_async" in kernel.asm["ptx"]}
 
 
 def main(argv=None) -> int:

@@ -84,6 +84,20 @@ class Tiles(NamedTuple):
         """The rows of a Q, O or R block (a TMA descriptor's block): each consumer's share."""
         return self.block_m // 2 if self.pingpong else self.block_m
 
+    def constexprs(self, head_dim: int, causal: bool) -> dict:
+        """The kernel's compile-time arguments for these tiles: what the launcher passes and the sm_90a
+        compile check compiles."""
+        return {"HEAD_DIM": head_dim, "BLOCK_M": self.block_m, "BLOCK_N": self.block_n, "STAGES": self.stages,
+                "CAUSAL": causal, "WARP_SPECIALIZE": self.warp_specialize, "SCHED_FENCE": self.sched_fence,
+                "PINGPONG": self.pingpong}
+
+    @property
+    def options(self) -> dict:
+        """The compile options: num_warps, and floating-point contraction asked for explicitly (S·c − m
+        and ℓ·α + Σ P as FMAs, as the Triton kernels compile them under triton 3.6-3.9's default, which
+        3.10 turns off)."""
+        return {"num_warps": self.num_warps, "enable_fp_fusion": True}
+
     def check(self) -> None:
         """ValueError for tiles the kernel has no schedule for (the loads without warp specialisation
         refill a slot only after its block is done: one slot would wait for itself)."""

@@ -108,15 +108,11 @@ def launch_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tens
                 ) -> tuple[tuple[int, int], tuple, dict]:
     """(grid, arguments, compile-time arguments) of ``attn_fwd_hopper_kernel`` for checked inputs and
     the outputs it writes (o like q, lse (B, H, N_q) fp32 contiguous, residual (B, H, N_q, d) bf16
-    contiguous). Floating-point contraction is asked for explicitly (S·c − m and ℓ·α + Σ P as FMAs,
-    as the Triton kernels compile them under triton 3.6-3.9's default, which 3.10 turns off)."""
+    contiguous), with ``Tiles.constexprs`` and ``Tiles.options``."""
     B, H, n_q, d = q.shape
     t = tiles or tiles_for(d, causal)
     t.check()
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     args = (_descriptor(q, t.q_rows), _descriptor(k, t.block_n), _descriptor(v, t.block_n), _descriptor(o, t.q_rows),
             _descriptor(residual, t.q_rows), lse, n_q, k.shape[2], H, H // k.shape[1], scale * LOG2E)
-    meta = {"HEAD_DIM": d, "BLOCK_M": t.block_m, "BLOCK_N": t.block_n, "STAGES": t.stages, "CAUSAL": causal,
-            "WARP_SPECIALIZE": t.warp_specialize, "SCHED_FENCE": t.sched_fence, "PINGPONG": t.pingpong,
-            "num_warps": t.num_warps, "enable_fp_fusion": True}
-    return (triton.cdiv(n_q, t.block_m), B * H), args, meta
+    return (triton.cdiv(n_q, t.block_m), B * H), args, {**t.constexprs(d, causal), **t.options}

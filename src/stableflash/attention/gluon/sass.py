@@ -63,23 +63,29 @@ def compile_forward(head_dim: int, causal: bool, tiles: Tiles | None = None):
     q, kv = _desc(t.q_rows, head_dim), _desc(t.block_n, head_dim)
     signature = {"q_desc": q, "k_desc": kv, "v_desc": kv, "o_desc": q, "r_desc": q, "lse_ptr": "*fp32",
                  "n_q": "i32", "n_k": "i32", "n_heads": "i32", "group": "i32", "qk_scale": "fp32"}
-    constexprs = {"HEAD_DIM": head_dim, "BLOCK_M": t.block_m, "BLOCK_N": t.block_n, "STAGES": t.stages,
-                  "CAUSAL": causal, "WARP_SPECIALIZE": t.warp_specialize, "SCHED_FENCE": t.sched_fence,
-                  "PINGPONG": t.pingpong}
+    constexprs = t.constexprs(head_dim, causal)
     signature.update({name: "constexpr" for name in constexprs})
     src = gluon._runtime.GluonASTSource(attn_fwd_hopper_kernel, signature=signature, constexprs=constexprs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": t.num_warps, "enable_fp_fusion": True})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=t.options)
+
+
+def _run_on_cubin(cubin: bytes, *commands: list[str]) -> list[str]:
+    """The standard output of each of the wheel's tools (``[tool, *options]``) run on the cubin."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return [subprocess.run([str(_BIN / tool), *options, f.name], capture_output=True, text=True,
+                               check=True).stdout for tool, *options in commands]
+
+
+def listing(cubin: bytes) -> str:
+    """A cubin's SASS listing, by the wheel's nvdisasm."""
+    return _run_on_cubin(cubin, ["nvdisasm"])[0]
 
 
 def disassemble(cubin: bytes) -> tuple[str, str]:
     """(SASS listing, cuobjdump's resource usage) of a cubin, by the wheel's own tools."""
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        sass = subprocess.run([str(_BIN / "nvdisasm"), f.name], capture_output=True, text=True, check=True).stdout
-        usage = subprocess.run([str(_BIN / "cuobjdump"), "--dump-resource-usage", f.name], capture_output=True,
-                               text=True, check=True).stdout
+    sass, usage = _run_on_cubin(cubin, ["nvdisasm"], ["cuobjdump", "--dump-resource-usage"])
     return sass, usage
 
 
