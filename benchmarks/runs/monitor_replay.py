@@ -47,6 +47,7 @@ the held-out ones, the new ones (when named) and all together.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import math
@@ -209,11 +210,11 @@ def held_out_archives(runs: list[dict], seed: int = HELD_OUT_SEED, share: float 
 
 
 def stored_settings(config: dict) -> dict:
-    """The MonitorConfig settings a run was trained with (its config.json's ``monitor_*``), the
-    action and warm-up left out: what replaying it as it ran takes."""
-    names = ("repeated_max", "spectral_ratio", "growth", "loss_spike", "patience", "delta_drift", "max_logit",
-             "max_logit_growth", "max_logit_rise")
-    return {name: config[f"monitor_{name}"] for name in names if f"monitor_{name}" in config}
+    """The MonitorConfig settings a run was trained with (its config.json's ``monitor_<field>``, as
+    ``train.config.monitor_config`` reads them), the action, its scope and the warm-up left out: what
+    replaying it as it ran takes."""
+    return {f.name: config[f"monitor_{f.name}"] for f in dataclasses.fields(MonitorConfig)
+            if f.name != "scope" and f"monitor_{f.name}" in config}
 
 
 def first_warning(run: dict, settings: dict, since: int = 0) -> int | None:

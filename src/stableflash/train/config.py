@@ -420,15 +420,12 @@ def validate(cfg: TrainConfig) -> None:
 
 
 def monitor_config(cfg: TrainConfig):
-    """The MonitorConfig of a training config (validated)."""
+    """The MonitorConfig of a training config (validated): every field from its ``monitor_<field>``
+    key, the action from ``monitor`` and the warm-up from ``warmup_iters``."""
     from stableflash.diagnostics.monitor import MonitorConfig
-    return MonitorConfig(action=cfg.monitor, repeated_max=cfg.monitor_repeated_max,
-                         spectral_ratio=cfg.monitor_spectral_ratio, growth=cfg.monitor_growth,
-                         loss_spike=cfg.monitor_loss_spike, patience=cfg.monitor_patience,
-                         delta_drift=cfg.monitor_delta_drift, max_logit=cfg.monitor_max_logit,
-                         max_logit_growth=cfg.monitor_max_logit_growth, max_logit_rise=cfg.monitor_max_logit_rise,
-                         warmup_steps=cfg.warmup_iters,
-                         scope=cfg.monitor_scope)
+    settings = {f.name: getattr(cfg, f"monitor_{f.name}") for f in dataclasses.fields(MonitorConfig)
+                if hasattr(cfg, f"monitor_{f.name}")}
+    return MonitorConfig(action=cfg.monitor, warmup_steps=cfg.warmup_iters, **settings)
 
 
 @dataclass(frozen=True)
