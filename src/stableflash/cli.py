@@ -101,7 +101,7 @@ def _report(result: dict, out: Path, format_table, as_json: bool) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from stableflash.train.config import TrainConfig, apply_overrides, load_file, make_config, validate
+    from stableflash.train.config import DistInfo, TrainConfig, apply_overrides, load_file, make_config, validate
     from stableflash.train.loop import Interrupted, train
 
     if args.resume is not None:
@@ -128,7 +128,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         print(f"stableflash train: interrupted; nothing saved beyond what {run_dir} holds", file=sys.stderr)
         return 130
     code = 0 if summary["status"] == "finished" else 3
-    if int(os.environ.get("RANK", "0")) != 0:      # under torchrun rank 0 speaks for the run (one JSON document)
+    if not DistInfo.from_env().is_main:            # under torchrun rank 0 speaks for the run (one JSON document)
         return code
     if args.json:
         print(json.dumps(summary, indent=2, default=str))
