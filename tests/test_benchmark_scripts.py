@@ -260,6 +260,9 @@ def test_faithful_report_tabulates_a_run_and_its_fork_and_remakes_them_from_its_
         report.main(["--from", str(out / "runs.json"), "--run", f"fork={base}", "--out", str(tmp_path / "x")])
     assert "--run labels already in" in capsys.readouterr().err
     with pytest.raises(SystemExit):
+        report.main(["--run", f"gone={tmp_path / 'gone'}", "--out", str(tmp_path / "x")])
+    assert f"--run gone={tmp_path / 'gone'}: no metrics.jsonl there" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
         report.main(["--out", str(out), "--run", f"base={base}", "--fork", "other=base@6"])
     assert "no --run gives: other" in capsys.readouterr().err
 

@@ -240,6 +240,9 @@ def main(argv=None) -> int:
         unknown = sorted(set(machines) - {label for label, _ in args.run})
         if unknown:
             ap.error(f"--machine names runs that no --run gives: {', '.join(unknown)}")
+        absent = [f"{label}={path}" for label, path in args.run if not (Path(path) / "metrics.jsonl").is_file()]
+        if absent:
+            ap.error(f"--run {', '.join(absent)}: no metrics.jsonl there; accepted: training run folders")
         records += [compact(label, Path(path), machines.get(label), forks.get(label)) for label, path in args.run]
         write_text_atomic(args.out / "runs.json", json.dumps(records, separators=(",", ":")) + "\n")
     rows, text = table(records)
