@@ -12,7 +12,8 @@
 #   bash benchmarks/runs/faithful_gpt2.sh start NAME SEED ATTENTION [--set KEY=VALUE ...]
 #       starts the run detached (benchmarks/runs/repro_detached.sh command), out /tmp/detached/NAME;
 #       ATTENTION: paper (the authors' arithmetic: "paper" policy, key block 512), fa2 (real
-#       FlashAttention-2 arithmetic), or an attention spec; per-step loss, probes every 100 steps
+#       FlashAttention-2 arithmetic), fa2-stabilized (the same with stabilize=True, the product's
+#       default), or an attention spec; per-step loss, probes every 100 steps
 #       (W_Q spectral norms per head, repeated row maxima per layer), the monitor warning, and the
 #       batch order recorded (RUN/batches)
 #   bash benchmarks/runs/faithful_gpt2.sh fork NAME FROM ATTENTION STEPS [--set KEY=VALUE ...]
@@ -52,6 +53,7 @@ PY
     case $attention in
       paper) attention="$paper stabilize=none";;
       fa2) attention="triton stabilize=none policy=fa2";;
+      fa2-stabilized) attention="triton policy=fa2";;      # stabilize=True: what users run
       stabilized) attention="$paper stabilize=consistent-delta";;
       paper-beta2) attention="$paper stabilize=paper beta=2";;
       paper-beta7) attention="$paper stabilize=paper beta=7";;

@@ -124,6 +124,28 @@ def test_the_launchers_arguments_compile_through_tritons_runtime(offline):
 
 
 @needs_gluon
+def test_the_runtime_compile_gives_tritons_driver_back(monkeypatch):
+    """The stand-in driver is triton's active driver during ``compile_through_runtime`` alone: a GPU
+    launch later in the same process reaches the real one (with the stand-in left active, every
+    launch after the compile check failed on a GPU)."""
+    from triton.runtime import driver
+
+    from stableflash.attention.gluon import sass
+    marker = object()
+    monkeypatch.setattr(driver, "_active", marker)
+    seen = {}
+
+    def warmup(*args, **kwargs):
+        seen["active"] = driver._active
+        raise RuntimeError("stop after the driver swap")
+    monkeypatch.setattr(sass.attn_fwd_hopper_kernel, "warmup", warmup)
+    with pytest.raises(RuntimeError, match="stop after the driver swap"):
+        sass.compile_through_runtime()
+    assert isinstance(seen["active"], sass._StandInDriver)
+    assert driver._active is marker
+
+
+@needs_gluon
 def test_tiles_the_kernel_has_no_schedule_for_are_refused():
     from stableflash.attention.gluon.hopper_forward import Tiles
     with pytest.raises(ValueError, match="2-4 stages"):

@@ -149,17 +149,22 @@ def compile_through_runtime(head_dim: int = 64, causal: bool = True, tiles: Tile
     """Bind ``launch.launch_args`` for CPU tensors — q a (2, 200, 4, d) buffer seen as (B, H, N, d),
     k and v (2, 2, 150, d) (grouped-query heads, N not a multiple of the block) — to the kernel and
     compile them through triton's runtime (``warmup``) for sm_90a with a stand-in driver; the grid
-    and what the PTX holds. Replaces triton's active driver for the rest of the process."""
+    and what the PTX holds. Triton's active driver is the stand-in during the compile alone: the
+    one active before comes back afterwards (a GPU launch later in the process needs the real one)."""
     import torch
     from triton.runtime import driver
 
     from stableflash.attention.gluon.launch import launch_args
+    previous = driver._active                 # None until first asked for: then created on demand again
     driver.set_active(_StandInDriver())
-    q = torch.zeros(2, 200, 4, head_dim, dtype=torch.bfloat16).transpose(1, 2)
-    k, v = (torch.zeros(2, 2, 150, head_dim, dtype=torch.bfloat16) for _ in range(2))
-    o, residual, lse = torch.empty_like(q), torch.empty(q.shape, dtype=q.dtype), torch.empty(q.shape[:3])
-    grid, args, meta = launch_args(q, k, v, o, lse, residual, causal, None, tiles)
-    kernel = attn_fwd_hopper_kernel.warmup(*args, grid=grid, **meta)
+    try:
+        q = torch.zeros(2, 200, 4, head_dim, dtype=torch.bfloat16).transpose(1, 2)
+        k, v = (torch.zeros(2, 2, 150, head_dim, dtype=torch.bfloat16) for _ in range(2))
+        o, residual, lse = torch.empty_like(q), torch.empty(q.shape, dtype=q.dtype), torch.empty(q.shape[:3])
+        grid, args, meta = launch_args(q, k, v, o, lse, residual, causal, None, tiles)
+        kernel = attn_fwd_hopper_kernel.warmup(*args, grid=grid, **meta)
+    finally:
+        driver._active = previous
     ptx = kernel.asm["ptx"]
     return {"grid": list(grid), "wgmma": "wgmma.mma_async" in ptx, "tma": "cp.async.bulk.tensor.4d" in ptx,
             "num_warps": kernel.metadata.num_warps, "shared_bytes": kernel.metadata.shared}
