@@ -18,8 +18,8 @@ from stableflash.report import build_report, explosion_step, load_run, loss_seri
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "notebook" / "results"
 ARCHIVES = 17           # folders with a runs.tar.xz
-RUNS = 281              # run folders (holding metrics.jsonl) in them
-CURRENT_GRAMMAR = 15    # of them written with config_version (faithful-gpt2-2026-11-24); the rest predate it
+RUNS = 286              # run folders (holding metrics.jsonl) in them
+CURRENT_GRAMMAR = 20    # of them written with config_version (faithful-gpt2-2026-11-24); the rest predate it
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +66,7 @@ def test_every_run_loads(unpacked, run_dirs):
                     assert all("stabilize=" in " ".join(e) for e in entries if e and e[0] != "sdpa"), source[key]
                     unstabilized += any(c.backend == "triton" and c.stabilize == "none"
                                         for c in (spec.default, *(c for _, c in spec.overrides)))
-    assert with_probes == 245          # runs with probe records (the rest ran with probes off)
+    assert with_probes == 250          # runs with probe records (the rest ran with probes off)
     assert current == ["faithful-gpt2-2026-11-24"] * CURRENT_GRAMMAR
     assert unstabilized > 100          # the kernel baselines: "triton policy=..." in the earlier grammar
     # the one run that stopped before its first logged step (its metrics.jsonl was empty when archived)

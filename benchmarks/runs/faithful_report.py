@@ -169,7 +169,7 @@ def table(records: list[dict]) -> tuple[list[dict], str]:
 def figure(records: list[dict], out: Path) -> None:
     layer = watched_layer(records)
     by_label = {r["label"]: r for r in records}
-    fig, axes = plt.subplots(3, 1, figsize=(10, 10), sharex=True)
+    fig, axes = plt.subplots(3, 1, figsize=(14, 10), sharex=True)
     for i, r in enumerate(records):
         colour, ls, mark = f"C{i % 10}", ("-", "--", ":")[i // 10 % 3], ".x+"[i // 10 % 3]   # ten colours, then styles
         rows = [(s, v) for s, v in history(r, by_label) if v is not None]
@@ -192,7 +192,7 @@ def figure(records: list[dict], out: Path) -> None:
                 ax.axvline(stop, color=colour, ls=":", lw=1)
     axes[0].set_ylabel("training loss (mean of 50 steps)")
     axes[0].set_yscale("log")
-    axes[0].legend(fontsize=8)
+    axes[0].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))   # beside: the curves keep the panel
     axes[1].set_ylabel(f"layer {layer}: largest attention logit")
     axes[1].set_yscale("log")
     axes[2].set_ylabel(f"layer {layer}: W_Q spectral norm")
