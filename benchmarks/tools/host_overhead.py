@@ -1,0 +1,133 @@
+"""Host time per attention call: how long the CPU spends to launch one forward, or one forward and
+backward, when the GPU work is too small to matter (a 1 × 1 × 128 × 64 causal bf16 call by default).
+
+    python benchmarks/tools/host_overhead.py [--shape 1,1,128,64] [--calls 300] [--json OUT.json]
+
+Per provider: microseconds per call of the forward alone (under ``torch.no_grad``), of forward and
+backward in eager mode, and of forward and backward through ``torch.compile`` (``fullgraph``, default
+mode: the custom op is called from the compiled graph on every call). Providers: SDPA as torch picks
+it, ``flash_attention`` with ``stabilize=True`` and with ``stabilize=False``. Then the forward's own
+parts for ``stabilize=True``: the Python of ``triton.op._forward`` with every kernel launch replaced
+by a no-op (argument preparation and allocation alone), and with the launches (the rest is triton's
+launcher and its autotuner's dispatch). Each figure is the wall time of ``--calls`` calls after 20
+warm-up calls, divided by the count, the median of 5 repeats; the GPU is synchronised at the end of
+each repeat only, so that a call's time is the host's as long as the queue does not fill.
+
+The training step's profile (``train_profile.py``) shows the time outside kernels per step; this
+says which part of one attention call it comes from.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+
+def per_call_us(fn, calls: int, repeats: int = 5) -> float:
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) / calls * 1e6)
+    return statistics.median(times)
+
+
+def providers():
+    from stableflash.attention import flash_attention
+    return {
+        "sdpa (torch's pick)": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+        "stableflash stabilize=True": lambda q, k, v: flash_attention(q, k, v, causal=True),
+        "stableflash stabilize=False": lambda q, k, v: flash_attention(q, k, v, causal=True, stabilize=False),
+    }
+
+
+def measure(shape: tuple[int, int, int, int], calls: int) -> list[dict]:
+    B, H, N, d = shape
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(B, H, N, d, generator=gen, device="cuda", dtype=torch.bfloat16).requires_grad_()
+               for _ in range(3))
+    do = torch.randn(B, H, N, d, generator=gen, device="cuda", dtype=torch.bfloat16)
+    rows = []
+    for name, fn in providers().items():
+        def forward(fn=fn):
+            with torch.no_grad():
+                fn(q, k, v)
+
+        def step(fn=fn):
+            fn(q, k, v).backward(do)
+
+        compiled = torch.compile(fn, fullgraph=True)
+
+        def compiled_step(compiled=compiled):
+            compiled(q, k, v).backward(do)
+
+        rows.append({"provider": name, "forward_us": per_call_us(forward, calls),
+                     "forward_backward_us": per_call_us(step, calls),
+                     "compiled_forward_backward_us": per_call_us(compiled_step, calls)})
+    rows.append(forward_parts(q, k, v, calls))
+    return rows
+
+
+def forward_parts(q, k, v, calls: int) -> dict:
+    """``_forward``'s host time for the ``stabilize=True`` configuration, without and with its launches."""
+    from stableflash.attention.policy import PrecisionPolicy
+    from stableflash.attention.stabilization import parse_stabilize
+    from stableflash.attention.triton import op
+    from stableflash.attention.triton.launch import kernel_config
+
+    stab = parse_stabilize(True)
+    config = kernel_config(stab.policy_for(PrecisionPolicy.preset("fa2", "bf16")), stab.rule, torch.bfloat16)
+    scale = q.shape[-1] ** -0.5
+    qd, kd, vd = (t.detach() for t in (q, k, v))
+    with_launch = per_call_us(lambda: op._forward(qd, kd, vd, True, scale, config), calls)
+    real = op._launch
+    op._launch = lambda *a, **kw: None
+    try:
+        without = per_call_us(lambda: op._forward(qd, kd, vd, True, scale, config), calls)
+    finally:
+        op._launch = real
+    return {"provider": "triton.op._forward (stabilize=True)", "forward_us": with_launch,
+            "forward_without_launch_us": without}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", default="1,1,128,64", help="B,H,N,d (default: %(default)s)")
+    ap.add_argument("--calls", type=int, default=300, help="calls per repeat (default: %(default)s)")
+    ap.add_argument("--json", type=Path, help="also write the rows here")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("host_overhead.py needs a CUDA device", file=sys.stderr)
+        return 1
+    shape = tuple(int(x) for x in args.shape.split(","))
+    if len(shape) != 4:
+        ap.error(f"--shape {args.shape!r} is invalid; accepted: four integers B,H,N,d")
+    rows = measure(shape, args.calls)
+    import triton
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
+          f"shape {args.shape}, causal bf16; microseconds per call (host-bound)")
+    print("| provider | forward | forward + backward | compiled forward + backward | forward, launches stubbed |")
+    print("|---|---|---|---|---|")
+    cell = lambda r, key: f"{r[key]:.1f}" if key in r else "—"  # noqa: E731
+    for r in rows:
+        print(f"| {r['provider']} | {cell(r, 'forward_us')} | {cell(r, 'forward_backward_us')} | "
+              f"{cell(r, 'compiled_forward_backward_us')} | {cell(r, 'forward_without_launch_us')} |")
+    if args.json:
+        args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                                         "triton": triton.__version__, "shape": shape, "rows": rows}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
