@@ -6,6 +6,9 @@ the Triton forward computes for ``stabilize=True`` on the "fa2" policy — O, th
 the residual of the O store that the stabilized backward reads. It is a module function only:
 ``flash_attention(backend="auto")`` does not select it (not yet measured on a GPU).
 ``sass.check(head_dim, causal)`` compiles it for sm_90a without a GPU and counts its SASS.
+``flash_backward_hopper(do, q, k, v, o, residual, lse, causal, scale=None)``: its backward, (dQ, dK, dV)
+(``hopper_backward.py``: a dK/dV kernel and a dQ kernel after the Triton δ kernel);
+``sass.check_backward(head_dim, causal)`` compiles and counts it.
 
 This package imports on any machine: ``available()`` says whether this triton has the Gluon
 Hopper API the kernels use, ``unavailable_reason()`` why not; the kernel modules are imported
@@ -13,7 +16,7 @@ only when used.
 """
 from stableflash.attention.gluon.support import available, unavailable_reason
 
-__all__ = ["available", "flash_forward_hopper", "unavailable_reason"]
+__all__ = ["available", "flash_backward_hopper", "flash_forward_hopper", "unavailable_reason"]
 
 
 def flash_forward_hopper(q, k, v, causal: bool = False, scale: float | None = None, *, tiles=None):
@@ -24,3 +27,14 @@ def flash_forward_hopper(q, k, v, causal: bool = False, scale: float | None = No
         raise RuntimeError(f"flash_forward_hopper is not available: {reason}")
     from stableflash.attention.gluon.launch import flash_forward_hopper as forward
     return forward(q, k, v, causal, scale, tiles=tiles)
+
+
+def flash_backward_hopper(do, q, k, v, o, residual, lse, causal: bool = False, scale: float | None = None, *,
+                          tiles=None):
+    """(dQ, dK, dV) of the Gluon Hopper backward (``launch_backward.flash_backward_hopper``);
+    RuntimeError naming the reason where this triton lacks the Gluon Hopper API."""
+    reason = unavailable_reason()
+    if reason is not None:
+        raise RuntimeError(f"flash_backward_hopper is not available: {reason}")
+    from stableflash.attention.gluon.launch_backward import flash_backward_hopper as backward
+    return backward(do, q, k, v, o, residual, lse, causal, scale, tiles=tiles)

@@ -21,6 +21,10 @@ shows whether the sm90 features came through:
 TMA descriptors, grid, compile-time arguments) through triton's runtime (``warmup``, nothing
 launched) with a stand-in for the CUDA driver: the launch path up to the driver call.
 
+``compile_backward`` / ``check_backward`` do the same for the backward's two kernels (dK/dV and
+dQ), ``compile_backward_through_runtime`` for its launcher's arguments, and
+``offline_backward_checks`` runs them in fresh Python processes side by side.
+
 ``offline_checks`` runs these in a fresh Python process when this one runs Triton's interpreter
 (TRITON_INTERPRET=1, as the CPU test suite does): after an interpreted kernel has run, Gluon's
 frontend can fail in the same process (``'InterpreterBuilder' object has no attribute
@@ -202,3 +206,109 @@ def offline_checks(configs: list, runtime: bool = False, isolate: bool | None = 
     for row in result["rows"]:
         row["wait_depths"] = {int(n): c for n, c in row["wait_depths"].items()}
     return result
+
+
+# --- the backward ---------------------------------------------------------------------------------
+
+def compile_backward(head_dim: int, causal: bool, tiles=None) -> dict:
+    """The backward's two kernels compiled for sm_90a, {"dkdv": ..., "dq": ...} (triton
+    ``CompiledKernel``s; never launched)."""
+    from stableflash.attention.gluon.hopper_backward import (attn_bwd_dkdv_hopper_kernel, attn_bwd_dq_hopper_kernel,
+                                                             backward_tiles_for)
+    t = tiles or backward_tiles_for(head_dim, causal)
+    t.check()
+    scalars = {"n_q": "i32", "n_k": "i32", "n_heads": "i32", "group": "i32", "qk_scale": "fp32", "scale": "fp32"}
+    q, kv = _desc(t.block_m, head_dim), _desc(64, head_dim)
+    dkdv = {"q_desc": q, "k_desc": kv, "v_desc": kv, "do_desc": q, "dk_desc": kv, "dv_desc": kv,
+            "lse_ptr": "*fp32", "delta_ptr": "*fp32", **scalars}
+    q, kv = _desc(64, head_dim), _desc(t.dq_block_n, head_dim)
+    dq = {"q_desc": q, "k_desc": kv, "v_desc": kv, "do_desc": q, "dq_desc": q, "lse_ptr": "*fp32",
+          "delta_ptr": "*fp32", **scalars}
+    out = {}
+    for name, fn, signature, constexprs in (
+            ("dkdv", attn_bwd_dkdv_hopper_kernel, dkdv, t.dkdv_constexprs(head_dim, causal)),
+            ("dq", attn_bwd_dq_hopper_kernel, dq, t.dq_constexprs(head_dim, causal))):
+        signature = {**signature, **{n: "constexpr" for n in constexprs}}
+        src = gluon._runtime.GluonASTSource(fn, signature=signature, constexprs=constexprs)
+        out[name] = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=t.options)
+    return out
+
+
+def check_backward(head_dim: int, causal: bool, tiles=None) -> list[dict]:
+    """Compile the backward's kernels for one configuration and summarise each (``sass_summary``),
+    with the triton version, the kernel's name and the tiles."""
+    from stableflash.attention.gluon.hopper_backward import backward_tiles_for
+    t = tiles or backward_tiles_for(head_dim, causal)
+    kernels = compile_backward(head_dim, causal, t)
+    return [{"triton": triton.__version__, "target": "sm_90a", "kernel": name, "head_dim": head_dim, "causal": causal,
+             **t._asdict(), **sass_summary(kernel)} for name, kernel in kernels.items()]
+
+
+def compile_backward_through_runtime(head_dim: int = 64, causal: bool = True, tiles=None) -> dict:
+    """``compile_through_runtime`` for the backward: ``launch_backward.launch_args_backward`` bound for
+    CPU tensors — q and do (2, 200, 4, d) buffers seen as (B, H, N, d), k and v (2, 2, 150, d)
+    (grouped-query heads, N not a multiple of a block), L and δ (2, 4, 200) — and both kernels
+    compiled through triton's runtime (``warmup``) for sm_90a with the stand-in driver, the one
+    active before given back afterwards. {kernel: its grid and what its PTX holds}."""
+    import torch
+    from triton.runtime import driver
+
+    from stableflash.attention.gluon.hopper_backward import attn_bwd_dkdv_hopper_kernel, attn_bwd_dq_hopper_kernel
+    from stableflash.attention.gluon.launch_backward import launch_args_backward
+    previous = driver._active
+    driver.set_active(_StandInDriver())
+    try:
+        q, do = (torch.zeros(2, 200, 4, head_dim, dtype=torch.bfloat16).transpose(1, 2) for _ in range(2))
+        k, v = (torch.zeros(2, 2, 150, head_dim, dtype=torch.bfloat16) for _ in range(2))
+        lse, delta = torch.zeros(2, 4, 200), torch.zeros(2, 4, 200)
+        launches = launch_args_backward(do, q, k, v, torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+                                        lse, delta, causal, None, tiles)
+        kernels = {name: fn.warmup(*launches[name][1], grid=launches[name][0], **launches[name][2])
+                   for name, fn in (("dkdv", attn_bwd_dkdv_hopper_kernel), ("dq", attn_bwd_dq_hopper_kernel))}
+    finally:
+        driver._active = previous
+    return {name: {"grid": list(launches[name][0]), "wgmma": "wgmma.mma_async" in k.asm["ptx"],
+                   "tma": "cp.async.bulk.tensor.4d" in k.asm["ptx"], "num_warps": k.metadata.num_warps,
+                   "shared_bytes": k.metadata.shared}
+            for name, k in kernels.items()}
+
+
+def _backward_checks_here(configs: list, runtime: bool) -> dict:
+    from stableflash.attention.gluon.hopper_backward import BackwardTiles
+    rows = [row for d, causal, t in configs
+            for row in check_backward(d, causal, BackwardTiles(*t) if t is not None else None)]
+    return {"rows": rows, "runtime": compile_backward_through_runtime() if runtime else None}
+
+
+def offline_backward_checks(configs: list, runtime: bool = False, jobs: int = 2) -> dict:
+    """{"rows": ``check_backward``'s rows of each (head_dim, causal, tiles or None), "runtime":
+    ``compile_backward_through_runtime()`` if asked}, computed in ``jobs`` fresh Python processes
+    without TRITON_INTERPRET running side by side (the configurations dealt out in turn, the
+    runtime compile in the last process; ``offline_checks`` says why a fresh process), or here
+    with jobs=0."""
+    configs = [(d, causal, None if t is None else list(t)) for d, causal, t in configs]
+    if jobs == 0:
+        return _backward_checks_here(configs, runtime)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    src = str(Path(__file__).resolve().parents[3])          # the folder holding the stableflash package
+    env["PYTHONPATH"] = os.pathsep.join([src, *filter(None, [env.get("PYTHONPATH")])])
+    code = ("import json, sys; from stableflash.attention.gluon import sass; "
+            "print('\\n' + json.dumps(sass._backward_checks_here(json.loads(sys.argv[1]), sys.argv[2] == '1')))")
+    shares = [configs[i::jobs] for i in range(jobs)]
+    procs = [subprocess.Popen([sys.executable, "-c", code, json.dumps(share),
+                               "1" if runtime and i == jobs - 1 else "0"],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i, share in enumerate(shares)]
+    results = [(p, *p.communicate()) for p in procs]
+    rows, runtime_result = [], None
+    for p, out, err in results:
+        if p.returncode:
+            raise RuntimeError(f"the sm_90a backward compile check failed in its own process:\n{err[-4000:]}")
+        part = json.loads(out.strip().splitlines()[-1])
+        rows += part["rows"]
+        runtime_result = part["runtime"] or runtime_result
+    for row in rows:
+        row["wait_depths"] = {int(n): c for n, c in row["wait_depths"].items()}
+    order = {(d, causal): i for i, (d, causal, _) in enumerate(configs)}
+    rows.sort(key=lambda r: (order[(r["head_dim"], r["causal"])], r["kernel"]))
+    return {"rows": rows, "runtime": runtime_result}

@@ -1,0 +1,193 @@
+"""The Gluon Hopper attention backward: its sm_90a SASS without a GPU, and (on an H100/H200) its accuracy and speed.
+
+    python benchmarks/tools/gluon_backward_check.py [--variants] [--json OUT.json]
+    python benchmarks/tools/gluon_backward_check.py --time [--variants] [--non-causal] [--shapes 32,12,1024,64 ...] [--json OUT.json]
+
+Without --time: compiles ``stableflash.attention.gluon``'s backward — the dK/dV kernel and the dQ
+kernel — for compute capability 9.0 (sm_90a) with the triton wheel's own ptxas, for head_dim 64
+and 128, causal and not, and reads each cubin's SASS (``stableflash.attention.gluon.sass``):
+HGMMA count; the warpgroup waits by how many products they leave in flight
+(``WARPGROUP.DEPBAR.LE gsb0, N``: N ≥ 1 is an asynchronous product past the wait); the
+exponentials placed while a product is in flight; TMA loads and stores (UTMALDG, UTMASTG);
+local-memory spills (STL, LDL); registers per thread (cuobjdump); dynamic shared memory;
+USETMAXREG (the warp-specialised register split). Nothing runs. --variants adds other tiles.
+
+With --time (a CUDA device of compute capability 9.0): first each provider's dQ, dK, dV against
+float64 at (2, 4, 509, d) on fresh random inputs (‖x − x₆₄‖ / ‖x₆₄‖), then the backward's time
+alone (triton.testing.do_bench, median ms; the forward runs once beforehand) and TFLOP/s counted
+as 10·B·H·N²·d (the five products of the backward, 2.5× the forward's 4·B·H·N²·d), halved under
+causal — for the Gluon backward (δ from the Triton δ kernel, then the dK/dV and dQ kernels; with
+--variants also other tiles), the Triton backward (``triton.op._backward_impl`` for
+``stabilize=True``, autotuned: the same δ and arithmetic) and SDPA's cuDNN and flash backends
+(``torch.autograd.grad`` of their output with a fixed dO, the graph kept between calls). The
+Gluon backward's dQ kernel recomputes S and dP, so it does 7 products where the count says 5.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import triton
+
+VARIANTS = {64: [(128, 64, 2, 128, 64, 2), (128, 64, 3, 128, 128, 2), (128, 128, 2, 128, 128, 2)],
+            128: [(128, 64, 2, 128, 64, 2), (128, 32, 4, 128, 64, 2), (128, 32, 3, 128, 32, 3)]}
+
+
+def _tiles(d: int, causal: bool, variants: bool) -> list:
+    from stableflash.attention.gluon.hopper_backward import BackwardTiles, backward_tiles_for
+    base = backward_tiles_for(d, causal)
+    return [base] + ([BackwardTiles(*t) for t in VARIANTS[d] if BackwardTiles(*t) != base] if variants else [])
+
+
+def compile_rows(variants: bool) -> list[dict]:
+    from stableflash.attention.gluon import sass
+    rows = []
+    for d in (64, 128):
+        for causal in (False, True):
+            for t in _tiles(d, causal, variants):
+                rows += sass.check_backward(d, causal, t)
+    return rows
+
+
+def _fmt_waits(w: dict) -> str:
+    return " ".join(f"≤{n}:{c}" for n, c in sorted(w.items()))
+
+
+def _fmt_tiles(r: dict) -> str:
+    return (f"dkdv {r['block_n']}×{r['block_m']}×{r['stages']}, dq {r['dq_block_m']}×{r['dq_block_n']}×"
+            f"{r['dq_stages']}")
+
+
+def print_compile(rows: list[dict]) -> None:
+    print(f"triton {triton.__version__}, target sm_90a (compiled, not run)")
+    head = ("kernel", "d", "causal", "tiles", "HGMMA", "waits (in flight ≤ N: count)", "EX2 in flight", "UTMALDG",
+            "UTMASTG", "STL", "LDL", "regs", "smem B", "USETMAXREG")
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
+    for r in rows:
+        cells = (r["kernel"], r["head_dim"], r["causal"], _fmt_tiles(r), r["hgmma"], _fmt_waits(r["wait_depths"]),
+                 f"{r['ex2_in_flight']}/{r['ex2']}", r["tma_loads"], r["tma_stores"], r["stl"], r["ldl"],
+                 r["registers"], r["shared_bytes"], r["setmaxnreg"])
+        print("| " + " | ".join(str(c) for c in cells) + " |")
+
+
+def _providers(d: int, causal: bool, variants: bool):
+    """name → setup(q, k, v, do) giving a closure that runs the backward alone and returns (dQ, dK, dV)."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from stableflash.attention.gluon import flash_backward_hopper, flash_forward_hopper
+    from stableflash.attention.policy import PrecisionPolicy
+    from stableflash.attention.stabilization import parse_stabilize
+    from stableflash.attention.triton.launch import kernel_config
+    from stableflash.attention.triton.op import _backward_impl, _forward
+
+    stab = parse_stabilize(True)
+    config = kernel_config(stab.policy_for(PrecisionPolicy.preset("fa2", "bf16")), stab.rule, torch.bfloat16)
+
+    def gluon(tiles):
+        def setup(q, k, v, do):
+            o, lse, r = flash_forward_hopper(q, k, v, causal)
+            return lambda: flash_backward_hopper(do, q, k, v, o, r, lse, causal, tiles=tiles)
+        return setup
+
+    def triton_setup(q, k, v, do):
+        o, lse, r = _forward(q, k, v, causal, d ** -0.5, config)
+        return lambda: _backward_impl(do, q, k, v, o, r, lse, causal, d ** -0.5, config)
+
+    def sdpa(backend):
+        def setup(q, k, v, do):
+            qg, kg, vg = (x.detach().requires_grad_(True) for x in (q, k, v))
+            with sdpa_kernel(backend):
+                out = F.scaled_dot_product_attention(qg, kg, vg, is_causal=causal)
+
+            def run():
+                with sdpa_kernel(backend):
+                    return torch.autograd.grad(out, (qg, kg, vg), do, retain_graph=True)
+            return run
+        return setup
+
+    tiles = _tiles(d, causal, variants)
+    out = {"gluon": gluon(tiles[0])}
+    for t in tiles[1:]:
+        out[f"gluon {t.block_n}×{t.block_m}×{t.stages}/{t.dq_block_m}×{t.dq_block_n}×{t.dq_stages}"] = gluon(t)
+    out.update({"triton-stabilized": triton_setup, "sdpa-cudnn": sdpa(SDPBackend.CUDNN_ATTENTION),
+                "sdpa-flash": sdpa(SDPBackend.FLASH_ATTENTION)})
+    return out
+
+
+def time_rows(shapes: list[tuple[int, ...]], causal: bool, variants: bool) -> list[dict]:
+    import torch
+    from triton.testing import do_bench
+
+    from stableflash.attention import reference
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows = []
+    for d in sorted({s[3] for s in shapes}):
+        q, k, v, do = (torch.randn(2, 4, 509, d, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(4))
+        _, *refs = reference.forward_backward(q, k, v, do, causal=causal)
+        for name, setup in _providers(d, causal, variants).items():
+            got = setup(q, k, v, do)()
+            errs = {f"rel_err_{n}": ((x.double() - ref).norm() / ref.norm()).item()
+                    for n, x, ref in zip(("dQ", "dK", "dV"), got, refs)}
+            rows.append({"kind": "accuracy", "provider": name, "head_dim": d, "causal": causal, **errs})
+    for B, H, N, d in shapes:
+        q, k, v, do = (torch.randn(B, H, N, d, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(4))
+        flops = 10 * B * H * N * N * d * (0.5 if causal else 1.0)
+        for name, setup in _providers(d, causal, variants).items():
+            run = setup(q, k, v, do)
+            run()                                     # compile, autotune
+            ms = do_bench(run)
+            rows.append({"kind": "time", "provider": name, "shape": [B, H, N, d], "causal": causal, "ms": ms,
+                         "tflops": flops / ms * 1e-9})
+            del run
+            torch.cuda.empty_cache()
+    return rows
+
+
+def print_time(rows: list[dict]) -> None:
+    import torch
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
+    for r in rows:
+        if r["kind"] == "accuracy":
+            print(f"accuracy d={r['head_dim']} causal={r['causal']} {r['provider']:34s} dQ {r['rel_err_dQ']:.3e} "
+                  f"dK {r['rel_err_dK']:.3e} dV {r['rel_err_dV']:.3e}")
+    for r in rows:
+        if r["kind"] == "time":
+            shape = "×".join(map(str, r["shape"]))
+            print(f"backward {shape:16s} causal={r['causal']} {r['provider']:34s} {r['ms']:.3f} ms "
+                  f"{r['tflops']:.0f} TFLOP/s")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--variants", action="store_true", help="also compile (or time) other tiles")
+    ap.add_argument("--time", action="store_true", help="on a GPU: accuracy against float64, then backward timings")
+    ap.add_argument("--non-causal", action="store_true", help="with --time: time non-causal attention")
+    ap.add_argument("--shapes", nargs="+", default=["32,12,1024,64", "8,16,4096,64", "4,16,8192,128"],
+                    help="with --time: B,H,N,d shapes")
+    ap.add_argument("--json", type=Path, help="also write the rows here")
+    args = ap.parse_args(argv)
+    from stableflash.attention.gluon import unavailable_reason
+    reason = unavailable_reason()
+    if reason is not None:
+        print(f"the Gluon Hopper backward is not available here: {reason}", file=sys.stderr)
+        return 1
+    if args.time:
+        rows = time_rows([tuple(int(x) for x in s.split(",")) for s in args.shapes], not args.non_causal,
+                         args.variants)
+        print_time(rows)
+    else:
+        rows = compile_rows(args.variants)
+        print_compile(rows)
+    if args.json:
+        args.json.write_text(json.dumps({"triton": triton.__version__, "rows": rows}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

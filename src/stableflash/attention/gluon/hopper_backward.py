@@ -1,0 +1,492 @@
+"""The attention backward for Hopper (sm_90a) in Gluon: the counterpart of ``hopper_forward.py``.
+
+What it computes is the Triton backward's (``attention/triton/backward.py``: attn_bwd_dkdv_kernel
+and attn_bwd_dq_kernel, EMU = 0, no soft cap, no masks beyond CAUSAL) for the δ the host computed
+beforehand with the Triton ``delta_dot_kernel`` (δ = rowsum(dO ∘ (O + R)) for the stabilized
+forward's outputs): with the forward's log-sum-exp L (natural log) and c = scale·log2 e,
+P = exp2(S·c − L·log2 e) from S = QKᵀ in fp32, dV = P̄ᵀ dO with P̄ = P rounded to bf16,
+dP = dO Vᵀ, dS = P ∘ (dP − δ), dK = scale · dS̄ᵀ Q and dQ = scale · dS̄ K with dS̄ = dS rounded
+to bf16; fp32 accumulators, bf16 outputs. Causal is top-left aligned (query i sees keys j ≤ i).
+Grouped-query heads: the dK, dV of a key/value head sum over its query heads in one program.
+
+dQ comes from a kernel of its own (one program per query block looping over the key blocks, as the
+Triton path does), not from fp32 atomic adds of per-key-block partial sums: every dQ element is
+then summed in one fixed order (deterministic, bit for bit from run to run) and written once in
+bf16, with no fp32 dQ buffer and no conversion pass. It costs two products per block pair more
+(S and dP are computed in both kernels: 7 products instead of 5).
+
+dK/dV (``attn_bwd_dkdv_hopper_kernel``): one program per BLOCK_N keys of one batch·kv-head, K and
+V resident in shared memory, one consumer warpgroup per 64 keys. It loops over the query heads of
+the group and, for each, over the query blocks that see the keys (from the causal diagonal on):
+
+- Q and dO tiles (BLOCK_M rows, rank-4 TMA descriptors over (B, H, N, d): a tile never crosses a
+  head, rows past N read as zero) stream through a ring of STAGES slots, each with a "Q ready", a
+  "dO ready" and a "slot free" barrier; L and δ of the block's rows are ordinary loads (BLOCK_M/4
+  values per thread each), L issued before the wait for Q, δ before the wait for dPᵀ. Query rows
+  past N_q are masked.
+- The products are taken transposed, keys as rows, so that each one's result is the next one's
+  register operand with no transpose in registers: Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ (Q and dO as
+  permuted shared-memory views), dV += P̄ᵀ·dO and dK += dS̄ᵀ·Q (P̄ᵀ, dS̄ᵀ from registers).
+- In flight: Sᵀ and dPᵀ are issued back to back; the wait for Sᵀ leaves dPᵀ in flight while Pᵀ's
+  exponentials run; dV is issued, and the wait for dPᵀ leaves it in flight while dSᵀ is formed;
+  then dK is issued and the block's products are waited for. Masked blocks (the causal diagonal,
+  the ragged tail of the queries) run in loops of their own, so that no branch separates a
+  product's issue from its wait.
+- Epilogue: dK·scale and dV in bf16 through K's and V's shared memory and TMA stores (rows past
+  N_k are not written).
+
+dQ (``attn_bwd_dq_hopper_kernel``): one program per BLOCK_M query rows of one batch·head, one
+consumer warpgroup per 64 rows, Q and dO resident, K and V streamed through the forward's ring
+(its ``_producer``), longest query blocks first. Software-pipelined like the forward: for key
+block j, S_j = Q·K_jᵀ, dP_j = dO·V_jᵀ and the previous block's dQ += dS̄_{j−1}·K_{j−1} are issued
+back to back; the wait for S_j leaves the other two in flight, the wait for dP_j the dQ product.
+No product issue depends on P_j between those waits, and ptxas places the wait for dP_j (and most
+of the time the last wait too) above P_j's exponentials: within a warpgroup they overlap the
+products less than in the dK/dV kernel (``sass.check_backward``'s "ex2_in_flight"), and the
+overlap comes from the other warpgroup. L and δ of the program's rows are loaded once.
+
+The TMA and CTA-barrier spellings of the triton release at hand are those bound in
+``hopper_forward`` (``tma_load``, ``tma_store``, ``cta_barrier``), whose K/V producer the dQ kernel
+shares.
+
+Warp specialisation (both kernels): each consumer warpgroup is a partition of its own (the first
+the default partition, launched with num_warps = 4; the second a worker of 4 warps, both raised to
+240 registers) and one producer warp (24 registers) issues every TMA load and waits on the "free"
+barriers, which count one release per consumer. Separate partitions let the two warpgroups drift
+apart, one's elementwise work running while the other's products do: triton follows each product
+wait of a partition of several warpgroups with a barrier across them, which would hold them in
+step. A warpgroup releases a slot as soon as its products that read it are complete.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+
+from stableflash.attention.gluon.hopper_forward import _producer, cta_barrier, tma_load, tma_store
+
+LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
+
+
+class BackwardTiles(NamedTuple):
+    """A backward launch's tiles. dK/dV kernel: ``block_n`` keys per program (64 per consumer
+    warpgroup: 64 or 128), ``block_m`` query rows per streamed block, ``stages`` ring slots for Q
+    and dO. dQ kernel: ``dq_block_m`` query rows per program (64 per consumer warpgroup: 64 or
+    128), ``dq_block_n`` keys per streamed block, ``dq_stages`` ring slots for K and V."""
+    block_n: int
+    block_m: int
+    stages: int
+    dq_block_m: int
+    dq_block_n: int
+    dq_stages: int
+
+    def dkdv_constexprs(self, head_dim: int, causal: bool) -> dict:
+        """The dK/dV kernel's compile-time arguments: what the launcher passes and the sm_90a compile
+        check compiles."""
+        return {"HEAD_DIM": head_dim, "BLOCK_M": self.block_m, "BLOCK_N": self.block_n, "STAGES": self.stages,
+                "CAUSAL": causal}
+
+    def dq_constexprs(self, head_dim: int, causal: bool) -> dict:
+        """The dQ kernel's compile-time arguments."""
+        return {"HEAD_DIM": head_dim, "BLOCK_M": self.dq_block_m, "BLOCK_N": self.dq_block_n,
+                "STAGES": self.dq_stages, "CAUSAL": causal}
+
+    @property
+    def options(self) -> dict:
+        """The compile options of both kernels: num_warps 4 (the first consumer warpgroup; the other
+        and the producer warp are worker partitions) and floating-point contraction asked for
+        explicitly (S·c − L·log2 e as one FMA, as the Triton kernels compile it under triton
+        3.6-3.9's default)."""
+        return {"num_warps": 4, "enable_fp_fusion": True}
+
+    def check(self) -> None:
+        """ValueError for tiles the kernels have no schedule for."""
+        if (self.block_n not in (64, 128) or self.dq_block_m not in (64, 128) or self.block_m not in (16, 32, 64, 128)
+                or self.dq_block_n not in (16, 32, 64, 128) or not 2 <= self.stages <= 4
+                or not 2 <= self.dq_stages <= 4):
+            raise ValueError(f"{self} is invalid; accepted: block_n and dq_block_m 64 or 128 (one or two consumer "
+                             "warpgroups), block_m and dq_block_n 16, 32, 64 or 128, 2-4 stages each")
+
+
+def backward_tiles_for(head_dim: int, causal: bool) -> BackwardTiles:
+    """The default tiles: dK/dV over 128 keys (two consumer warpgroups) with query blocks of 64
+    rows in two slots at head_dim 64, of 32 rows in three slots at 128 (the dK, dV accumulators
+    take d registers per thread next to the 64 × block_m tiles Sᵀ, dPᵀ: 64-row blocks spill at
+    head_dim 128); dQ over 128 query rows (two consumer warpgroups) with key blocks of 128 at
+    head_dim 64, 64 at 128, in two slots. No spills (``sass.check_backward``) but, with triton 3.9,
+    a few scalars of the causal dK/dV kernel at head_dim 128 (stored once, reloaded per block).
+    Not tuned on a GPU."""
+    if head_dim <= 64:
+        return BackwardTiles(128, 64, 2, 128, 128, 2)
+    return BackwardTiles(128, 32, 3, 128, 64, 2)
+
+
+# --- dK, dV ---------------------------------------------------------------------------------------
+
+@gluon.jit
+def _qdo_producer(q_desc, do_desc, q_smem, do_smem, q_ready, do_ready, free, b, hk, group, m_lo, per_head,
+                  BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+    """The dK/dV kernel's producer partition (one warp): the u-th streamed block — query head
+    hk·group + u // per_head, query block m_lo + u % per_head — into slot u % STAGES, Q completing
+    "Q ready", dO "dO ready" (transaction counts of whole tiles: TMA counts the zeros it fills in);
+    a slot's r-th reuse (r ≥ 1) waits for the consumers' r-th release of it ("free" phase r − 1)."""
+    for u in range(group * per_head):
+        slot = u % STAGES
+        if u >= STAGES:
+            mbarrier.wait(free.index(slot), ((u // STAGES) & 1) ^ 1)
+        h = hk * group + u // per_head
+        start_m = (m_lo + u % per_head) * BLOCK_M
+        mbarrier.expect(q_ready.index(slot), BLOCK_M * HEAD_DIM * 2)
+        tma_load(q_desc, [b, h, start_m, 0], q_ready.index(slot), q_smem.index(slot))
+        mbarrier.expect(do_ready.index(slot), BLOCK_M * HEAD_DIM * 2)
+        tma_load(do_desc, [b, h, start_m, 0], do_ready.index(slot), do_smem.index(slot))
+
+
+@gluon.jit
+def _dkdv_step(k, v, q_smem, do_smem, lse_ptr, delta_ptr, q_ready, do_ready, free, dk, dv, zero_t, t,
+               start_n, start_m, row0, n_q, qk_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+               STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASKED: gl.constexpr, mma_t: gl.constexpr,
+               mma_d: gl.constexpr):
+    """The t-th streamed block (query rows start_m …, slot t % STAGES) of a consumer's loop: L of its
+    rows (entries row0 + start_m …) loaded before the wait for Q, Sᵀ and dPᵀ issued back to back,
+    Pᵀ while dPᵀ computes, dV += P̄ᵀ·dO issued, δ loaded and dSᵀ formed while it computes,
+    dK += dS̄ᵀ·Q, then the slot released (this warpgroup's products that read it are complete).
+    MASKED (compile time): the block holds the causal diagonal or query rows past N_q, whose
+    entries of Pᵀ (and so of dSᵀ) are set to zero."""
+    slot = t % STAGES
+    phase = (t // STAGES) & 1
+    op_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_d, k_width=2)
+    col_t: gl.constexpr = gl.SliceLayout(0, mma_t)
+    q = q_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
+    do = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
+    offs = gl.arange(0, BLOCK_M, layout=col_t)
+    cols = start_m + offs
+    row = row0 + start_m
+    if MASKED:
+        lse2 = gl.load(lse_ptr + row + offs, mask=cols < n_q, other=0.0) * LOG2E
+    else:
+        lse2 = gl.load(lse_ptr + row + offs) * LOG2E
+    mbarrier.wait(q_ready.index(slot), phase)
+    s_tok = warpgroup_mma(k, q.permute((1, 0)), zero_t, use_acc=False, is_async=True)
+    mbarrier.wait(do_ready.index(slot), phase)
+    dp_tok = warpgroup_mma(v, do.permute((1, 0)), zero_t, use_acc=False, is_async=True)
+    s = warpgroup_mma_wait(1, deps=[s_tok])                 # Sᵀ done, dPᵀ still in flight
+    p = gl.exp2(s * qk_scale - lse2[None, :])
+    if MASKED:
+        keep = cols[None, :] < n_q
+        if CAUSAL:
+            rows = start_n + gl.arange(0, 64, layout=gl.SliceLayout(1, mma_t))
+            keep = keep & (rows[:, None] <= cols[None, :])
+        p = gl.where(keep, p, 0.0)
+    p_bar = gl.convert_layout(p.to(gl.bfloat16), op_a)
+    dv_tok = warpgroup_mma(p_bar, do, dv, is_async=True)
+    if MASKED:
+        delta = gl.load(delta_ptr + row + offs, mask=cols < n_q, other=0.0)
+    else:
+        delta = gl.load(delta_ptr + row + offs)
+    dp = warpgroup_mma_wait(1, deps=[dp_tok])               # dPᵀ done, P̄ᵀ·dO still in flight
+    ds = p * (dp - delta[None, :])
+    ds_bar = gl.convert_layout(ds.to(gl.bfloat16), op_a)
+    dk_tok = warpgroup_mma(ds_bar, q, dk, is_async=True)
+    dv, dk, p_bar, ds_bar = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, p_bar, ds_bar])
+    mbarrier.arrive(free.index(slot), count=1)
+    return dk, dv
+
+
+@gluon.jit
+def _dkdv_consumer(dk_desc, dv_desc, lse_ptr, delta_ptr, k_smem, v_smem, q_smem, do_smem, kv_bar, q_ready,
+                   do_ready, free, b, hk, start_n, group, n_heads, n_q, m_lo, diag_end, full_end, per_head,
+                   qk_scale, scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+                   CAUSAL: gl.constexpr):
+    """One consumer warpgroup: keys [start_n, start_n + 64) (its K and V tiles ``k_smem``,
+    ``v_smem``). Per query head of the group: the masked diagonal blocks [m_lo, diag_end), the whole
+    blocks [diag_end, full_end), the ragged tail [full_end, m_lo + per_head); then dK·scale and dV
+    in bf16 through its K and V tiles and TMA stores (rows past N_k are not written)."""
+    mma_t: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                    instr_shape=[16, BLOCK_M, 16])
+    mma_d: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                    instr_shape=[16, HEAD_DIM, 16])
+    k = k_smem.reshape([64, HEAD_DIM])
+    v = v_smem.reshape([64, HEAD_DIM])
+    zero_t = gl.zeros([64, BLOCK_M], gl.float32, layout=mma_t)
+    dk = gl.zeros([64, HEAD_DIM], gl.float32, layout=mma_d)
+    dv = gl.zeros([64, HEAD_DIM], gl.float32, layout=mma_d)
+    mbarrier.wait(kv_bar, 0)
+    for g in range(group):
+        base = g * per_head - m_lo                          # block m of head g is streamed block base + m
+        row0 = (b * n_heads + hk * group + g) * n_q         # L and δ of head hk·group + g
+        if CAUSAL:
+            for m in range(m_lo, diag_end):
+                dk, dv = _dkdv_step(k, v, q_smem, do_smem, lse_ptr, delta_ptr, q_ready, do_ready, free, dk, dv,
+                                    zero_t, base + m, start_n, m * BLOCK_M, row0, n_q, qk_scale, HEAD_DIM, BLOCK_M,
+                                    STAGES, CAUSAL, True, mma_t, mma_d)
+        for m in range(diag_end, full_end):
+            dk, dv = _dkdv_step(k, v, q_smem, do_smem, lse_ptr, delta_ptr, q_ready, do_ready, free, dk, dv,
+                                zero_t, base + m, start_n, m * BLOCK_M, row0, n_q, qk_scale, HEAD_DIM, BLOCK_M,
+                                STAGES, CAUSAL, False, mma_t, mma_d)
+        for m in range(full_end, m_lo + per_head):
+            dk, dv = _dkdv_step(k, v, q_smem, do_smem, lse_ptr, delta_ptr, q_ready, do_ready, free, dk, dv,
+                                zero_t, base + m, start_n, m * BLOCK_M, row0, n_q, qk_scale, HEAD_DIM, BLOCK_M,
+                                STAGES, CAUSAL, True, mma_t, mma_d)
+    k.store((dk * scale).to(gl.bfloat16))                   # every product reading K and V is complete
+    v.store(dv.to(gl.bfloat16))
+    fence_async_shared()
+    cta_barrier()
+    tma_store(dk_desc, [b, hk, start_n, 0], k_smem)
+    tma_store(dv_desc, [b, hk, start_n, 0], v_smem)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def attn_bwd_dkdv_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr, delta_ptr,
+                                n_q, n_k, n_heads, group, qk_scale, scale,
+                                HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                                STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+    """One program: dK and dV of keys [start_n, start_n + BLOCK_N) of batch·kv-head program_id(1),
+    on a grid of (key blocks, B·H_kv) (under a causal mask the first key blocks see the most queries
+    and start first). Descriptors: rank 4 over (B, H, N, d) — k, v, dk, dv with 64-row blocks (one
+    per consumer warpgroup), q and do with BLOCK_M-row blocks. ``lse_ptr``, ``delta_ptr``:
+    (B, H, N_q) fp32, contiguous. ``group``: query heads per key/value head;
+    ``qk_scale``: scale·log2 e; ``scale``: the softmax scale (dK's factor). Launch with
+    num_warps = 4: the first consumer warpgroup; the second (BLOCK_N = 128) and the producer warp
+    are worker partitions."""
+    CONSUMERS: gl.constexpr = BLOCK_N // 64
+    start_n = gl.program_id(0) * BLOCK_N
+    bhk = gl.program_id(1)
+    n_kv_heads = n_heads // group
+    b = bhk // n_kv_heads
+    hk = bhk % n_kv_heads
+    # query blocks that see this key block, per query head: [m_lo, m_hi); of them the ones holding
+    # the causal diagonal [m_lo, diag_end), whole ones [diag_end, full_end), the tail [full_end, m_hi)
+    n_full = n_q // BLOCK_M
+    m_hi = (n_q + BLOCK_M - 1) // BLOCK_M
+    if CAUSAL:
+        m_lo = gl.minimum(start_n // BLOCK_M, m_hi)
+        diag_end = gl.maximum(gl.minimum((start_n + BLOCK_N + BLOCK_M - 1) // BLOCK_M, n_full), m_lo)
+    else:
+        m_lo = start_n * 0
+        diag_end = m_lo
+    full_end = gl.maximum(n_full, diag_end)
+    per_head = m_hi - m_lo
+
+    k_smem = gl.allocate_shared_memory(gl.bfloat16, [CONSUMERS, 1, 1, 64, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(gl.bfloat16, [CONSUMERS, 1, 1, 64, HEAD_DIM], v_desc.layout)
+    q_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 1, 1, BLOCK_M, HEAD_DIM], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 1, 1, BLOCK_M, HEAD_DIM], do_desc.layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(do_ready.index(i), count=1)
+        mbarrier.init(free.index(i), count=CONSUMERS)
+    fence_async_shared()
+
+    mbarrier.expect(kv_bar, CONSUMERS * 2 * 64 * HEAD_DIM * 2)
+    for i in gl.static_range(CONSUMERS):
+        tma_load(k_desc, [b, hk, start_n + i * 64, 0], kv_bar, k_smem.index(i))
+        tma_load(v_desc, [b, hk, start_n + i * 64, 0], kv_bar, v_smem.index(i))
+    if CONSUMERS == 2:
+        gl.warp_specialize([
+            (_dkdv_consumer, (dk_desc, dv_desc, lse_ptr, delta_ptr, k_smem.index(0), v_smem.index(0), q_smem,
+                              do_smem, kv_bar, q_ready, do_ready, free, b, hk, start_n, group, n_heads, n_q, m_lo,
+                              diag_end, full_end, per_head, qk_scale, scale, HEAD_DIM, BLOCK_M, STAGES, CAUSAL)),
+            (_dkdv_consumer, (dk_desc, dv_desc, lse_ptr, delta_ptr, k_smem.index(1), v_smem.index(1), q_smem,
+                              do_smem, kv_bar, q_ready, do_ready, free, b, hk, start_n + 64, group, n_heads, n_q, m_lo,
+                              diag_end, full_end, per_head, qk_scale, scale, HEAD_DIM, BLOCK_M, STAGES, CAUSAL)),
+            (_qdo_producer, (q_desc, do_desc, q_smem, do_smem, q_ready, do_ready, free, b, hk, group, m_lo, per_head,
+                             BLOCK_M, HEAD_DIM, STAGES)),
+        ], [4, 1], [240, 24])
+    else:
+        gl.warp_specialize([
+            (_dkdv_consumer, (dk_desc, dv_desc, lse_ptr, delta_ptr, k_smem.index(0), v_smem.index(0), q_smem,
+                              do_smem, kv_bar, q_ready, do_ready, free, b, hk, start_n, group, n_heads, n_q, m_lo,
+                              diag_end, full_end, per_head, qk_scale, scale, HEAD_DIM, BLOCK_M, STAGES, CAUSAL)),
+            (_qdo_producer, (q_desc, do_desc, q_smem, do_smem, q_ready, do_ready, free, b, hk, group, m_lo, per_head,
+                             BLOCK_M, HEAD_DIM, STAGES)),
+        ], [1], [24])
+    mbarrier.invalidate(kv_bar)
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(q_ready.index(i))
+        mbarrier.invalidate(do_ready.index(i))
+        mbarrier.invalidate(free.index(i))
+
+
+# --- dQ -------------------------------------------------------------------------------------------
+
+@gluon.jit
+def _mask_keys(p, start_m, start_n, n_k, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, layout: gl.constexpr):
+    """P (64 query rows from start_m) of keys past n_k, and with CAUSAL of keys j > i, set to zero."""
+    cols = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+    keep = cols[None, :] < n_k
+    if CAUSAL:
+        rows = start_m + gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
+        keep = keep & (cols[None, :] <= rows[:, None])
+    return gl.where(keep, p, 0.0)
+
+
+@gluon.jit
+def _dq_step(q, do, k_smem, v_smem, k_ready, v_ready, k_free, v_free, ds_prev, dq, zero_s, lse2, delta, start_m,
+             j, n_k, qk_scale, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+             CAUSAL: gl.constexpr, MASKED: gl.constexpr, mma_s: gl.constexpr, mma_q: gl.constexpr):
+    """Key block j ≥ 1 of a consumer's loop: issue S_j = Q·K_jᵀ, dP_j = dO·V_jᵀ and
+    dQ += dS̄_{j−1}·K_{j−1} back to back; P_j while dP_j and the dQ product compute, dS_j while the
+    dQ product does (the tile fences keep ptxas from placing the waits above that work); release
+    V_j and K_{j−1}. MASKED (compile time): block j holds the causal diagonal or keys past N_k."""
+    slot = j % STAGES
+    prev = (j - 1) % STAGES
+    mbarrier.wait(k_ready.index(slot), (j // STAGES) & 1)
+    mbarrier.wait(v_ready.index(slot), (j // STAGES) & 1)
+    s_tok = warpgroup_mma(q, k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), zero_s,
+                          use_acc=False, is_async=True)
+    dp_tok = warpgroup_mma(do, v_smem.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), zero_s,
+                           use_acc=False, is_async=True)
+    dq_tok = warpgroup_mma(ds_prev, k_smem.index(prev).reshape([BLOCK_N, HEAD_DIM]), dq, is_async=True)
+    s = warpgroup_mma_wait(2, deps=[s_tok])                 # S_j done; dP_j and dS̄_{j−1}·K_{j−1} in flight
+    p = gl.exp2(s * qk_scale - lse2[:, None])
+    if MASKED:
+        p = _mask_keys(p, start_m, j * BLOCK_N, n_k, BLOCK_N, CAUSAL, mma_s)
+    dp = warpgroup_mma_wait(1, deps=[dp_tok])               # dP_j done; the dQ product in flight
+    mbarrier.arrive(v_free.index(slot), count=1)
+    ds = p * (dp - delta[:, None])
+    dq, ds_prev = warpgroup_mma_wait(0, deps=[dq_tok, ds_prev])
+    mbarrier.arrive(k_free.index(prev), count=1)
+    # dS̄_j is packed to bf16 only now: dS̄_{j−1}'s registers were the in-flight product's operand
+    ds_prev = gl.convert_layout(ds.to(gl.bfloat16), gl.DotOperandLayout(operand_index=0, parent=mma_q, k_width=2))
+    return ds_prev, dq
+
+
+@gluon.jit
+def _dq_consumer(dq_desc, lse_ptr, delta_ptr, q_smem, do_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_free,
+                 v_free, b, h, start_m, n_q, n_k, n_blocks, full, row0, qk_scale, scale,
+                 HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+    """One consumer warpgroup: query rows [start_m, start_m + 64) (its Q and dO tiles). Key block 0,
+    whole key blocks, masked ones (from ``full`` on), the last dQ product; then dQ·scale in bf16
+    through its Q tile and a TMA store (rows past N_q are not written)."""
+    mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                    instr_shape=[16, BLOCK_N, 16])
+    mma_q: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                    instr_shape=[16, HEAD_DIM, 16])
+    op_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_q, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, mma_s)
+    q = q_smem.reshape([64, HEAD_DIM])
+    do = do_smem.reshape([64, HEAD_DIM])
+    rows = start_m + gl.arange(0, 64, layout=row_s)
+    lse2 = gl.load(lse_ptr + row0 + rows, mask=rows < n_q, other=0.0) * LOG2E
+    delta = gl.load(delta_ptr + row0 + rows, mask=rows < n_q, other=0.0)
+    zero_s = gl.zeros([64, BLOCK_N], gl.float32, layout=mma_s)
+    dq = gl.zeros([64, HEAD_DIM], gl.float32, layout=mma_q)
+
+    mbarrier.wait(q_bar, 0)
+    # key block 0: S_0 and dP_0, then dS_0 (no dQ product to overlap with yet)
+    mbarrier.wait(k_ready.index(0), 0)
+    mbarrier.wait(v_ready.index(0), 0)
+    s_tok = warpgroup_mma(q, k_smem.index(0).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), zero_s, use_acc=False,
+                          is_async=True)
+    dp_tok = warpgroup_mma(do, v_smem.index(0).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), zero_s,
+                           use_acc=False, is_async=True)
+    s = warpgroup_mma_wait(1, deps=[s_tok])
+    # masked whether it needs to be or not: a branch here would make ptxas wait for dP_0 before it
+    p = _mask_keys(gl.exp2(s * qk_scale - lse2[:, None]), start_m, 0, n_k, BLOCK_N, CAUSAL, mma_s)
+    dp = warpgroup_mma_wait(0, deps=[dp_tok])
+    mbarrier.arrive(v_free.index(0), count=1)
+    ds_prev = gl.convert_layout((p * (dp - delta[:, None])).to(gl.bfloat16), op_a)
+    # whole key blocks first, then the masked ones: no branch between a product's issue and its wait
+    n_full = gl.maximum(full // BLOCK_N, 1)
+    for j in range(1, n_full):
+        ds_prev, dq = _dq_step(q, do, k_smem, v_smem, k_ready, v_ready, k_free, v_free, ds_prev, dq, zero_s, lse2,
+                               delta, start_m, j, n_k, qk_scale, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, False, mma_s,
+                               mma_q)
+    for j in range(n_full, n_blocks):
+        ds_prev, dq = _dq_step(q, do, k_smem, v_smem, k_ready, v_ready, k_free, v_free, ds_prev, dq, zero_s, lse2,
+                               delta, start_m, j, n_k, qk_scale, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, True, mma_s,
+                               mma_q)
+    last = (n_blocks - 1) % STAGES
+    dq = warpgroup_mma(ds_prev, k_smem.index(last).reshape([BLOCK_N, HEAD_DIM]), dq)
+
+    q.store((dq * scale).to(gl.bfloat16))                   # every product reading Q is complete
+    fence_async_shared()
+    cta_barrier()
+    tma_store(dq_desc, [b, h, start_m, 0], q_smem)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def attn_bwd_dq_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_ptr, delta_ptr, n_q, n_k, n_heads,
+                              group, qk_scale, scale,
+                              HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                              STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+    """One program: dQ of query rows [start_m, start_m + BLOCK_M) of batch·head program_id(1), on a
+    grid of (query blocks, B·H) whose first axis runs longest-first. Descriptors: rank 4 over
+    (B, H, N, d) — q, do, dq with 64-row blocks (one per consumer warpgroup), k and v with
+    BLOCK_N-row blocks. ``lse_ptr``, ``delta_ptr``: (B, H, N_q) fp32, contiguous. Launch with
+    num_warps = 4: the first consumer warpgroup; the second (BLOCK_M = 128) and the producer warp
+    are worker partitions."""
+    CONSUMERS: gl.constexpr = BLOCK_M // 64
+    start_m = (gl.num_programs(0) - 1 - gl.program_id(0)) * BLOCK_M
+    bh = gl.program_id(1)
+    b = bh // n_heads
+    h = bh % n_heads
+    hk = h // group
+    if CAUSAL:
+        stop = gl.minimum(n_k, start_m + BLOCK_M)
+        full = gl.minimum((n_k // BLOCK_N) * BLOCK_N, (start_m // BLOCK_N) * BLOCK_N)
+    else:
+        stop = n_k
+        full = (n_k // BLOCK_N) * BLOCK_N
+    n_blocks = (stop + BLOCK_N - 1) // BLOCK_N
+    row0 = bh * n_q
+
+    q_smem = gl.allocate_shared_memory(gl.bfloat16, [CONSUMERS, 1, 1, 64, HEAD_DIM], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(gl.bfloat16, [CONSUMERS, 1, 1, 64, HEAD_DIM], do_desc.layout)
+    k_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(CONSUMERS):
+        mbarrier.init(q_bar.index(i), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_free.index(i), count=CONSUMERS)
+        mbarrier.init(v_free.index(i), count=CONSUMERS)
+    fence_async_shared()
+
+    for i in gl.static_range(CONSUMERS):
+        mbarrier.expect(q_bar.index(i), 2 * 64 * HEAD_DIM * 2)
+        tma_load(q_desc, [b, h, start_m + i * 64, 0], q_bar.index(i), q_smem.index(i))
+        tma_load(do_desc, [b, h, start_m + i * 64, 0], q_bar.index(i), do_smem.index(i))
+    if CONSUMERS == 2:
+        gl.warp_specialize([
+            (_dq_consumer, (dq_desc, lse_ptr, delta_ptr, q_smem.index(0), do_smem.index(0), k_smem, v_smem,
+                            q_bar.index(0), k_ready, v_ready, k_free, v_free, b, h, start_m, n_q, n_k, n_blocks,
+                            full, row0, qk_scale, scale, HEAD_DIM, BLOCK_N, STAGES, CAUSAL)),
+            (_dq_consumer, (dq_desc, lse_ptr, delta_ptr, q_smem.index(1), do_smem.index(1), k_smem, v_smem,
+                            q_bar.index(1), k_ready, v_ready, k_free, v_free, b, h, start_m + 64, n_q, n_k, n_blocks,
+                            full, row0, qk_scale, scale, HEAD_DIM, BLOCK_N, STAGES, CAUSAL)),
+            (_producer, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_free, v_free, b, hk, n_blocks,
+                         BLOCK_N, HEAD_DIM, STAGES)),
+        ], [4, 1], [240, 24])
+    else:
+        gl.warp_specialize([
+            (_dq_consumer, (dq_desc, lse_ptr, delta_ptr, q_smem.index(0), do_smem.index(0), k_smem, v_smem,
+                            q_bar.index(0), k_ready, v_ready, k_free, v_free, b, h, start_m, n_q, n_k, n_blocks,
+                            full, row0, qk_scale, scale, HEAD_DIM, BLOCK_N, STAGES, CAUSAL)),
+            (_producer, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_free, v_free, b, hk, n_blocks,
+                         BLOCK_N, HEAD_DIM, STAGES)),
+        ], [1], [24])
+    for i in gl.static_range(CONSUMERS):
+        mbarrier.invalidate(q_bar.index(i))
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(k_ready.index(i))
+        mbarrier.invalidate(v_ready.index(i))
+        mbarrier.invalidate(k_free.index(i))
+        mbarrier.invalidate(v_free.index(i))

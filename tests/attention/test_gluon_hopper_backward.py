@@ -1,0 +1,260 @@
+"""The Gluon Hopper backward (``stableflash.attention.gluon.flash_backward_hopper``).
+
+Without a GPU: the launcher's argument errors; both kernels (dK/dV and dQ) compile for sm_90a with
+the triton wheel's ptxas at head_dim 64 and 128, causal and not, and their SASS holds the expected
+number of asynchronous warpgroup products, waits that leave a product in flight (with the
+exponentials of Pᵀ placed while dPᵀ computes in the dK/dV kernel), TMA loads and stores, the
+warp-specialised register split and no spills; the launcher's arguments (host TMA descriptors)
+compile through triton's runtime. The compiles run in two
+fresh processes side by side (``sass.offline_backward_checks``).
+
+On an H100/H200 (compute capability 9.0; skipped elsewhere): dQ, dK, dV against float64 on fresh
+random inputs and on inputs whose keys repeat every 16 positions (tied row maxima), at head_dim 64
+and 128, causal and not, sequence lengths that are not multiples of the blocks, grouped-query
+heads, fewer and more keys than queries. O, L and R come from the Gluon forward; the Triton
+backward (``triton.op._backward_impl`` for ``stabilize=True``: δ from dO·(O + R)) gets the same.
+Tolerance: each gradient's error ‖x − x₆₄‖ / ‖x₆₄‖ is at most 1.25× the Triton backward's (the same
+arithmetic summed in another order; the bound the forward's tests use) plus 1e-4: a tenth of the
+error that rounding a gradient to bf16 alone leaves (≈ 2⁻⁹/√3 ≈ 1.1e-3), which both carry, so that
+the bound never asks for more than the last bits of bf16 can give where the Triton error happens
+to be small.
+"""
+import math
+
+import pytest
+import torch
+
+from stableflash.attention import gluon as sg
+
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+needs_gluon = pytest.mark.skipif(not sg.available(), reason=f"Gluon Hopper API missing: {sg.unavailable_reason()}")
+on_hopper = pytest.mark.skipif(not (HOPPER and sg.available()),
+                               reason="needs a CUDA device of compute capability 9.0 and triton's Gluon")
+
+
+def test_unavailable_triton_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(sg, "unavailable_reason", lambda: "triton 3.1 has no triton.experimental.gluon")
+    q = torch.zeros(1, 1, 8, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="flash_backward_hopper is not available: triton 3.1 has no"):
+        sg.flash_backward_hopper(q, q, q, q, q, None, torch.zeros(1, 1, 8), True)
+
+
+def _bf16(*shape):
+    return torch.zeros(*shape, dtype=torch.bfloat16)
+
+
+def _args(**changes):
+    """(do, q, k, v, o, residual, lse, causal) of a valid call on the CPU, with some replaced."""
+    args = dict(do=_bf16(1, 2, 8, 64), q=_bf16(1, 2, 8, 64), k=_bf16(1, 2, 8, 64), v=_bf16(1, 2, 8, 64),
+                o=_bf16(1, 2, 8, 64), residual=_bf16(1, 2, 8, 64), lse=torch.zeros(1, 2, 8), causal=True)
+    args.update(changes)
+    return tuple(args.values())
+
+
+@needs_gluon
+@pytest.mark.parametrize("args, error, match", [
+    (_args(do=_bf16(1, 2, 9, 64)), ValueError, r"do of shape \(1, 2, 9, 64\) is invalid; accepted: q's shape"),
+    (_args(do=_bf16(2, 8, 64)), ValueError, r"do of shape \(2, 8, 64\) is invalid; accepted: 4 dimensions"),
+    (_args(do=_bf16(1, 2, 8, 64).float()), TypeError, r"do of dtype torch.float32 is invalid; accepted: torch.bf"),
+    (_args(do=_bf16(1, 2, 64, 8).transpose(2, 3)), ValueError,
+     r"do with strides \(1024, 512, 1, 8\) is invalid; accepted: the last dimension contiguous"),
+    (_args(o=[0.0]), TypeError, r"o of type list is invalid; accepted: a torch.Tensor"),
+    (_args(o=_bf16(1, 2, 8, 64).half()), TypeError, r"o of dtype torch.float16 is invalid"),
+    (_args(lse=torch.zeros(1, 2, 9)), ValueError, r"lse of shape \(1, 2, 9\) is invalid; accepted: q's \(B, H, N_q\)"),
+    (_args(lse=torch.zeros(1, 2, 8, dtype=torch.float64)), TypeError,
+     r"lse of dtype torch.float64 is invalid; accepted: torch.float32"),
+    (_args(residual=_bf16(1, 2, 8, 32)), ValueError, r"residual of shape \(1, 2, 8, 32\) is invalid"),
+    (_args(residual=1.0), TypeError, r"residual of type float is invalid"),
+    (_args(q=_bf16(1, 2, 8, 96), k=_bf16(1, 2, 8, 96), v=_bf16(1, 2, 8, 96), do=_bf16(1, 2, 8, 96),
+           o=_bf16(1, 2, 8, 96), residual=None), ValueError, r"head_dim=96 is invalid; accepted: one of \(64, 128\)"),
+    (_args(k=_bf16(1, 3, 8, 64), v=_bf16(1, 3, 8, 64)), ValueError, r"q heads \(2\) must be a multiple of k/v heads"),
+    (_args(causal=1), TypeError, r"causal=1 is invalid; accepted: True or False"),
+    (_args(), ValueError, r"q on device cpu is invalid; accepted: a CUDA device of compute capability 9.0"),
+])
+def test_argument_errors_name_the_argument_and_what_is_accepted(args, error, match):
+    if torch.cuda.is_available() and "device cpu" not in match:
+        args = tuple(a.cuda() if isinstance(a, torch.Tensor) else a for a in args)
+    with pytest.raises(error, match=match):
+        sg.flash_backward_hopper(*args)
+
+
+@needs_gluon
+def test_tiles_the_kernels_have_no_schedule_for_are_refused():
+    from stableflash.attention.gluon.hopper_backward import BackwardTiles, backward_tiles_for
+    for d in (64, 128):
+        backward_tiles_for(d, True).check()
+    for bad in (BackwardTiles(192, 64, 2, 128, 64, 2), BackwardTiles(128, 48, 2, 128, 64, 2),
+                BackwardTiles(128, 64, 1, 128, 64, 2), BackwardTiles(128, 64, 2, 128, 256, 2)):
+        with pytest.raises(ValueError, match="block_n and dq_block_m 64 or 128"):
+            bad.check()
+
+
+CONFIGS = [(64, True), (64, False), (128, True), (128, False)]
+
+
+@pytest.fixture(scope="module")
+def offline():
+    """The sm_90a compile checks of both kernels at head_dim 64 and 128, causal and not, with the
+    default tiles, and the launcher's arguments compiled through triton's runtime, in two fresh
+    processes side by side: ({(head_dim, causal, kernel): row}, runtime). One test uses it, so that
+    pytest-xdist's workers do not each compile everything."""
+    from stableflash.attention.gluon import sass
+    if not sass.tools_present():
+        pytest.skip("this triton wheel ships no nvdisasm / cuobjdump")
+    result = sass.offline_backward_checks([(d, causal, None) for d, causal in CONFIGS], runtime=True)
+    return {(r["head_dim"], r["causal"], r["kernel"]): r for r in result["rows"]}, result["runtime"]
+
+
+def _check_dkdv(r, t, d, causal):
+    """Two consumer warpgroups, each its own partition (so the SASS holds the loop twice), with the
+    loops over the masked diagonal (causal only), whole and masked tail query blocks: per step Sᵀ and
+    dPᵀ (d/16 HGMMA each), dV and dK (block_m/16 each); two waits per step leave a product in flight
+    (dPᵀ while Pᵀ's exponentials run — all of them are placed there — and P̄ᵀ·dO while dSᵀ is formed)
+    and one waits for all. No spills but at head_dim 128 under a causal mask, where the dK and dV
+    accumulators (128 registers per thread) leave a few scalars (loop bounds, addresses) to local
+    memory with triton 3.9: stored once, reloaded once per block."""
+    consumers, loops = t.block_n // 64, 3 if causal else 2
+    assert r["target"] == "sm_90a" and consumers == 2
+    assert r["hgmma"] == consumers * loops * (2 * d // 16 + 2 * t.block_m // 16), r
+    assert r["wait_depths"] == {0: consumers * loops, 1: 2 * consumers * loops}, r
+    assert r["ex2"] == consumers * loops * t.block_m // 2 and r["ex2_in_flight"] == r["ex2"], r
+    assert r["tma_loads"] > 0 and r["tma_stores"] == 2 * consumers, r
+    if d == 64 or not causal:
+        assert r["stl"] == 0 and r["ldl"] == 0, r
+    else:
+        assert r["stl"] <= 32 and r["ldl"] <= 48, r
+    assert 24 in r["setmaxnreg"] and 240 in r["setmaxnreg"], r
+
+
+def _check_dq(r, t, d):
+    """Two consumer warpgroups as partitions: key block 0 (S_0, dP_0), the loops over whole and
+    masked key blocks (S_j, dP_j: d/16 HGMMA each; dQ += dS̄_{j−1}·K_{j−1}: block_n/16) and the last
+    dQ product; per step the wait for S_j leaves two products in flight and the wait for dP_j one."""
+    consumers = t.dq_block_m // 64
+    assert r["hgmma"] == consumers * (3 * 2 * d // 16 + 3 * t.dq_block_n // 16), r
+    assert r["wait_depths"].get(2, 0) == 2 * consumers and r["wait_depths"].get(1, 0) == 3 * consumers, r
+    assert r["tma_loads"] > 0 and r["tma_stores"] == consumers, r
+    assert r["stl"] == 0 and r["ldl"] == 0, r
+    assert 24 in r["setmaxnreg"] and 240 in r["setmaxnreg"], r
+
+
+@needs_gluon
+def test_both_kernels_and_the_launcher_compile_for_sm90_without_a_gpu(offline):
+    """head_dim 64 and 128, causal and not, default tiles: the dK/dV kernel's SASS as
+    ``_check_dkdv`` says, the dQ kernel's as ``_check_dq`` says. And ``launch_args_backward`` —
+    rank-4 TMA descriptors over (B, H, N, d) tensors in a (B, N, H, d) buffer, grouped-query heads,
+    N not a multiple of a block — bound to both kernels' signatures and compiled by triton's
+    runtime for sm_90a with a stand-in for the CUDA driver: the launch path up to the driver call."""
+    from stableflash.attention.gluon.hopper_backward import backward_tiles_for
+    rows, r = offline
+    for d, causal in CONFIGS:
+        t = backward_tiles_for(d, causal)
+        _check_dkdv(rows[(d, causal, "dkdv")], t, d, causal)
+        _check_dq(rows[(d, causal, "dq")], t, d)
+    assert r["dkdv"]["grid"] == [2, 4], r                   # (key blocks, B·H_kv)
+    assert r["dq"]["grid"] == [2, 8], r                     # (query blocks, B·H)
+    assert all(r[k]["wgmma"] and r[k]["tma"] for k in r), r
+    assert r["dkdv"]["num_warps"] == r["dq"]["num_warps"] == 12, r          # 2 consumer warpgroups, the producer's
+
+
+# --- on a Hopper GPU -----------------------------------------------------------------------------
+
+@pytest.fixture
+def fixed_triton_tiles(monkeypatch):
+    """The Triton backward with its fixed tiles (correctness needs no autotuning)."""
+    from stableflash.attention.triton import op as triton_op
+    monkeypatch.setattr(triton_op, "AUTOTUNE", False)
+
+
+def _inputs(B, H, Hk, n_q, n_k, d, tied, gen):
+    q, do = (torch.randn(B, H, n_q, d, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(B, Hk, n_k, d, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(2))
+    if tied:                                   # keys repeat every 16 positions: tied row maxima
+        k = k[:, :, torch.arange(n_k, device="cuda") % 16].contiguous()
+    return q, k, v, do
+
+
+def _triton_backward(do, q, k, v, o, r, lse, causal, scale):
+    from stableflash.attention.policy import PrecisionPolicy
+    from stableflash.attention.stabilization import parse_stabilize
+    from stableflash.attention.triton.launch import kernel_config
+    from stableflash.attention.triton.op import _backward_impl
+    stab = parse_stabilize(True)
+    config = kernel_config(stab.policy_for(PrecisionPolicy.preset("fa2", "bf16")), stab.rule, torch.bfloat16)
+    assert config.delta.residual and not config.delta.extra_pass      # δ = rowsum(dO ∘ (O + R)), as here
+    return _backward_impl(do, q, k, v, o, r, lse, causal, scale, config)
+
+
+def _reference(q, k, v, do, causal):
+    """(dQ, dK, dV) in float64, dK and dV summed over each group of query heads."""
+    from stableflash.attention import reference
+    group = q.shape[1] // k.shape[1]
+    _, dq, dk, dv = reference.forward_backward(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), do,
+                                               causal=causal)
+    B, Hk, n_k, d = k.shape
+    return dq, dk.view(B, Hk, group, n_k, d).sum(2), dv.view(B, Hk, group, n_k, d).sum(2)
+
+
+CASES = [(2, 4, 4, 509, 509), (1, 8, 2, 1024, 1024), (2, 3, 3, 130, 257), (1, 2, 2, 257, 130)]
+
+
+@pytest.mark.gpu
+@on_hopper
+@pytest.mark.parametrize("tied", [False, True], ids=["random", "tied"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("case", CASES, ids=["x".join(map(str, c)) for c in CASES])
+def test_backward_against_float64(case, d, causal, tied, fixed_triton_tiles):
+    """B×H×H_kv×N_q×N_k cases: none a multiple of the blocks but the second, grouped-query heads in
+    the second, more keys than queries in the third (causal: keys past the last query get no
+    gradient) and fewer in the last."""
+    B, H, Hk, n_q, n_k = case
+    gen = torch.Generator(device="cuda").manual_seed(1000 * CASES.index(case) + 10 * d + 2 * causal + tied)
+    q, k, v, do = _inputs(B, H, Hk, n_q, n_k, d, tied, gen)
+    scale = 1.0 / math.sqrt(d)
+    o, lse, r = sg.flash_forward_hopper(q, k, v, causal)
+    got = sg.flash_backward_hopper(do, q, k, v, o, r, lse, causal)
+    triton_got = _triton_backward(do, q, k, v, o, r, lse, causal, scale)
+    for x, like in zip(got, (q, k, v)):
+        assert x.shape == like.shape and x.dtype == torch.bfloat16 and x.stride() == like.stride()
+    for name, x, x_t, ref in zip(("dQ", "dK", "dV"), got, triton_got, _reference(q, k, v, do, causal)):
+        assert torch.isfinite(x).all(), name
+        err, err_t = (((y.double() - ref).norm() / ref.norm()).item() for y in (x, x_t))
+        assert err <= 1.25 * err_t + 1e-4, (name, err, err_t)
+
+
+@pytest.mark.gpu
+@on_hopper
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_deterministic_and_layout_independent(d, causal):
+    """Every gradient is summed in one fixed order (no atomics): two runs agree bit for bit, and q,
+    k, v, dO, O as (B, N, H, d) buffers seen as (B, H, N, d) give what their contiguous copies give
+    (the gradients then laid out like q and k); other tiles give the same gradients to within the
+    summation order."""
+    from stableflash.attention.gluon.hopper_backward import BackwardTiles
+    gen = torch.Generator(device="cuda").manual_seed(11 + d + causal)
+    q, k, v, do = (torch.randn(2, 333, 4, d, generator=gen, device="cuda").to(torch.bfloat16).transpose(1, 2)
+                   for _ in range(4))
+    o, lse, r = sg.flash_forward_hopper(q, k, v, causal)
+    first = sg.flash_backward_hopper(do, q, k, v, o, r, lse, causal)
+    again = sg.flash_backward_hopper(do, q, k, v, o, r, lse, causal)
+    packed = sg.flash_backward_hopper(*(x.contiguous() for x in (do, q, k, v, o)), r, lse, causal)
+    other = sg.flash_backward_hopper(do, q, k, v, o, r, lse, causal, tiles=BackwardTiles(64, 16, 4, 64, 32, 3))
+    for a, b, c, e, like in zip(first, again, packed, other, (q, k, v)):
+        assert torch.equal(a, b) and torch.equal(a, c) and a.stride() == like.stride()
+        assert (a.double() - e.double()).norm() <= 1e-2 * a.double().norm()
+
+
+@pytest.mark.gpu
+@on_hopper
+def test_delta_from_the_stored_output_without_a_residual(fixed_triton_tiles):
+    """residual=None: δ = rowsum(dO ∘ O) with O as stored, as the Triton backward computes it for an
+    empty residual; the same gradients as the Triton backward's to within the summation order."""
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    q, k, v, do = _inputs(1, 4, 2, 300, 300, 64, False, gen)
+    o, lse, _ = sg.flash_forward_hopper(q, k, v, True)
+    got = sg.flash_backward_hopper(do, q, k, v, o, None, lse, True)
+    want = _triton_backward(do, q, k, v, o, o.new_empty(0), lse, True, 0.125)
+    for x, y in zip(got, want):
+        assert (x.double() - y.double()).norm() <= 1e-2 * y.double().norm()
