@@ -66,7 +66,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from stableflash.attention.gluon.hopper_forward import _producer, cta_barrier, tma_load, tma_store
+from stableflash.attention.gluon.hopper_forward import (_init_kv_ring, _invalidate_kv_ring, _mask, _producer,
+                                                        _query_program, cta_barrier, tma_load, tma_store)
 
 LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
 
@@ -320,17 +321,6 @@ def attn_bwd_dkdv_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
 # --- dQ -------------------------------------------------------------------------------------------
 
 @gluon.jit
-def _mask_keys(p, start_m, start_n, n_k, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, layout: gl.constexpr):
-    """P (64 query rows from start_m) of keys past n_k, and with CAUSAL of keys j > i, set to zero."""
-    cols = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
-    keep = cols[None, :] < n_k
-    if CAUSAL:
-        rows = start_m + gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
-        keep = keep & (cols[None, :] <= rows[:, None])
-    return gl.where(keep, p, 0.0)
-
-
-@gluon.jit
 def _dq_step(q, do, k_smem, v_smem, k_ready, v_ready, k_free, v_free, ds_prev, dq, zero_s, lse2, delta, start_m,
              j, n_k, qk_scale, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
              CAUSAL: gl.constexpr, MASKED: gl.constexpr, mma_s: gl.constexpr, mma_q: gl.constexpr):
@@ -350,7 +340,7 @@ def _dq_step(q, do, k_smem, v_smem, k_ready, v_ready, k_free, v_free, ds_prev, d
     s = warpgroup_mma_wait(2, deps=[s_tok])                 # S_j done; dP_j and dS̄_{j−1}·K_{j−1} in flight
     p = gl.exp2(s * qk_scale - lse2[:, None])
     if MASKED:
-        p = _mask_keys(p, start_m, j * BLOCK_N, n_k, BLOCK_N, CAUSAL, mma_s)
+        p = _mask(p, start_m, j * BLOCK_N, n_k, 64, BLOCK_N, CAUSAL, mma_s, 0.0)
     dp = warpgroup_mma_wait(1, deps=[dp_tok])               # dP_j done; the dQ product in flight
     mbarrier.arrive(v_free.index(slot), count=1)
     ds = p * (dp - delta[:, None])
@@ -392,7 +382,7 @@ def _dq_consumer(dq_desc, lse_ptr, delta_ptr, q_smem, do_smem, k_smem, v_smem, q
                            use_acc=False, is_async=True)
     s = warpgroup_mma_wait(1, deps=[s_tok])
     # masked whether it needs to be or not: a branch here would make ptxas wait for dP_0 before it
-    p = _mask_keys(gl.exp2(s * qk_scale - lse2[:, None]), start_m, 0, n_k, BLOCK_N, CAUSAL, mma_s)
+    p = _mask(gl.exp2(s * qk_scale - lse2[:, None]), start_m, 0, n_k, 64, BLOCK_N, CAUSAL, mma_s, 0.0)
     dp = warpgroup_mma_wait(0, deps=[dp_tok])
     mbarrier.arrive(v_free.index(0), count=1)
     ds_prev = gl.convert_layout((p * (dp - delta[:, None])).to(gl.bfloat16), op_a)
@@ -428,19 +418,7 @@ def attn_bwd_dq_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_ptr,
     num_warps = 4: the first consumer warpgroup; the second (BLOCK_M = 128) and the producer warp
     are worker partitions."""
     CONSUMERS: gl.constexpr = BLOCK_M // 64
-    start_m = (gl.num_programs(0) - 1 - gl.program_id(0)) * BLOCK_M
-    bh = gl.program_id(1)
-    b = bh // n_heads
-    h = bh % n_heads
-    hk = h // group
-    if CAUSAL:
-        stop = gl.minimum(n_k, start_m + BLOCK_M)
-        full = gl.minimum((n_k // BLOCK_N) * BLOCK_N, (start_m // BLOCK_N) * BLOCK_N)
-    else:
-        stop = n_k
-        full = (n_k // BLOCK_N) * BLOCK_N
-    n_blocks = (stop + BLOCK_N - 1) // BLOCK_N
-    row0 = bh * n_q
+    start_m, b, h, hk, n_blocks, full, row0 = _query_program(n_q, n_k, n_heads, group, BLOCK_M, BLOCK_N, CAUSAL)
 
     q_smem = gl.allocate_shared_memory(gl.bfloat16, [CONSUMERS, 1, 1, 64, HEAD_DIM], q_desc.layout)
     do_smem = gl.allocate_shared_memory(gl.bfloat16, [CONSUMERS, 1, 1, 64, HEAD_DIM], do_desc.layout)
@@ -453,11 +431,7 @@ def attn_bwd_dq_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_ptr,
     v_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(CONSUMERS):
         mbarrier.init(q_bar.index(i), count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(k_ready.index(i), count=1)
-        mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(k_free.index(i), count=CONSUMERS)
-        mbarrier.init(v_free.index(i), count=CONSUMERS)
+    _init_kv_ring(k_ready, v_ready, k_free, v_free, STAGES, CONSUMERS)
     fence_async_shared()
 
     for i in gl.static_range(CONSUMERS):
@@ -485,8 +459,4 @@ def attn_bwd_dq_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_ptr,
         ], [1], [24])
     for i in gl.static_range(CONSUMERS):
         mbarrier.invalidate(q_bar.index(i))
-    for i in gl.static_range(STAGES):
-        mbarrier.invalidate(k_ready.index(i))
-        mbarrier.invalidate(v_ready.index(i))
-        mbarrier.invalidate(k_free.index(i))
-        mbarrier.invalidate(v_free.index(i))
+    _invalidate_kv_ring(k_ready, v_ready, k_free, v_free, STAGES)

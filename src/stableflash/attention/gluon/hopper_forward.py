@@ -155,15 +155,57 @@ def _producer(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_free, v_free, 
 
 @gluon.jit
 def _mask(s, start_m, start_n, n_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
-          layout: gl.constexpr):
-    """Scores of keys past n_k, and with CAUSAL of keys j > i, set to −inf (the Triton kernel's
-    masked blocks: the diagonal and the ragged tail)."""
+          layout: gl.constexpr, FILL: gl.constexpr = float("-inf")):
+    """A (BLOCK_M queries from start_m) × (BLOCK_N keys from start_n) tile with its entries of keys
+    past n_k, and with CAUSAL of keys j > i, set to FILL (the Triton kernel's masked blocks: the
+    diagonal and the ragged tail): −inf for scores, 0 for the backward's probabilities."""
     cols = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
     keep = cols[None, :] < n_k
     if CAUSAL:
         rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
         keep = keep & (cols[None, :] <= rows[:, None])
-    return gl.where(keep, s, float("-inf"))
+    return gl.where(keep, s, FILL)
+
+
+@gluon.jit
+def _query_program(n_q, n_k, n_heads, group, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """What a program over BLOCK_M query rows works on, on a grid of (query blocks, B·H) whose first
+    axis runs longest-first (the last query blocks see the most keys under a causal mask):
+    (start_m, b, h, hk, n_blocks, full, row0) — its first query row, batch, query head, key/value
+    head, the key blocks it visits, where the whole (unmasked) ones end, and its first row of the
+    (B, H, n_q) log-sum-exp."""
+    start_m = (gl.num_programs(0) - 1 - gl.program_id(0)) * BLOCK_M
+    bh = gl.program_id(1)
+    b = bh // n_heads
+    h = bh % n_heads
+    hk = h // group
+    if CAUSAL:
+        stop = gl.minimum(n_k, start_m + BLOCK_M)
+        full = gl.minimum((n_k // BLOCK_N) * BLOCK_N, (start_m // BLOCK_N) * BLOCK_N)
+    else:
+        stop = n_k
+        full = (n_k // BLOCK_N) * BLOCK_N
+    n_blocks = (stop + BLOCK_N - 1) // BLOCK_N
+    return start_m, b, h, hk, n_blocks, full, bh * n_q
+
+
+@gluon.jit
+def _init_kv_ring(k_ready, v_ready, k_free, v_free, STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
+    """The K/V ring's barriers: "ready" completed by a TMA load's bytes, "free" by every consumer."""
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_free.index(i), count=CONSUMERS)
+        mbarrier.init(v_free.index(i), count=CONSUMERS)
+
+
+@gluon.jit
+def _invalidate_kv_ring(k_ready, v_ready, k_free, v_free, STAGES: gl.constexpr):
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(k_ready.index(i))
+        mbarrier.invalidate(v_ready.index(i))
+        mbarrier.invalidate(k_free.index(i))
+        mbarrier.invalidate(v_free.index(i))
 
 
 @gluon.jit
@@ -358,19 +400,8 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, r_desc, lse_ptr, n_q,
     consumer warpgroups; WARP_SPECIALIZE adds a producer warp), or 4 with PINGPONG (the first
     consumer warpgroup; the second and the producer are worker partitions). PINGPONG needs
     WARP_SPECIALIZE and BLOCK_M = 128."""
-    start_m = (gl.num_programs(0) - 1 - gl.program_id(0)) * BLOCK_M
-    bh = gl.program_id(1)
-    b = bh // n_heads
-    h = bh % n_heads
-    hk = h // group
-    if CAUSAL:
-        stop = gl.minimum(n_k, start_m + BLOCK_M)
-        full = gl.minimum((n_k // BLOCK_N) * BLOCK_N, (start_m // BLOCK_N) * BLOCK_N)
-    else:
-        stop = n_k
-        full = (n_k // BLOCK_N) * BLOCK_N
-    n_blocks = (stop + BLOCK_N - 1) // BLOCK_N
-    lse_row0 = bh * n_q
+    start_m, b, h, hk, n_blocks, full, lse_row0 = _query_program(n_q, n_k, n_heads, group, BLOCK_M, BLOCK_N,
+                                                                 CAUSAL)
 
     CONSUMERS: gl.constexpr = 2 if PINGPONG else 1          # partitions computing (each frees a slot)
     ROWS: gl.constexpr = BLOCK_M // CONSUMERS                # query rows per computing partition
@@ -388,11 +419,7 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, r_desc, lse_ptr, n_q,
         mbarrier.init(q_bar.index(i), count=1)
     for i in gl.static_range(2):
         mbarrier.init(sched.index(i), count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(k_ready.index(i), count=1)
-        mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(k_free.index(i), count=CONSUMERS)
-        mbarrier.init(v_free.index(i), count=CONSUMERS)
+    _init_kv_ring(k_ready, v_ready, k_free, v_free, STAGES, CONSUMERS)
     fence_async_shared()
 
     for i in gl.static_range(CONSUMERS):
@@ -433,8 +460,4 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, r_desc, lse_ptr, n_q,
         mbarrier.invalidate(q_bar.index(i))
     for i in gl.static_range(2):
         mbarrier.invalidate(sched.index(i))
-    for i in gl.static_range(STAGES):
-        mbarrier.invalidate(k_ready.index(i))
-        mbarrier.invalidate(v_ready.index(i))
-        mbarrier.invalidate(k_free.index(i))
-        mbarrier.invalidate(v_free.index(i))
+    _invalidate_kv_ring(k_ready, v_ready, k_free, v_free, STAGES)
