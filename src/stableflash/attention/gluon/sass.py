@@ -32,6 +32,7 @@ frontend can fail in the same process (``'InterpreterBuilder' object has no attr
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -149,6 +150,29 @@ class _StandInDriver:
         return getattr(self._real, name)
 
 
+@contextlib.contextmanager
+def _stand_in_driver():
+    """Triton's active driver is the stand-in inside the block; the one active before comes back
+    after it (a GPU launch later in the process needs the real one)."""
+    from triton.runtime import driver
+    previous = driver._active                 # None until first asked for: then created on demand again
+    driver.set_active(_StandInDriver())
+    try:
+        yield
+    finally:
+        driver._active = previous
+
+
+def _isolated_env() -> dict:
+    """This process's environment for a fresh Python process that compiles: without TRITON_INTERPRET
+    (the module docstring says why), with the folder holding this stableflash package first on
+    PYTHONPATH."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    src = str(Path(__file__).resolve().parents[3])
+    env["PYTHONPATH"] = os.pathsep.join([src, *filter(None, [env.get("PYTHONPATH")])])
+    return env
+
+
 def compile_through_runtime(head_dim: int = 64, causal: bool = True, tiles: Tiles | None = None) -> dict:
     """Bind ``launch.launch_args`` for CPU tensors — q a (2, 200, 4, d) buffer seen as (B, H, N, d),
     k and v (2, 2, 150, d) (grouped-query heads, N not a multiple of the block) — to the kernel and
@@ -156,19 +180,14 @@ def compile_through_runtime(head_dim: int = 64, causal: bool = True, tiles: Tile
     and what the PTX holds. Triton's active driver is the stand-in during the compile alone: the
     one active before comes back afterwards (a GPU launch later in the process needs the real one)."""
     import torch
-    from triton.runtime import driver
 
     from stableflash.attention.gluon.launch import launch_args
-    previous = driver._active                 # None until first asked for: then created on demand again
-    driver.set_active(_StandInDriver())
-    try:
+    with _stand_in_driver():
         q = torch.zeros(2, 200, 4, head_dim, dtype=torch.bfloat16).transpose(1, 2)
         k, v = (torch.zeros(2, 2, 150, head_dim, dtype=torch.bfloat16) for _ in range(2))
         o, residual, lse = torch.empty_like(q), torch.empty(q.shape, dtype=q.dtype), torch.empty(q.shape[:3])
         grid, args, meta = launch_args(q, k, v, o, lse, residual, causal, None, tiles)
         kernel = attn_fwd_hopper_kernel.warmup(*args, grid=grid, **meta)
-    finally:
-        driver._active = previous
     ptx = kernel.asm["ptx"]
     return {"grid": list(grid), "wgmma": "wgmma.mma_async" in ptx, "tma": "cp.async.bulk.tensor.4d" in ptx,
             "num_warps": kernel.metadata.num_warps, "shared_bytes": kernel.metadata.shared}
@@ -193,9 +212,7 @@ def offline_checks(configs: list, runtime: bool = False, isolate: bool | None = 
         isolate = interpreting()
     if not isolate:
         return _checks_here(configs, runtime)
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    src = str(Path(__file__).resolve().parents[3])          # the folder holding the stableflash package
-    env["PYTHONPATH"] = os.pathsep.join([src, *filter(None, [env.get("PYTHONPATH")])])
+    env = _isolated_env()
     code = ("import json, sys; from stableflash.attention.gluon import sass; "
             "print('\\n' + json.dumps(sass._checks_here(json.loads(sys.argv[1]), sys.argv[2] == '1')))")
     done = subprocess.run([sys.executable, "-c", code, json.dumps(configs), "1" if runtime else "0"], env=env,
@@ -251,13 +268,10 @@ def compile_backward_through_runtime(head_dim: int = 64, causal: bool = True, ti
     compiled through triton's runtime (``warmup``) for sm_90a with the stand-in driver, the one
     active before given back afterwards. {kernel: its grid and what its PTX holds}."""
     import torch
-    from triton.runtime import driver
 
     from stableflash.attention.gluon.hopper_backward import attn_bwd_dkdv_hopper_kernel, attn_bwd_dq_hopper_kernel
     from stableflash.attention.gluon.launch_backward import launch_args_backward
-    previous = driver._active
-    driver.set_active(_StandInDriver())
-    try:
+    with _stand_in_driver():
         q, do = (torch.zeros(2, 200, 4, head_dim, dtype=torch.bfloat16).transpose(1, 2) for _ in range(2))
         k, v = (torch.zeros(2, 2, 150, head_dim, dtype=torch.bfloat16) for _ in range(2))
         lse, delta = torch.zeros(2, 4, 200), torch.zeros(2, 4, 200)
@@ -265,8 +279,6 @@ def compile_backward_through_runtime(head_dim: int = 64, causal: bool = True, ti
                                         lse, delta, causal, None, tiles)
         kernels = {name: fn.warmup(*launches[name][1], grid=launches[name][0], **launches[name][2])
                    for name, fn in (("dkdv", attn_bwd_dkdv_hopper_kernel), ("dq", attn_bwd_dq_hopper_kernel))}
-    finally:
-        driver._active = previous
     return {name: {"grid": list(launches[name][0]), "wgmma": "wgmma.mma_async" in k.asm["ptx"],
                    "tma": "cp.async.bulk.tensor.4d" in k.asm["ptx"], "num_warps": k.metadata.num_warps,
                    "shared_bytes": k.metadata.shared}
@@ -289,9 +301,7 @@ def offline_backward_checks(configs: list, runtime: bool = False, jobs: int = 2)
     configs = [(d, causal, None if t is None else list(t)) for d, causal, t in configs]
     if jobs == 0:
         return _backward_checks_here(configs, runtime)
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    src = str(Path(__file__).resolve().parents[3])          # the folder holding the stableflash package
-    env["PYTHONPATH"] = os.pathsep.join([src, *filter(None, [env.get("PYTHONPATH")])])
+    env = _isolated_env()
     code = ("import json, sys; from stableflash.attention.gluon import sass; "
             "print('\\n' + json.dumps(sass._backward_checks_here(json.loads(sys.argv[1]), sys.argv[2] == '1')))")
     shares = [configs[i::jobs] for i in range(jobs)]
