@@ -80,13 +80,9 @@ def _providers(d: int, causal: bool, variants: bool):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from stableflash.attention.gluon import flash_backward_hopper, flash_forward_hopper
-    from stableflash.attention.policy import PrecisionPolicy
-    from stableflash.attention.stabilization import parse_stabilize
-    from stableflash.attention.triton.launch import kernel_config
+    from stableflash.attention.triton.launch import stabilized_config
     from stableflash.attention.triton.op import _backward_impl, _forward
-
-    stab = parse_stabilize(True)
-    config = kernel_config(stab.policy_for(PrecisionPolicy.preset("fa2", "bf16")), stab.rule, torch.bfloat16)
+    config = stabilized_config(torch.bfloat16)
 
     def gluon(tiles):
         def setup(q, k, v, do):

@@ -69,13 +69,9 @@ def _providers(d: int, causal: bool):
 
     from stableflash.attention.gluon import flash_forward_hopper
     from stableflash.attention.gluon.hopper_forward import tiles_for
-    from stableflash.attention.policy import PrecisionPolicy
-    from stableflash.attention.stabilization import parse_stabilize
-    from stableflash.attention.triton.launch import kernel_config
+    from stableflash.attention.triton.launch import stabilized_config
     from stableflash.attention.triton.op import _forward
-
-    stab = parse_stabilize(True)
-    config = kernel_config(stab.policy_for(PrecisionPolicy.preset("fa2", "bf16")), stab.rule, torch.bfloat16)
+    config = stabilized_config(torch.bfloat16)
     base = tiles_for(d, causal)
 
     def gluon(tiles):

@@ -81,13 +81,9 @@ def measure(shape: tuple[int, int, int, int], calls: int) -> list[dict]:
 
 def forward_parts(q, k, v, calls: int) -> dict:
     """``_forward``'s host time for the ``stabilize=True`` configuration, without and with its launches."""
-    from stableflash.attention.policy import PrecisionPolicy
-    from stableflash.attention.stabilization import parse_stabilize
     from stableflash.attention.triton import op
-    from stableflash.attention.triton.launch import kernel_config
-
-    stab = parse_stabilize(True)
-    config = kernel_config(stab.policy_for(PrecisionPolicy.preset("fa2", "bf16")), stab.rule, torch.bfloat16)
+    from stableflash.attention.triton.launch import stabilized_config
+    config = stabilized_config(torch.bfloat16)
     scale = q.shape[-1] ** -0.5
     qd, kd, vd = (t.detach() for t in (q, k, v))
     with_launch = per_call_us(lambda: op._forward(qd, kd, vd, True, scale, config), calls)

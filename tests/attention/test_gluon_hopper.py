@@ -168,12 +168,9 @@ def _inputs(B, H, Hk, n_q, n_k, d, tied, gen):
 
 
 def _triton_forward(q, k, v, causal, scale):
-    from stableflash.attention.policy import PrecisionPolicy
-    from stableflash.attention.stabilization import parse_stabilize
-    from stableflash.attention.triton.launch import kernel_config
+    from stableflash.attention.triton.launch import stabilized_config
     from stableflash.attention.triton.op import _forward
-    stab = parse_stabilize(True)
-    config = kernel_config(stab.policy_for(PrecisionPolicy.preset("fa2", "bf16")), stab.rule, torch.bfloat16)
+    config = stabilized_config(torch.bfloat16)
     assert config.delta.residual                       # the δ source these outputs serve: dO·(O+R)
     return _forward(q, k, v, causal, scale, config)
 

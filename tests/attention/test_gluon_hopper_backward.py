@@ -175,12 +175,9 @@ def _inputs(B, H, Hk, n_q, n_k, d, tied, gen):
 
 
 def _triton_backward(do, q, k, v, o, r, lse, causal, scale):
-    from stableflash.attention.policy import PrecisionPolicy
-    from stableflash.attention.stabilization import parse_stabilize
-    from stableflash.attention.triton.launch import kernel_config
+    from stableflash.attention.triton.launch import stabilized_config
     from stableflash.attention.triton.op import _backward_impl
-    stab = parse_stabilize(True)
-    config = kernel_config(stab.policy_for(PrecisionPolicy.preset("fa2", "bf16")), stab.rule, torch.bfloat16)
+    config = stabilized_config(torch.bfloat16)
     assert config.delta.residual and not config.delta.extra_pass      # δ = rowsum(dO ∘ (O + R)), as here
     return _backward_impl(do, q, k, v, o, r, lse, causal, scale, config)
 

@@ -13,7 +13,8 @@ pytest.importorskip("triton")
 from stableflash.attention.triton import common, op  # noqa: E402
 from stableflash.attention.triton.config import (OP_FIELDS, Arithmetic, DeltaSource, Format,  # noqa: E402
                                                  KernelConfig, RuleKind)
-from stableflash.attention.triton.launch import check_key_block, check_policy, kernel_config  # noqa: E402
+from stableflash.attention.triton.launch import (check_key_block, check_policy, kernel_config,  # noqa: E402
+                                                stabilized_config)
 
 FA2, PAPER = PrecisionPolicy.preset("fa2"), PrecisionPolicy.preset("paper")
 E8M5 = PAPER.replace(acc="e8m5", row_sum="e8m5", out="e8m5")
@@ -25,6 +26,17 @@ def test_the_fa2_preset_narrows_only_o_in_bf16():
                              min_shift=ShiftRule().min_shift, max_shift=ShiftRule().max_shift, narrow=Format.BF16,
                              narrow_out=True)
     assert not c.emulated and not c.p_bar_fp32 and c.softcap is None and c.block_k is None
+
+
+def test_stabilized_config_is_what_the_default_call_resolves_to():
+    """flash_attention(q, k, v) on bf16: FlashAttention-2 arithmetic, the standard row maximum, O
+    stored in bf16 and δ from dO·(O + R); on fp16 O is stored in fp16 with the same δ source."""
+    bf16 = stabilized_config(torch.bfloat16)
+    assert bf16 == stabilized_config()
+    assert (bf16.arithmetic, bf16.narrow, bf16.narrow_out, bf16.delta) == (
+        Arithmetic.FA2, Format.BF16, True, DeltaSource.DO_O_R)
+    assert bf16.rule == kernel_config(PrecisionPolicy.preset("fa2", "bf16"), ShiftRule(), torch.bfloat16).rule
+    assert stabilized_config(torch.float16).narrow is Format.FP16
 
 
 def test_paper_policies_narrow_acc_row_sum_and_out_in_one_format():

@@ -6,7 +6,7 @@ from dataclasses import replace
 import torch
 
 from stableflash.attention.masking import Alignment, Masking
-from stableflash.attention.policy import PrecisionPolicy, memoize, parse_point, resolve_delta
+from stableflash.attention.policy import PrecisionPolicy, memoize, parse_point, resolve_delta, resolve_policy
 from stableflash.attention.shift import ShiftRule
 from stableflash.attention.triton.config import (HP_HEAD_LIMIT, Arithmetic, DeltaSource, Format, KernelConfig,
                                                  RuleKind)
@@ -159,6 +159,15 @@ def kernel_config(policy: PrecisionPolicy, rule: ShiftRule, dtype: torch.dtype, 
                         min_shift=float(rule.min_shift), max_shift=float(rule.max_shift),
                         softcap=float(softcap) if softcap else None, block_k=block_k, **precision)
 
+
+
+def stabilized_config(dtype: torch.dtype = torch.bfloat16) -> KernelConfig:
+    """The kernels' configuration of ``flash_attention(q, k, v)`` with its defaults (``stabilize=True``,
+    no policy) for inputs of ``dtype``, resolved as the API resolves it: what the benchmarks and
+    tests that call the kernels directly compare with."""
+    from stableflash.attention.stabilization import parse_stabilize
+    stab = parse_stabilize(True)
+    return kernel_config(stab.policy_for(resolve_policy(None, dtype)), stab.rule, dtype)
 
 def check_policy(policy: PrecisionPolicy, dtype: torch.dtype) -> None:
     """ValueError, naming what the kernels accept, if they cannot run ``policy`` for ``dtype`` inputs."""
