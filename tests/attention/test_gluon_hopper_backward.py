@@ -25,11 +25,7 @@ import pytest
 import torch
 
 from stableflash.attention import gluon as sg
-
-HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-needs_gluon = pytest.mark.skipif(not sg.available(), reason=f"Gluon Hopper API missing: {sg.unavailable_reason()}")
-on_hopper = pytest.mark.skipif(not (HOPPER and sg.available()),
-                               reason="needs a CUDA device of compute capability 9.0 and triton's Gluon")
+from tests.attention.test_gluon_hopper import CASES, needs_gluon, on_hopper   # the forward's markers and cases
 
 
 def test_unavailable_triton_is_a_clear_error(monkeypatch):
@@ -190,9 +186,6 @@ def _reference(q, k, v, do, causal):
                                                causal=causal)
     B, Hk, n_k, d = k.shape
     return dq, dk.view(B, Hk, group, n_k, d).sum(2), dv.view(B, Hk, group, n_k, d).sum(2)
-
-
-CASES = [(2, 4, 4, 509, 509), (1, 8, 2, 1024, 1024), (2, 3, 3, 130, 257), (1, 2, 2, 257, 130)]
 
 
 @pytest.mark.gpu
