@@ -1,17 +1,23 @@
 """Host time per attention call: how long the CPU spends to launch one forward, or one forward and
 backward, when the GPU work is too small to matter (a 1 × 1 × 128 × 64 causal bf16 call by default).
 
-    python benchmarks/tools/host_overhead.py [--shape 1,1,128,64] [--calls 300] [--json OUT.json]
+    python benchmarks/tools/host_overhead.py [--shape 1,1,128,64] [--calls 300] [--json OUT.json] [--profile OUT.txt]
 
 Per provider: microseconds per call of the forward alone (under ``torch.no_grad``), of forward and
 backward in eager mode, and of forward and backward through ``torch.compile`` (``fullgraph``, default
 mode: the custom op is called from the compiled graph on every call). Providers: SDPA as torch picks
-it, ``flash_attention`` with ``stabilize=True`` and with ``stabilize=False``. Then the forward's own
+it, ``flash_attention`` with ``stabilize=True`` (its kernels launched through
+``triton.launch_cache``, and with that cache off: every launch through Triton's own dispatch) and
+with ``stabilize=False``. Then the forward's own
 parts for ``stabilize=True``: the Python of ``triton.op._forward`` with every kernel launch replaced
 by a no-op (argument preparation and allocation alone), and with the launches (the rest is triton's
 launcher and its autotuner's dispatch). Each figure is the wall time of ``--calls`` calls after 20
 warm-up calls, divided by the count, the median of 5 repeats; the GPU is synchronised at the end of
 each repeat only, so that a call's time is the host's as long as the queue does not fill.
+
+--profile: also run each ``stabilize=True`` path (forward, forward and backward, compiled forward and
+backward) under cProfile and write the functions with the most own time to the file: where the
+host's microseconds go, function by function.
 
 The training step's profile (``train_profile.py``) shows the time outside kernels per step; this
 says which part of one attention call it comes from.
@@ -44,11 +50,14 @@ def per_call_us(fn, calls: int, repeats: int = 5) -> float:
 
 
 def providers():
+    """{name: (function, whether the kernels' launch cache is on)}."""
     from stableflash.attention import flash_attention
+    stabilized = lambda q, k, v: flash_attention(q, k, v, causal=True)  # noqa: E731
     return {
-        "sdpa (torch's pick)": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
-        "stableflash stabilize=True": lambda q, k, v: flash_attention(q, k, v, causal=True),
-        "stableflash stabilize=False": lambda q, k, v: flash_attention(q, k, v, causal=True, stabilize=False),
+        "sdpa (torch's pick)": (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), True),
+        "stableflash stabilize=True": (stabilized, True),
+        "stableflash stabilize=True, every launch through Triton's dispatch": (stabilized, False),
+        "stableflash stabilize=False": (lambda q, k, v: flash_attention(q, k, v, causal=True, stabilize=False), True),
     }
 
 
@@ -58,8 +67,11 @@ def measure(shape: tuple[int, int, int, int], calls: int) -> list[dict]:
     q, k, v = (torch.randn(B, H, N, d, generator=gen, device="cuda", dtype=torch.bfloat16).requires_grad_()
                for _ in range(3))
     do = torch.randn(B, H, N, d, generator=gen, device="cuda", dtype=torch.bfloat16)
+    from stableflash.attention.triton import launch_cache
     rows = []
-    for name, fn in providers().items():
+    for name, (fn, cached) in providers().items():
+        launch_cache.ENABLED = cached
+
         def forward(fn=fn):
             with torch.no_grad():
                 fn(q, k, v)
@@ -75,8 +87,43 @@ def measure(shape: tuple[int, int, int, int], calls: int) -> list[dict]:
         rows.append({"provider": name, "forward_us": per_call_us(forward, calls),
                      "forward_backward_us": per_call_us(step, calls),
                      "compiled_forward_backward_us": per_call_us(compiled_step, calls)})
+        launch_cache.ENABLED = True
     rows.append(forward_parts(q, k, v, calls))
     return rows
+
+
+def profile_paths(shape: tuple[int, int, int, int], calls: int, top: int = 25) -> str:
+    """cProfile of the ``stabilize=True`` paths, ``top`` functions by own time each, as text."""
+    import cProfile
+    import io
+    import pstats
+    from stableflash.attention import flash_attention
+    B, H, N, d = shape
+    q, k, v = (torch.randn(B, H, N, d, device="cuda", dtype=torch.bfloat16).requires_grad_() for _ in range(3))
+    do = torch.randn_like(q)
+    fn = lambda q, k, v: flash_attention(q, k, v, causal=True)  # noqa: E731
+    compiled = torch.compile(fn, fullgraph=True)
+
+    def forward():
+        with torch.no_grad():
+            fn(q, k, v)
+
+    paths = {"forward": forward, "forward + backward": lambda: fn(q, k, v).backward(do),
+             "compiled forward + backward": lambda: compiled(q, k, v).backward(do)}
+    out = io.StringIO()
+    for name, path in paths.items():
+        for _ in range(20):
+            path()
+        torch.cuda.synchronize()
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(calls):
+            path()
+        torch.cuda.synchronize()
+        prof.disable()
+        out.write(f"== {name}, {calls} calls (times per call: divide by {calls})\n")
+        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
+    return out.getvalue()
 
 
 def forward_parts(q, k, v, calls: int) -> dict:
@@ -102,6 +149,7 @@ def main(argv=None) -> int:
     ap.add_argument("--shape", default="1,1,128,64", help="B,H,N,d (default: %(default)s)")
     ap.add_argument("--calls", type=int, default=300, help="calls per repeat (default: %(default)s)")
     ap.add_argument("--json", type=Path, help="also write the rows here")
+    ap.add_argument("--profile", type=Path, help="also write a cProfile of the stabilize=True paths here")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("host_overhead.py needs a CUDA device", file=sys.stderr)
@@ -110,6 +158,8 @@ def main(argv=None) -> int:
     if len(shape) != 4:
         ap.error(f"--shape {args.shape!r} is invalid; accepted: four integers B,H,N,d")
     rows = measure(shape, args.calls)
+    if args.profile:
+        args.profile.write_text(profile_paths(shape, args.calls))
     import triton
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
           f"shape {args.shape}, causal bf16; microseconds per call (host-bound)")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from stableflash.bench.attention import environment
+from stableflash.bench.attention import environment, new_choices
 from stableflash.files import write_text_atomic
 from stableflash.model import build_model, model_config, parse_attention_spec
 
@@ -109,6 +109,16 @@ def time_attention(spec: str, cfg: TrainBenchConfig, device: torch.device) -> di
             "peak_mib": torch.cuda.max_memory_allocated(device) / 2**20}
 
 
+def _tuned_choices():
+    """The kernels' ``tuned_choices``, or None without triton: Triton tunes anew in every process, so
+    two runs of a step may time different tiles, and each row records the ones its kernels chose."""
+    try:
+        from stableflash.attention.triton.op import tuned_choices
+    except ImportError:
+        return None
+    return tuned_choices
+
+
 def run_train_bench(cfg: TrainBenchConfig, progress: bool = True, partial: Path | None = None) -> dict:
     """Time every attention in turn. With ``partial``, the results so far are rewritten there after
     each attention (compiling GPT-2 takes a minute per variant: a run cut short keeps what it measured)."""
@@ -119,11 +129,15 @@ def run_train_bench(cfg: TrainBenchConfig, progress: bool = True, partial: Path 
     device = torch.device("cuda")
     result = {"config": asdict(cfg), "env": environment(), "rows": []}
     rows = result["rows"]
+    choices = _tuned_choices()
     for spec in tqdm(cfg.attentions, desc="bench train", disable=not progress):
+        before = choices() if choices is not None else {}
         try:
             rows.append(time_attention(spec, cfg, device))
         except Exception as exc:                         # report it, and go on with the others
             rows.append({"attention": spec, "error": f"{type(exc).__name__}: {exc}"[:300]})
+        if choices is not None and (tuned := new_choices(before, choices())):
+            rows[-1]["tuned"] = tuned                    # the tiles this row's kernels were tuned to
         torch.cuda.empty_cache()
         base = next((r for r in rows if "tokens_per_s" in r), None)
         for r in rows:

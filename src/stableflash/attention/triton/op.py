@@ -19,6 +19,7 @@ from triton.runtime import _allocation
 from triton.runtime.interpreter import InterpretedFunction
 
 from stableflash.attention.masking import draw_seed, drop_threshold
+from stableflash.attention.triton import launch_cache
 from stableflash.attention.triton.backward import (attn_bwd_dkdv_kernel, attn_bwd_dq_kernel,
                                                    delta_dot_kernel, delta_pass_kernel)
 from stableflash.attention.triton.common import NO_FORMAT
@@ -153,7 +154,7 @@ def _launch(tuned, raw, grid, *args, tma_tuned=None, tma: bool | None = None, fi
     if tma:
         _ensure_allocator()
         if tune and not interpreting():
-            tma_tuned[grid](*args, **meta, INTERP=False)
+            launch_cache.launch(tma_tuned, grid, *args, **meta, INTERP=False)
             return
     if tma is not None:
         meta["TMA"] = tma
@@ -161,11 +162,11 @@ def _launch(tuned, raw, grid, *args, tma_tuned=None, tma: bool | None = None, fi
         tile = _INTERP if config is None else {**_INTERP, "BLOCK_N": config.kwargs["BLOCK_N"]}
         raw[grid(tile)](*args, **meta, **tile, INTERP=True)
     elif tune:
-        tuned[grid](*args, **meta, INTERP=False)
+        launch_cache.launch(tuned, grid, *args, **meta, INTERP=False)
     else:
         cfg = config or _FIXED[tuned][meta["HEAD_DIM"] <= 128]
-        raw[grid(cfg.kwargs)](*args, **meta, **cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                              INTERP=False)
+        launch_cache.launch(raw, grid(cfg.kwargs), *args, **meta, **cfg.kwargs, num_warps=cfg.num_warps,
+                            num_stages=cfg.num_stages, INTERP=False)
 
 
 # whether the forward may read K and V through tensor descriptors (Hopper's TMA); its tuner decides
@@ -457,9 +458,9 @@ def _backward_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     if not config.delta.extra_pass:           # δ = rowsum(dO ∘ O), O as stored, kept in fp32, or plus R
         block = 64
         has_r = residual.numel() > 0
-        delta_dot_kernel[(triton.cdiv(n_q, block), B * H)](o, residual.contiguous() if has_r else o, do, delta,
-                                                          *_strides(o), *_strides(do), H, n_q,
-                                                          HEAD_DIM=d, BLOCK_M=block, HAS_R=has_r)
+        launch_cache.launch(delta_dot_kernel, (triton.cdiv(n_q, block), B * H), o,
+                            residual.contiguous() if has_r else o, do, delta, *_strides(o), *_strides(do), H, n_q,
+                            HEAD_DIM=d, BLOCK_M=block, HAS_R=has_r)
     else:
         _launch(_delta_tuned, delta_pass_kernel, lambda meta: blocks(n_m, meta["BLOCK_M"], n_bh),
                 q, k, v, do, lse, delta, *_strides(q), *_strides(k), *_strides(v), *_strides(do), H, group, n_q, n_k,

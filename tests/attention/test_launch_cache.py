@@ -1,0 +1,93 @@
+"""The kernels' launch cache: the same kernels, the same results, without Triton's per-call dispatch.
+
+On a GPU: flash_attention's forward and backward with the cache give bit for bit what they give
+with every launch through Triton (same compiled kernels, same arguments), over shapes that change
+the autotuner's key, grouped-query heads and an input whose address is not 16-byte aligned (a
+different specialization, which must not reuse an aligned kernel); and once a shape has run, a
+second call launches without entering Triton's dispatch. On any machine: what the autotuner's
+choice is keyed on.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from stableflash.attention import flash_attention
+from stableflash.attention.triton import launch_cache, op
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@triton.jit
+def _scale_kernel(x, y, n, factor, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(y + offs, tl.load(x + offs, mask=offs < n) * factor, mask=offs < n)
+
+
+def test_the_tuners_key_is_its_key_arguments_and_the_tensors_dtypes():
+    tuner = triton.autotune([triton.Config({"BLOCK": 16})], key=["n"])(_scale_kernel)
+    x = torch.zeros(4)
+    base = launch_cache._tuner_key(tuner, (x, x, 100, 2.0), {})
+    assert base == (id(tuner), (100,), (torch.float32, torch.float32))
+    assert launch_cache._tuner_key(tuner, (x, x, 100, 3.0), {}) == base            # not a key argument
+    assert launch_cache._tuner_key(tuner, (x, x), {"n": 100, "factor": 2.0}) == base
+    assert launch_cache._tuner_key(tuner, (x, x, 101, 2.0), {}) != base
+    assert launch_cache._tuner_key(tuner, (x.half(), x, 100, 2.0), {}) != base
+
+
+def _grads(q, k, v, do, causal):
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    o = flash_attention(q, k, v, causal=causal, backend="triton")
+    o.backward(do)
+    return o.detach(), q.grad, k.grad, v.grad
+
+
+def _through_tritons_dispatch(q, k, v, do, causal):
+    launch_cache.ENABLED = False
+    try:
+        return _grads(q, k, v, do, causal)
+    finally:
+        launch_cache.ENABLED = True
+
+
+CASES = [  # (B, H, H_kv, n_q, n_k, d, causal)
+    (2, 4, 4, 256, 256, 64, True),
+    (2, 4, 4, 384, 384, 64, True),            # another tuner key
+    (1, 8, 2, 200, 333, 128, False),          # grouped-query heads, ragged lengths
+]
+
+
+@needs_cuda
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c)))
+@pytest.mark.parametrize("aligned", [True, False], ids=["aligned", "offset"])
+def test_cached_launches_give_what_tritons_dispatch_gives_bit_for_bit(case, aligned):
+    B, H, Hk, n_q, n_k, d, causal = case
+    gen = torch.Generator(device="cuda").manual_seed(n_q + d)
+    def make(h, n):
+        t = torch.randn(B * h * n * d + 1, generator=gen, device="cuda").to(torch.bfloat16)
+        start = 0 if aligned else 1           # 2 bytes past a 16-byte boundary: another specialization
+        return t[start:start + B * h * n * d].view(B, h, n, d)
+    q, k, v, do = make(H, n_q), make(Hk, n_k), make(Hk, n_k), make(H, n_q)
+    launch_cache.clear()
+    expected = _through_tritons_dispatch(q, k, v, do, causal)
+    for _ in range(3):                         # the first call records, the later ones launch directly
+        got = _grads(q, k, v, do, causal)
+        for name, a, b in zip(("O", "dQ", "dK", "dV"), got, expected):
+            assert torch.equal(a, b), f"{name} differs from Triton's dispatch"
+
+
+@needs_cuda
+def test_a_repeated_call_does_not_enter_tritons_dispatch(monkeypatch):
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    q, k, v, do = (torch.randn(1, 2, 128, 64, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(4))
+    _grads(q, k, v, do, True)                  # recorded
+    entered = []
+    for kernel in (op.attn_fwd_kernel, op.attn_bwd_dkdv_kernel, op.attn_bwd_dq_kernel, op.delta_dot_kernel):
+        monkeypatch.setattr(kernel, "run", lambda *a, _k=kernel, **kw: entered.append(_k))
+    got = _grads(q, k, v, do, True)
+    assert entered == []
+    monkeypatch.undo()
+    expected = _through_tritons_dispatch(q, k, v, do, True)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
