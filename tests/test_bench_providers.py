@@ -123,6 +123,49 @@ def test_a_timing_the_benchmark_does_not_have_is_refused_by_name():
         BenchConfig(timing="cudagraph")
 
 
+def test_a_layout_the_benchmark_does_not_have_is_refused_by_name():
+    from stableflash.bench.attention import BenchConfig
+
+    with pytest.raises(ValueError, match=r"layout='bshd' is invalid; accepted: bhnd, bnhd"):
+        BenchConfig(layout="bshd")
+
+
+def test_the_model_layout_hands_attention_views_of_a_fused_qkv_buffer():
+    """"bnhd": q, k, v are (B, H, N, d) views of one (B, N, 3, H, d) buffer (strides N·3·H·d, d,
+    3·H·d, 1) and dO a view of a (B, N, H, d) one; "bhnd": contiguous tensors; the same values
+    drawn in either case would differ, the shapes and dtypes do not."""
+    from stableflash.bench.attention import _inputs
+
+    B, H, N, d = 2, 3, 5, 4
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, do = _inputs((B, H, N, d), torch.bfloat16, torch.device("cpu"), gen, "bnhd")
+    assert all(t.shape == (B, H, N, d) and t.dtype == torch.bfloat16 for t in (q, k, v, do))
+    assert q.stride() == k.stride() == v.stride() == (N * 3 * H * d, d, 3 * H * d, 1)
+    assert do.stride() == (N * H * d, d, H * d, 1)
+    assert k.data_ptr() - q.data_ptr() == H * d * q.element_size() and q.untyped_storage().data_ptr() == \
+        v.untyped_storage().data_ptr()
+    assert all(t.is_contiguous() for t in _inputs((B, H, N, d), torch.bfloat16, torch.device("cpu"), gen))
+
+
+@pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
+def test_time_one_keeps_the_layouts_strides_for_the_provider(monkeypatch, layout):
+    """The provider sees the layout's strides in both modes (the fwd+bwd leaves are detached views,
+    not copies)."""
+    import triton.testing
+
+    from stableflash.bench import attention as bench
+
+    strides = []
+    monkeypatch.setattr(bench, "provider_fn", lambda *a: lambda q, k, v, causal: strides.append(q.stride()) or q + k + v)
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: fn() or 1.0)
+    cfg = bench.BenchConfig(shapes=((1, 2, 8, 4),), providers=("sdpa-default",), layout=layout)
+    for mode in ("fwd", "fwd+bwd"):
+        bench.time_one("sdpa-default", (1, 2, 8, 4), mode, cfg, torch.float32, torch.device("cpu"),
+                       torch.Generator().manual_seed(0))
+    want = (8 * 3 * 2 * 4, 4, 3 * 2 * 4, 1) if layout == "bnhd" else (2 * 8 * 4, 8 * 4, 4, 1)
+    assert strides == [want, want]
+
+
 @pytest.mark.parametrize("timing, bench", [("events", "do_bench"), ("graph", "do_bench_cudagraph")])
 @pytest.mark.parametrize("mode", ["fwd", "fwd+bwd"])
 def test_each_timing_times_the_call_it_names(monkeypatch, timing, bench, mode):

@@ -340,3 +340,23 @@ def test_gluon_compiles_a_hopper_warpgroup_product_without_a_gpu():
         pytest.skip("this triton wheel ships no nvdisasm")
     result = load("tools/gluon_hopper_probe").probe()
     assert result["hgmma"] == 4 and result["ptx_has_wgmma"] and result["target"] == "sm_90a", result
+
+
+def test_train_profile_sums_the_gpus_idle_time_by_the_kernel_it_waited_for():
+    """Kernels as the profiler lists them (µs): a gap counts once, before the kernel that ends it, and
+    per step; kernels that overlap leave no gap; CPU events are not kernels."""
+    import torch
+    from types import SimpleNamespace as Event
+
+    tool = load("tools/train_profile")
+    gpu, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    ev = lambda a, b, name, kind=gpu: Event(time_range=Event(start=a, end=b), name=name, device_type=kind)  # noqa: E731
+    events = [ev(0, 10, "gemm"), ev(15, 20, "attn_fwd_kernel"), ev(18, 30, "gemm"), ev(40, 41, "gemm"),
+              ev(0, 500, "aten::mm", cpu), ev(1041, 1050, "attn_fwd_kernel")]
+    got = tool.idle_before(events, steps=2)
+    assert got["idle_ms_per_step"] == pytest.approx((5 + 10 + 1000) / 1e3 / 2)
+    by = {r["kernel"]: r for r in got["idle_before"]}
+    assert by["attn_fwd_kernel"]["ms_per_step"] == pytest.approx(1005 / 1e3 / 2)
+    assert by["attn_fwd_kernel"]["gaps_per_step"] == 1.0 and by["attn_fwd_kernel"]["group"] == "attention"
+    assert by["gemm"]["ms_per_step"] == pytest.approx(10 / 1e3 / 2)
+    assert [r["kernel"] for r in got["idle_before"]] == ["attn_fwd_kernel", "gemm"]

@@ -74,7 +74,7 @@ def _cmd_bench_attention(args: argparse.Namespace) -> int:
     cfg = BenchConfig(shapes=tuple(args.shape) if args.shape else BenchConfig.shapes,
                       providers=tuple(args.providers) if args.providers else BenchConfig.providers,
                       causal=not args.no_causal, dtype=args.dtype, modes=tuple(args.modes),
-                      timing=args.timing)
+                      timing=args.timing, layout=args.layout)
     command = "stableflash " + shlex.join(args.argv)
 
     def out_path(result: dict) -> Path:
@@ -413,7 +413,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--shape", type=_shape, action="append",
                    help="B,H,N,d (repeatable; default: 32,12,1024,64 8,16,4096,64 4,16,8192,128)")
-    from stableflash.bench.attention import PROVIDERS, TIMINGS
+    from stableflash.bench.attention import LAYOUTS, PROVIDERS, TIMINGS
     p.add_argument("--providers", nargs="+", type=_provider, metavar="PROVIDER",
                    help=f"subset of providers (default: all): {', '.join(PROVIDERS)}")
     p.add_argument("--modes", nargs="+", choices=("fwd", "fwd+bwd"), default=["fwd", "fwd+bwd"])
@@ -423,6 +423,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="events: each call launched from Python, host launch time included where it "
                         "exceeds the GPU's; graph: calls replayed from a CUDA graph, the GPU's time "
                         "alone (default: events)")
+    p.add_argument("--layout", choices=LAYOUTS, default="bhnd",
+                   help="bhnd: contiguous (B, H, N, d) inputs; bnhd: q, k, v as (B, H, N, d) views of one "
+                        "(B, N, 3, H, d) buffer and dO of a (B, N, H, d) one, what a model's fused QKV "
+                        "projection gives (default: bhnd)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"),
                    help="JSON file, or a folder for a named file (default: benchmarks/results)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")

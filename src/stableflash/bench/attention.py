@@ -109,6 +109,9 @@ LEGACY_PROVIDERS = {
 PROVIDERS = (*VARIANTS, "sdpa-default", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex")
 PEERS = ("sdpa-default", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex")
 TIMINGS = ("events", "graph")
+# the inputs' memory: "bhnd" contiguous (B, H, N, d) tensors; "bnhd" q, k, v seen as (B, H, N, d) in one
+# (B, N, 3, H, d) buffer, and dO (B, N, H, d) — what a model's fused QKV projection hands attention
+LAYOUTS = ("bhnd", "bnhd")
 
 
 @dataclass
@@ -122,6 +125,7 @@ class BenchConfig:
     rep_ms: int = 100
     seed: int = 0
     timing: str = "events"
+    layout: str = "bhnd"
 
     def __post_init__(self) -> None:
         self.providers = tuple(provider_name(p) for p in self.providers)
@@ -135,6 +139,8 @@ class BenchConfig:
             raise ValueError(f"modes={bad_modes} invalid; accepted: fwd, fwd+bwd")
         if self.timing not in TIMINGS:
             raise ValueError(f"timing={self.timing!r} is invalid; accepted: {', '.join(TIMINGS)}")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout={self.layout!r} is invalid; accepted: {', '.join(LAYOUTS)}")
 
 
 def provider_name(name: str) -> str:
@@ -213,7 +219,13 @@ def saved_for_backward(fn: Callable, *inputs: torch.Tensor) -> tuple[torch.Tenso
     return out, sum(kept.values())
 
 
-def _inputs(shape, dtype, device, gen):
+def _inputs(shape, dtype, device, gen, layout: str = "bhnd"):
+    """Random q, k, v, dO of ``shape`` (B, H, N, d) in memory laid out as ``layout`` (``LAYOUTS``)."""
+    if layout == "bnhd":
+        B, H, N, d = shape
+        qkv = torch.randn(B, N, 3, H, d, generator=gen, device=device).to(dtype)
+        do = torch.randn(B, N, H, d, generator=gen, device=device).to(dtype)
+        return (*(qkv[:, :, i].transpose(1, 2) for i in range(3)), do.transpose(1, 2))
     q, k, v, do = (torch.randn(*shape, generator=gen, device=device).to(dtype) for _ in range(4))
     return q, k, v, do
 
@@ -252,14 +264,14 @@ def check(name: str, causal: bool, dtype, device, gen) -> dict:
 def time_one(name: str, shape, mode: str, cfg: BenchConfig, dtype, device, gen) -> float:
     import triton.testing
 
-    q, k, v, do = _inputs(shape, dtype, device, gen)
+    q, k, v, do = _inputs(shape, dtype, device, gen, cfg.layout)
     fn = provider_fn(name, shape, cfg.causal, device)
     if mode == "fwd":
         def call():
             with torch.no_grad():
                 fn(q, k, v, cfg.causal)
     else:
-        leaves = [t.requires_grad_(True) for t in (q, k, v)]
+        leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]     # views keep their strides
 
         def call():
             o = fn(*leaves, cfg.causal)
@@ -375,7 +387,8 @@ def format_table(result: dict) -> str:
         console.print(t)
         providers = list(dict.fromkeys(r["provider"] for r in result["rows"]))
         t = Table(title=f"TFLOP/s (median, {result['config'].get('timing', 'events')} timing), "
-                        f"causal={result['config']['causal']}, {result['config']['dtype']} — "
+                        f"causal={result['config']['causal']}, {result['config']['dtype']}, "
+                        f"{result['config'].get('layout', 'bhnd')} inputs — "
                         f"{env['gpu']}, torch {env['torch']}, triton {env['triton']}")
         t.add_column("shape")
         t.add_column("mode")
