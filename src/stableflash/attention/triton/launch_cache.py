@@ -38,20 +38,21 @@ def clear() -> None:
     """Forget every recorded choice and kernel (the next launch of each goes through Triton)."""
     _configs.clear()
     _kernels.clear()
+    _positions.clear()
+
+
+_positions: dict[int, tuple[tuple[str, int], ...]] = {}   # tuner -> (key name, its position) pairs
 
 
 def _tuner_key(tuner: Autotuner, args: tuple, kwargs: dict) -> tuple:
     """What the autotuner's choice depends on: its key arguments' values and the tensors' dtypes."""
-    names = tuner.arg_names
-    values = []
-    for name in tuner.keys:
-        if name in kwargs:
-            values.append(kwargs[name])
-        else:
-            i = names.index(name)
-            values.append(args[i] if i < len(args) else None)
+    positions = _positions.get(id(tuner))
+    if positions is None:
+        positions = _positions[id(tuner)] = tuple((name, tuner.arg_names.index(name)) for name in tuner.keys)
+    n = len(args)
+    values = tuple(kwargs[name] if name in kwargs else args[i] if i < n else None for name, i in positions)
     dtypes = tuple(a.dtype for a in args if isinstance(a, torch.Tensor))
-    return (id(tuner), tuple(values), dtypes)
+    return (id(tuner), values, dtypes)
 
 
 def _grid_tuple(grid, bound: dict) -> tuple[int, int, int]:
