@@ -78,3 +78,41 @@ def test_fullgraph_compile_with_inductor_on_the_gpu(dynamic):
     got.float().sum().backward()
     want = fn(*(t.detach().requires_grad_(True) for t in (q, k, v)))
     assert (got - want).abs().max().item() <= 1e-2
+
+
+@pytest.mark.parametrize("dropout_p", [0.0, 0.25])
+def test_the_forward_op_has_a_cpu_output_only_under_dropout(dropout_p):
+    """Without dropout the forward op's seed output is an empty tensor on q's device (CUDA graphs,
+    torch.compile's "reduce-overhead", cannot record a CPU output); with dropout it is dropout's seed,
+    one int64 on the CPU. The fake implementation (what torch.compile traces) agrees."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from stableflash.attention.triton.launch import stabilized_config
+    from stableflash.attention.triton.op import Masks, attn_fwd
+
+    q, k, v = (t.detach() for t in inputs(device=DEVICE))
+    args = (q, k, v, True, 0.25, *stabilized_config(torch.bfloat16).op_args(), *Masks(dropout_p=dropout_p).op_args())
+    seed = attn_fwd(*args)[3]
+    want = ((1,), torch.device("cpu")) if dropout_p else ((0,), q.device)
+    assert (tuple(seed.shape), seed.device, seed.dtype) == (*want, torch.int64)
+    with FakeTensorMode() as mode:
+        fake = attn_fwd(*(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args))[3]
+    assert (tuple(fake.shape), fake.device, fake.dtype) == (*want, torch.int64)
+
+
+@pytest.mark.gpu
+def test_reduce_overhead_compile_replays_the_kernels_as_cuda_graphs():
+    """torch.compile(mode="reduce-overhead") records the kernels' forward and backward as CUDA graphs
+    and replays them: gradients as eager's within bf16 rounding of the other kernels in the graph."""
+    torch._dynamo.reset()
+    fn = lambda q, k, v: (sf.flash_attention(q, k, v, causal=True) * 2).float().sum()   # noqa: E731
+    compiled = torch.compile(fn, mode="reduce-overhead", fullgraph=True)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 256, 64, generator=gen).bfloat16().cuda() for _ in range(3))
+    want = torch.autograd.grad(fn(*(t.requires_grad_(True) for t in (q, k, v))), (q, k, v))
+    for _ in range(3):                          # warm-up, recording, replay
+        torch.compiler.cudagraph_mark_step_begin()
+        leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+        got = torch.autograd.grad(compiled(*leaves), leaves)
+    for g, w in zip(got, want):
+        assert (g.float() - w.float()).abs().max().item() <= 1e-2 * w.float().abs().max().item()

@@ -412,23 +412,34 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sc
              max_seqlen_q: int = 0, max_seqlen_k: int = 0,
              dropout_p: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(O, LSE, O32, seed) as ``_forward`` for the KernelConfig whose ``op_args`` these are
-    (``OP_FIELDS``) and the masks (``Masks.op_args``); seed: dropout's (0 without), a CPU int64
-    tensor of one value for the backward op, drawn here on every call (also under torch.compile,
-    where the op is opaque)."""
+    (``OP_FIELDS``) and the masks (``Masks.op_args``); seed: with dropout, dropout's seed as a CPU
+    int64 tensor of one value for the backward op, drawn here on every call (also under
+    torch.compile, where the op is opaque); without, an empty int64 tensor on q's device, so that
+    a step with no dropout has no CPU output (torch.compile's CUDA graphs cannot record one)."""
     config = _op_config(arithmetic, rule, beta, eps, min_shift, max_shift, narrow, narrow_acc, narrow_row_sum,
                         narrow_out, stochastic, p_bar, fp8_product, delta, tuple(hp_heads), softcap, block_k)
     masks = Masks.from_op_args(band, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p)
     seed = draw_seed() if masks.dropout_p > 0 else 0
     o, lse, o32 = _forward(q, k, v, causal, scale, config, masks, seed)
-    return o, lse, o32, torch.tensor([seed], dtype=torch.int64)
+    return o, lse, o32, _seed_output(seed, dropout_p, q)
+
+
+def _seed_output(seed: int, dropout_p: float, q: torch.Tensor) -> torch.Tensor:
+    """The forward op's seed output: a CPU int64 tensor holding ``seed`` under dropout, else empty on q's device."""
+    if dropout_p > 0:
+        return torch.tensor([seed], dtype=torch.int64)
+    return torch.empty(0, dtype=torch.int64, device=q.device)
 
 
 @attn_fwd.register_fake
-def _(q, k, v, causal, scale, *args):
+def _(q, k, v, causal, scale, *args, **kwargs):
     delta = _config_of(args[:len(OP_FIELDS)]).delta
     o32 = q.new_empty(q.shape if delta.keeps_o else (0,), dtype=q.dtype if delta.residual else torch.float32)
-    return (_empty_like_layout(q), q.new_empty(q.shape[:3], dtype=torch.float32), o32,
-            torch.empty(1, dtype=torch.int64, device="cpu"))
+    mask_args = args[len(OP_FIELDS):]
+    dropout_p = mask_args[MASK_ARGS.index("dropout_p")] if len(mask_args) == N_MASK_ARGS else kwargs.get("dropout_p", 0.0)
+    seed = (torch.empty(1, dtype=torch.int64, device="cpu") if dropout_p > 0
+            else q.new_empty(0, dtype=torch.int64))
+    return _empty_like_layout(q), q.new_empty(q.shape[:3], dtype=torch.float32), o32, seed
 
 
 def _backward_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
@@ -493,7 +504,7 @@ def attn_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                         narrow_out, stochastic, p_bar, fp8_product, delta, tuple(hp_heads), softcap, block_k)
     masks = Masks.from_op_args(band, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p)
     return _backward_impl(do, q, k, v, o, residual, lse, causal, scale, config, masks,
-                          int(seed[0]) if seed is not None else 0)
+                          int(seed[0]) if seed is not None and seed.numel() else 0)
 
 
 @attn_bwd.register_fake
