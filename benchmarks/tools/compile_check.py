@@ -173,6 +173,8 @@ def main() -> None:
     jobs += [(f"dK/dV: {n}", attn_bwd_dkdv_kernel, {**BWD, "BLOCK_M": 32, **v}, 4, 3, None)
              for n, v in BWD_VARIANTS.items()]
     jobs += [(f"dQ: {n}", attn_bwd_dq_kernel, {**BWD, **v}, 4, 3, None) for n, v in BWD_VARIANTS.items()]
+    jobs += [(f"dQ with δ = rowsum(dO ∘ {n}) fused", attn_bwd_dq_kernel, {**BWD, "FUSE_DELTA": True, "HAS_R": r},
+              4, 3, None) for n, r in (("O", False), ("(O + R)", True))]
     jobs += [(f"δ pass: {n}", delta_pass_kernel, {**BWD, **v}, 4, 3, None) for n, v in delta_variants().items()]
     jobs += [(f"δ = rowsum(dO ∘ {n})", delta_dot_kernel, dict(HEAD_DIM=64, BLOCK_M=64, HAS_R=r), 4, 3, None)
              for n, r in (("O", False), ("(O + R)", True))]

@@ -485,8 +485,13 @@ def attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
                        CU_Q=0, CU_K=0, MASK=0, stride_mb=0, stride_mh=0, stride_mm=0, stride_mn=0,
                        left=0, right=0, align_br=0, drop_seed=0, drop_thr=0, drop_scale=1.0,
                        BAND: tl.constexpr = False, VARLEN: tl.constexpr = False, MASK_KIND: tl.constexpr = 0,
-                       MASK_ROWS: tl.constexpr = False, DROPOUT: tl.constexpr = False):
-    """dQ of one query block of one (batch, head); the masking switches as the forward's."""
+                       MASK_ROWS: tl.constexpr = False, DROPOUT: tl.constexpr = False,
+                       O=0, R=0, stride_ob=0, stride_oh=0, stride_om=0,
+                       FUSE_DELTA: tl.constexpr = False, HAS_R: tl.constexpr = False):
+    """dQ of one query block of one (batch, head); the masking switches as the forward's. FUSE_DELTA
+    (no masking switch on): δ of the block's rows computed here as ``delta_dot_kernel`` computes it,
+    rowsum(dO ∘ O) or with HAS_R rowsum(dO ∘ (O + R)), from the dO tile this kernel loads anyway,
+    and stored to DELTA for the dK/dV kernel launched after it (one kernel and one read of dO fewer)."""
     if BAND or VARLEN or MASK_KIND != 0 or DROPOUT:
         _dq_masked(Q, K, V, DO, LSE, DELTA, DQ, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
                    stride_vb, stride_vh, stride_vn, stride_db, stride_dh, stride_dm, stride_dqb, stride_dqh, stride_dqm,
@@ -504,7 +509,16 @@ def attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
         q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :], mask=rows, other=0.0)
         do = tl.load(DO + b * stride_db + h * stride_dh + offs_m[:, None] * stride_dm + offs_d[None, :], mask=rows, other=0.0)
         lse = tl.load(LSE + bh * n_q + offs_m, mask=offs_m < n_q, other=0.0)
-        delta = tl.load(DELTA + bh * n_q + offs_m, mask=offs_m < n_q, other=0.0)
+        if FUSE_DELTA:
+            o = tl.load(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :], mask=rows,
+                        other=0.0).to(tl.float32)
+            if HAS_R:
+                o += tl.load(R + (bh * n_q + offs_m[:, None]) * HEAD_DIM + offs_d[None, :], mask=rows,
+                             other=0.0).to(tl.float32)
+            delta = tl.sum(o * do.to(tl.float32), 1)
+            tl.store(DELTA + bh * n_q + offs_m, delta, mask=offs_m < n_q)
+        else:
+            delta = tl.load(DELTA + bh * n_q + offs_m, mask=offs_m < n_q, other=0.0)
         K += b * stride_kb + hk * stride_kh
         V += b * stride_vb + hk * stride_vh
         dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)

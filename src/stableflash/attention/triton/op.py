@@ -79,7 +79,8 @@ _fwd_tuned = triton.autotune(FWD_CONFIGS, key=_KEY + _FWD_MODE, prune_configs_by
 _fwd_tma_tuned = triton.autotune(_with_tma(FWD_CONFIGS, [(64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3)]),
                                  key=_KEY + _FWD_MODE, prune_configs_by=_prune)(attn_fwd_kernel)
 _dkdv_tuned = triton.autotune(DKDV_CONFIGS, key=_KEY + ["EMU", "SOFTCAP"], prune_configs_by=_prune)(attn_bwd_dkdv_kernel)
-_dq_tuned = triton.autotune(DQ_CONFIGS, key=_KEY + ["EMU", "SOFTCAP"], prune_configs_by=_prune)(attn_bwd_dq_kernel)
+_dq_tuned = triton.autotune(DQ_CONFIGS, key=_KEY + ["EMU", "SOFTCAP", "FUSE_DELTA", "HAS_R"],
+                            prune_configs_by=_prune)(attn_bwd_dq_kernel)
 # the δ pass (dP·P or an fp32 recompute) does the forward's two products per key block: the forward's tiles
 _delta_tuned = triton.autotune(FWD_CONFIGS, key=_KEY + ["EMU", "DELTA_SRC", "SOFTCAP"],
                              prune_configs_by=_prune)(delta_pass_kernel)
@@ -171,6 +172,10 @@ def _launch(tuned, raw, grid, *args, tma_tuned=None, tma: bool | None = None, fi
 
 # whether the forward may read K and V through tensor descriptors (Hopper's TMA); its tuner decides
 TMA = True
+# δ = rowsum(dO ∘ O) (or with O + R) computed inside the dQ kernel, which then runs before the dK/dV
+# kernel, instead of by a kernel of its own: where no mask, window, varlen or dropout is on. Off until
+# timed on a GPU.
+FUSED_DELTA = False
 # the forward's persistent grid: this many programs per SM, each walking tiles longest first over
 # every head (0: one program per tile). Off until timed on a GPU (benchmarks/tools/tune_attention.py).
 PERSISTENT = 0
@@ -466,9 +471,21 @@ def _backward_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
         n_seq = masks.cu_q.shape[0] - 1
         n_m, n_n, n_bh, n_bhk = masks.max_q, masks.max_k, n_seq * H, n_seq * Hk
         blocks = varlen_grid
-    if not config.delta.extra_pass:           # δ = rowsum(dO ∘ O), O as stored, kept in fp32, or plus R
+    has_r = residual.numel() > 0
+    fuse = FUSED_DELTA and not config.delta.extra_pass and not masks.any
+    dq, dk, dv = _empty_like_layout(q), _empty_like_layout(k), _empty_like_layout(k)   # dK, dV: one set of strides
+    common = (*_strides(q), *_strides(k), *_strides(v), *_strides(do))
+
+    def launch_dq(**fused):
+        _launch(_dq_tuned, attn_bwd_dq_kernel, lambda meta: blocks(n_m, meta["BLOCK_M"], n_bh),
+                q, k, v, do, lse, delta, dq, *common, *_strides(dq), H, group, n_q, n_k, scale, softcap, **extra,
+                HEAD_DIM=d, CAUSAL=causal, EMU=emu, **cap, **switches, **fused)
+
+    if fuse:                                  # the dQ kernel computes δ and stores it for dK/dV
+        launch_dq(O=o, R=residual.contiguous() if has_r else o, stride_ob=o.stride(0), stride_oh=o.stride(1),
+                  stride_om=o.stride(2), FUSE_DELTA=True, HAS_R=has_r)
+    elif not config.delta.extra_pass:         # δ = rowsum(dO ∘ O), O as stored, kept in fp32, or plus R
         block = 64
-        has_r = residual.numel() > 0
         launch_cache.launch(delta_dot_kernel, (triton.cdiv(n_q, block), B * H), o,
                             residual.contiguous() if has_r else o, do, delta, *_strides(o), *_strides(do), H, n_q,
                             HEAD_DIM=d, BLOCK_M=block, HAS_R=has_r)
@@ -477,14 +494,11 @@ def _backward_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
                 q, k, v, do, lse, delta, *_strides(q), *_strides(k), *_strides(v), *_strides(do), H, group, n_q, n_k,
                 scale, softcap, **extra, HEAD_DIM=d, CAUSAL=causal, DELTA_SRC=config.delta.value, EMU=emu, **cap,
                 **switches)
-    dq, dk, dv = _empty_like_layout(q), _empty_like_layout(k), _empty_like_layout(k)   # dK, dV: one set of strides
-    common = (*_strides(q), *_strides(k), *_strides(v), *_strides(do))
     _launch(_dkdv_tuned, attn_bwd_dkdv_kernel, lambda meta: blocks(n_n, meta["BLOCK_N"], n_bhk),
             q, k, v, do, lse, delta, dk, dv, *common, *_strides(dk), H, group, n_q, n_k, scale, softcap, **extra,
             HEAD_DIM=d, CAUSAL=causal, EMU=emu, **cap, **switches)
-    _launch(_dq_tuned, attn_bwd_dq_kernel, lambda meta: blocks(n_m, meta["BLOCK_M"], n_bh),
-            q, k, v, do, lse, delta, dq, *common, *_strides(dq), H, group, n_q, n_k, scale, softcap, **extra,
-            HEAD_DIM=d, CAUSAL=causal, EMU=emu, **cap, **switches)
+    if not fuse:
+        launch_dq()
     return dq, dk, dv
 
 
