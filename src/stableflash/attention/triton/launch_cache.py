@@ -4,7 +4,7 @@
 anything: the autotuner builds a dictionary of every argument to look up its choice, and the JIT
 function binds the arguments, turns its compile options into a string to look up the compiled
 kernel, and checks the kernel's globals (``benchmarks/tools/host_overhead.py`` measures it). An
-attention call launches three or four kernels with some seventy arguments each, so at a training
+attention forward and backward launch three or four kernels with some seventy arguments each, so at a training
 step's small shapes that time is as long as the kernels'.
 
 ``launch`` keeps what those lookups found. Its key is what Triton's own lookup depends on: the

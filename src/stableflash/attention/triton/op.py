@@ -454,7 +454,8 @@ def _backward_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     """(dQ, dK, dV) for the forward that produced ``o`` and ``lse`` under ``config`` (``o``: the
     fp32 O when the forward kept one, which δ = rowsum(dO ∘ O) then reads; ``residual``: R of δ
     from dO·(O+R), which the δ kernel adds to O, or an empty tensor). ``masks`` and dropout's
-    ``seed``: the forward's."""
+    ``seed``: the forward's. Kernels: δ, dK/dV, dQ; with ``FUSED_DELTA`` (no masks, δ a row sum of
+    dO ∘ O) dQ computing δ, then dK/dV."""
     emu, softcap = config.emulated, config.softcap or 0.0
     cap = dict(SOFTCAP=config.softcap is not None)
     do, q, k, v, o = (_last_dim_contiguous(t) for t in (do, q, k, v, o))
