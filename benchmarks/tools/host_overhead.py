@@ -61,33 +61,42 @@ def providers():
     }
 
 
-def measure(shape: tuple[int, int, int, int], calls: int) -> list[dict]:
-    B, H, N, d = shape
+def inputs(shape: tuple[int, int, int, int]) -> tuple[torch.Tensor, ...]:
+    """q, k, v (requiring gradients) and dO, bf16 on the GPU, from a fixed seed."""
     gen = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = (torch.randn(B, H, N, d, generator=gen, device="cuda", dtype=torch.bfloat16).requires_grad_()
-               for _ in range(3))
-    do = torch.randn(B, H, N, d, generator=gen, device="cuda", dtype=torch.bfloat16)
+    q, k, v, do = (torch.randn(*shape, generator=gen, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    return q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), do
+
+
+# each timed path and the row's key for it
+PATHS = {"forward": "forward_us", "forward + backward": "forward_backward_us",
+         "compiled forward + backward": "compiled_forward_backward_us"}
+
+
+def paths(fn, q, k, v, do) -> dict:
+    """{path name: one call}: ``fn``'s forward under no_grad, its forward and backward, and both
+    through ``torch.compile(fullgraph=True)``."""
+    compiled = torch.compile(fn, fullgraph=True)
+
+    def forward():
+        with torch.no_grad():
+            fn(q, k, v)
+
+    return {"forward": forward, "forward + backward": lambda: fn(q, k, v).backward(do),
+            "compiled forward + backward": lambda: compiled(q, k, v).backward(do)}
+
+
+def measure(shape: tuple[int, int, int, int], calls: int) -> list[dict]:
     from stableflash.attention.triton import launch_cache
+    q, k, v, do = inputs(shape)
     rows = []
     for name, (fn, cached) in providers().items():
         launch_cache.ENABLED = cached
-
-        def forward(fn=fn):
-            with torch.no_grad():
-                fn(q, k, v)
-
-        def step(fn=fn):
-            fn(q, k, v).backward(do)
-
-        compiled = torch.compile(fn, fullgraph=True)
-
-        def compiled_step(compiled=compiled):
-            compiled(q, k, v).backward(do)
-
-        rows.append({"provider": name, "forward_us": per_call_us(forward, calls),
-                     "forward_backward_us": per_call_us(step, calls),
-                     "compiled_forward_backward_us": per_call_us(compiled_step, calls)})
-        launch_cache.ENABLED = True
+        try:
+            rows.append({"provider": name, **{PATHS[path]: per_call_us(call, calls)
+                                              for path, call in paths(fn, q, k, v, do).items()}})
+        finally:
+            launch_cache.ENABLED = True
     rows.append(forward_parts(q, k, v, calls))
     return rows
 
@@ -97,21 +106,9 @@ def profile_paths(shape: tuple[int, int, int, int], calls: int, top: int = 25) -
     import cProfile
     import io
     import pstats
-    from stableflash.attention import flash_attention
-    B, H, N, d = shape
-    q, k, v = (torch.randn(B, H, N, d, device="cuda", dtype=torch.bfloat16).requires_grad_() for _ in range(3))
-    do = torch.randn_like(q)
-    fn = lambda q, k, v: flash_attention(q, k, v, causal=True)  # noqa: E731
-    compiled = torch.compile(fn, fullgraph=True)
-
-    def forward():
-        with torch.no_grad():
-            fn(q, k, v)
-
-    paths = {"forward": forward, "forward + backward": lambda: fn(q, k, v).backward(do),
-             "compiled forward + backward": lambda: compiled(q, k, v).backward(do)}
+    fn, _ = providers()["stableflash stabilize=True"]
     out = io.StringIO()
-    for name, path in paths.items():
+    for name, path in paths(fn, *inputs(shape)).items():
         for _ in range(20):
             path()
         torch.cuda.synchronize()

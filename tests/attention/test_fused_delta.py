@@ -12,17 +12,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stableflash.attention import flash_attention
-from stableflash.attention.reference import forward_backward
 from stableflash.attention.triton import op
+from tests.attention.test_triton import expanded_reference, run
 from tests.conftest import DEVICE, rel_err
 
 
 def _run(q, k, v, do, fused, monkeypatch, **kw):
     monkeypatch.setattr(op, "FUSED_DELTA", fused)
-    leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
-    o = flash_attention(*leaves, backend="triton", **kw)
-    return (o, *torch.autograd.grad(o, leaves, do))
+    return run(q, k, v, do, backend="triton", **kw)
 
 
 CASES = [  # (B, H, H_kv, n_q, n_k, d, causal, stabilize)
@@ -47,10 +44,8 @@ def test_fused_delta_gives_the_unfused_gradients(case, monkeypatch):
         for name, a, b in zip(("dQ", "dK", "dV"), fused[1:], unfused[1:]):
             assert torch.equal(a, b), name
         return
-    g = H // Hk
-    _, dq, dk, dv = forward_backward(q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), do, causal=causal)
-    ref = (dq, *(t.view(B, Hk, g, n_k, d).sum(2) for t in (dk, dv)))     # grouped heads: summed over the group
-    for name, a, b, r in zip(("dQ", "dK", "dV"), fused[1:], unfused[1:], ref):
+    ref = expanded_reference(q, k, v, do, causal)                   # dK, dV summed over each head group
+    for name, a, b, r in zip(("dQ", "dK", "dV"), fused[1:], unfused[1:], ref[1:]):
         assert rel_err(a, r) <= 1.05 * rel_err(b, r) + 1e-4, name
 
 

@@ -26,6 +26,7 @@ import torch
 
 from stableflash.attention import gluon as sg
 from tests.attention.test_gluon_hopper import CASES, needs_gluon, on_hopper   # the forward's markers and cases
+from tests.attention.test_triton import expanded_reference
 
 
 def test_unavailable_triton_is_a_clear_error(monkeypatch):
@@ -178,16 +179,6 @@ def _triton_backward(do, q, k, v, o, r, lse, causal, scale):
     return _backward_impl(do, q, k, v, o, r, lse, causal, scale, config)
 
 
-def _reference(q, k, v, do, causal):
-    """(dQ, dK, dV) in float64, dK and dV summed over each group of query heads."""
-    from stableflash.attention import reference
-    group = q.shape[1] // k.shape[1]
-    _, dq, dk, dv = reference.forward_backward(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), do,
-                                               causal=causal)
-    B, Hk, n_k, d = k.shape
-    return dq, dk.view(B, Hk, group, n_k, d).sum(2), dv.view(B, Hk, group, n_k, d).sum(2)
-
-
 @pytest.mark.gpu
 @on_hopper
 @pytest.mark.parametrize("tied", [False, True], ids=["random", "tied"])
@@ -207,7 +198,7 @@ def test_backward_against_float64(case, d, causal, tied, fixed_triton_tiles):
     triton_got = _triton_backward(do, q, k, v, o, r, lse, causal, scale)
     for x, like in zip(got, (q, k, v)):
         assert x.shape == like.shape and x.dtype == torch.bfloat16 and x.stride() == like.stride()
-    for name, x, x_t, ref in zip(("dQ", "dK", "dV"), got, triton_got, _reference(q, k, v, do, causal)):
+    for name, x, x_t, ref in zip(("dQ", "dK", "dV"), got, triton_got, expanded_reference(q, k, v, do, causal)[1:]):
         assert torch.isfinite(x).all(), name
         err, err_t = (((y.double() - ref).norm() / ref.norm()).item() for y in (x, x_t))
         assert err <= 1.25 * err_t + 1e-4, (name, err, err_t)

@@ -14,8 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from stableflash.attention import flash_attention
 from stableflash.attention.triton import launch_cache, op
+from tests.attention.test_triton import run
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -38,10 +38,7 @@ def test_the_tuners_key_is_its_key_arguments_and_the_tensors_dtypes():
 
 
 def _grads(q, k, v, do, causal):
-    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-    o = flash_attention(q, k, v, causal=causal, backend="triton")
-    o.backward(do)
-    return o.detach(), q.grad, k.grad, v.grad
+    return run(q, k, v, do, causal=causal, backend="triton")
 
 
 def _through_tritons_dispatch(q, k, v, do, causal):

@@ -75,16 +75,13 @@ def launch(entry, grid: Callable | tuple, *args, **kwargs) -> None:
         if config is None:                          # Triton tunes (once per key) and launches
             kernel = entry[grid](*args, **kwargs)
             best = entry.best_config
-            if best.pre_hook is None:
+            if best.pre_hook is None and kernel is not None:
                 config = best.all_kwargs()
                 _configs[tkey] = config
-                _record(raw, kernel, args, {**kwargs, **config})
+                _kernels[_bind(raw, args, {**kwargs, **config})[0]] = kernel
             return
         kwargs = {**kwargs, **config}
-    device = driver.active.get_current_device()
-    binder = raw.device_caches[device][4]
-    bound, specialization, options = binder(*args, **kwargs)
-    key = (id(raw), device, tuple(specialization), tuple(options.items()), knobs.runtime.debug)
+    key, bound = _bind(raw, args, kwargs)
     kernel = _kernels.get(key)
     if kernel is None:                              # Triton compiles (or finds) and launches
         _kernels[key] = raw[grid](*args, **kwargs)
@@ -92,10 +89,9 @@ def launch(entry, grid: Callable | tuple, *args, **kwargs) -> None:
     kernel[_grid_tuple(grid, bound)](*bound.values())
 
 
-def _record(raw, kernel, args: tuple, kwargs: dict) -> None:
-    """Keep the kernel Triton launched for these arguments under their key."""
-    if kernel is None:
-        return
+def _bind(raw, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """(the compiled-kernel key of these arguments, the arguments bound to the kernel's parameters)
+    through Triton's own binder for the current device."""
     device = driver.active.get_current_device()
-    _, specialization, options = raw.device_caches[device][4](*args, **kwargs)
-    _kernels[(id(raw), device, tuple(specialization), tuple(options.items()), knobs.runtime.debug)] = kernel
+    bound, specialization, options = raw.device_caches[device][4](*args, **kwargs)
+    return (id(raw), device, tuple(specialization), tuple(options.items()), knobs.runtime.debug), bound

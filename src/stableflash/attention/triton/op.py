@@ -442,9 +442,7 @@ def _(q, k, v, causal, scale, *args, **kwargs):
     o32 = q.new_empty(q.shape if delta.keeps_o else (0,), dtype=q.dtype if delta.residual else torch.float32)
     mask_args = args[len(OP_FIELDS):]
     dropout_p = mask_args[MASK_ARGS.index("dropout_p")] if len(mask_args) == N_MASK_ARGS else kwargs.get("dropout_p", 0.0)
-    seed = (torch.empty(1, dtype=torch.int64, device="cpu") if dropout_p > 0
-            else q.new_empty(0, dtype=torch.int64))
-    return _empty_like_layout(q), q.new_empty(q.shape[:3], dtype=torch.float32), o32, seed
+    return _empty_like_layout(q), q.new_empty(q.shape[:3], dtype=torch.float32), o32, _seed_output(0, dropout_p, q)
 
 
 def _backward_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
@@ -473,6 +471,7 @@ def _backward_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
         n_m, n_n, n_bh, n_bhk = masks.max_q, masks.max_k, n_seq * H, n_seq * Hk
         blocks = varlen_grid
     has_r = residual.numel() > 0
+    r = residual.contiguous() if has_r else o  # the δ kernels' R (ignored without HAS_R)
     fuse = FUSED_DELTA and not config.delta.extra_pass and not masks.any
     dq, dk, dv = _empty_like_layout(q), _empty_like_layout(k), _empty_like_layout(k)   # dK, dV: one set of strides
     common = (*_strides(q), *_strides(k), *_strides(v), *_strides(do))
@@ -483,13 +482,12 @@ def _backward_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
                 HEAD_DIM=d, CAUSAL=causal, EMU=emu, **cap, **switches, **fused)
 
     if fuse:                                  # the dQ kernel computes δ and stores it for dK/dV
-        launch_dq(O=o, R=residual.contiguous() if has_r else o, stride_ob=o.stride(0), stride_oh=o.stride(1),
-                  stride_om=o.stride(2), FUSE_DELTA=True, HAS_R=has_r)
+        launch_dq(O=o, R=r, stride_ob=o.stride(0), stride_oh=o.stride(1), stride_om=o.stride(2), FUSE_DELTA=True,
+                  HAS_R=has_r)
     elif not config.delta.extra_pass:         # δ = rowsum(dO ∘ O), O as stored, kept in fp32, or plus R
         block = 64
-        launch_cache.launch(delta_dot_kernel, (triton.cdiv(n_q, block), B * H), o,
-                            residual.contiguous() if has_r else o, do, delta, *_strides(o), *_strides(do), H, n_q,
-                            HEAD_DIM=d, BLOCK_M=block, HAS_R=has_r)
+        launch_cache.launch(delta_dot_kernel, (triton.cdiv(n_q, block), B * H), o, r, do, delta, *_strides(o),
+                            *_strides(do), H, n_q, HEAD_DIM=d, BLOCK_M=block, HAS_R=has_r)
     else:
         _launch(_delta_tuned, delta_pass_kernel, lambda meta: blocks(n_m, meta["BLOCK_M"], n_bh),
                 q, k, v, do, lse, delta, *_strides(q), *_strides(k), *_strides(v), *_strides(do), H, group, n_q, n_k,
