@@ -80,6 +80,7 @@ def _providers(d: int, causal: bool, variants: bool):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from stableflash.attention.gluon import flash_backward_hopper, flash_forward_hopper
+    from stableflash.attention.gluon.route import triton_only
     from stableflash.attention.triton.launch import stabilized_config
     from stableflash.attention.triton.op import _backward_impl, _forward
     config = stabilized_config(torch.bfloat16)
@@ -91,8 +92,13 @@ def _providers(d: int, causal: bool, variants: bool):
         return setup
 
     def triton_setup(q, k, v, do):
-        o, lse, r = _forward(q, k, v, causal, d ** -0.5, config)
-        return lambda: _backward_impl(do, q, k, v, o, r, lse, causal, d ** -0.5, config)
+        with triton_only():
+            o, lse, r = _forward(q, k, v, causal, d ** -0.5, config)
+
+        def backward():
+            with triton_only():
+                return _backward_impl(do, q, k, v, o, r, lse, causal, d ** -0.5, config)
+        return backward
 
     def sdpa(backend):
         def setup(q, k, v, do):

@@ -10,8 +10,9 @@ many products they leave in flight (``WARPGROUP.DEPBAR.LE gsb0, N``: N ≥ 1 is 
 product past the wait); the softmax exponentials placed while a product is in flight; TMA loads
 and stores (UTMALDG, UTMASTG); local-memory spills (STL, LDL); registers per thread (cuobjdump);
 dynamic shared memory; USETMAXREG (the warp-specialised register split). Nothing runs.
---variants adds, per configuration, the kernel without warp specialisation, without the
-scheduling fence, and with ping-pong consumers (the switches a GPU run compares).
+--variants adds, per configuration, the kernel with one consumer partition instead of the
+default's two ping-pong ones, that without warp specialisation, and the default without the
+scheduling fence (the switches a GPU run compares).
 
 With --time (a CUDA device of compute capability 9.0): first each provider's O against float64 at
 (2, 4, 509, d) on fresh random inputs (‖O − O₆₄‖ / ‖O₆₄‖), then the forward's time
@@ -36,9 +37,9 @@ def compile_rows(variants: bool) -> list[dict]:
         for causal in (False, True):
             base = tiles_for(d, causal)
             tiles = [base]
-            if variants:
-                tiles += [base._replace(warp_specialize=False), base._replace(sched_fence=False),
-                          base._replace(pingpong=True)]
+            if variants:               # the default is ping-pong: one consumer partition, without warp
+                single = base._replace(pingpong=False)   # specialisation (one partition), without the fence
+                tiles += [single, single._replace(warp_specialize=False), base._replace(sched_fence=False)]
             rows += [sass.check(d, causal, t) for t in tiles]
     return rows
 
@@ -69,6 +70,7 @@ def _providers(d: int, causal: bool):
 
     from stableflash.attention.gluon import flash_forward_hopper
     from stableflash.attention.gluon.hopper_forward import tiles_for
+    from stableflash.attention.gluon.route import triton_only
     from stableflash.attention.triton.launch import stabilized_config
     from stableflash.attention.triton.op import _forward
     config = stabilized_config(torch.bfloat16)
@@ -76,6 +78,10 @@ def _providers(d: int, causal: bool):
 
     def gluon(tiles):
         return lambda q, k, v: flash_forward_hopper(q, k, v, causal, tiles=tiles)[0]
+
+    def triton_forward(q, k, v):
+        with triton_only():
+            return _forward(q, k, v, causal, d ** -0.5, config)[0]
 
     def sdpa(backend):
         def fn(q, k, v):
@@ -85,10 +91,10 @@ def _providers(d: int, causal: bool):
 
     return {
         "gluon": gluon(base),
-        "gluon-no-ws": gluon(base._replace(warp_specialize=False)),
+        "gluon-single": gluon(base._replace(pingpong=False)),
+        "gluon-no-ws": gluon(base._replace(pingpong=False, warp_specialize=False)),
         "gluon-no-fence": gluon(base._replace(sched_fence=False)),
-        "gluon-pingpong": gluon(base._replace(pingpong=True)),
-        "triton-stabilized": lambda q, k, v: _forward(q, k, v, causal, d ** -0.5, config)[0],
+        "triton-stabilized": triton_forward,
         "sdpa-cudnn": sdpa(SDPBackend.CUDNN_ATTENTION),
         "sdpa-flash": sdpa(SDPBackend.FLASH_ATTENTION),
     }

@@ -81,23 +81,26 @@ def test_argument_errors_name_the_argument_and_what_is_accepted(args, error, mat
 
 @pytest.fixture(scope="module")
 def offline():
-    """The sm_90a compile checks of head_dim 64, causal — the default tiles and ping-pong — and the
-    launcher's arguments compiled through triton's runtime, in one go (in a process of their own
-    when this one runs Triton's interpreter: ``sass.offline_checks``)."""
+    """The sm_90a compile checks of head_dim 64, causal — the default tiles' shape with one consumer
+    partition of 128 rows, and with ping-pong (the default) — and the launcher's arguments compiled
+    through triton's runtime, in one go (in a process of their own when this one runs Triton's
+    interpreter: ``sass.offline_checks``)."""
     from stableflash.attention.gluon import sass
     from stableflash.attention.gluon.hopper_forward import tiles_for
     if not sass.tools_present():
         pytest.skip("this triton wheel ships no nvdisasm / cuobjdump")
     t = tiles_for(64, True)
-    result = sass.offline_checks([(64, True, t), (64, True, t._replace(pingpong=True))], runtime=True)
-    return {"default": (t, result["rows"][0]), "pingpong": (t._replace(pingpong=True), result["rows"][1]),
+    assert t.pingpong
+    single = t._replace(pingpong=False)
+    result = sass.offline_checks([(64, True, single), (64, True, t)], runtime=True)
+    return {"single": (single, result["rows"][0]), "pingpong": (t, result["rows"][1]),
             "runtime": result["runtime"]}
 
 
 @needs_gluon
-@pytest.mark.parametrize("variant", ["default", "pingpong"])
+@pytest.mark.parametrize("variant", ["single", "pingpong"])
 def test_compiles_for_sm90_without_a_gpu(offline, variant):
-    """head_dim 64, causal, the default tiles (and with ping-pong consumers): HGMMA at the three S
+    """head_dim 64, causal, the default tiles (ping-pong consumers) and one consumer partition: HGMMA at the three S
     sites (d/16 each) and the three P̄V sites (BLOCK_N/16 each) of each consumer partition; a wait
     that leaves a product in flight, with the softmax's exponentials placed before the next wait;
     TMA loads and stores; the producer/consumer register split; no local-memory spills."""
@@ -168,11 +171,13 @@ def _inputs(B, H, Hk, n_q, n_k, d, tied, gen):
 
 
 def _triton_forward(q, k, v, causal, scale):
+    from stableflash.attention.gluon.route import triton_only
     from stableflash.attention.triton.launch import stabilized_config
     from stableflash.attention.triton.op import _forward
     config = stabilized_config(torch.bfloat16)
     assert config.delta.residual                       # the δ source these outputs serve: dO·(O+R)
-    return _forward(q, k, v, causal, scale, config)
+    with triton_only():                                 # the Triton kernels, not the Hopper route
+        return _forward(q, k, v, causal, scale, config)
 
 
 CASES = [(2, 4, 4, 509, 509), (1, 8, 2, 1024, 1024), (2, 3, 3, 130, 257), (1, 2, 2, 257, 130)]
@@ -224,9 +229,11 @@ def test_variants_and_layouts_agree_bit_for_bit(d, causal):
                for _ in range(3))
     base = sg.flash_forward_hopper(q, k, v, causal)
     t = tiles_for(d, causal)
-    for other in (sg.flash_forward_hopper(q, k, v, causal, tiles=t._replace(warp_specialize=False)),
+    assert t.pingpong                                  # the default: ping-pong consumers
+    single = t._replace(pingpong=False)
+    for other in (sg.flash_forward_hopper(q, k, v, causal, tiles=single._replace(warp_specialize=False)),
                   sg.flash_forward_hopper(q, k, v, causal, tiles=t._replace(sched_fence=False)),
-                  sg.flash_forward_hopper(q, k, v, causal, tiles=t._replace(pingpong=True)),
+                  sg.flash_forward_hopper(q, k, v, causal, tiles=single),
                   sg.flash_forward_hopper(*(x.contiguous() for x in (q, k, v)), causal)):
         for a, b in zip(base, other):
             assert torch.equal(a, b)

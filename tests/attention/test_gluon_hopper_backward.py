@@ -172,11 +172,13 @@ def _inputs(B, H, Hk, n_q, n_k, d, tied, gen):
 
 
 def _triton_backward(do, q, k, v, o, r, lse, causal, scale):
+    from stableflash.attention.gluon.route import triton_only
     from stableflash.attention.triton.launch import stabilized_config
     from stableflash.attention.triton.op import _backward_impl
     config = stabilized_config(torch.bfloat16)
     assert config.delta.residual and not config.delta.extra_pass      # δ = rowsum(dO ∘ (O + R)), as here
-    return _backward_impl(do, q, k, v, o, r, lse, causal, scale, config)
+    with triton_only():                                 # the Triton kernels, not the Hopper route
+        return _backward_impl(do, q, k, v, o, r, lse, causal, scale, config)
 
 
 @pytest.mark.gpu

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from stableflash.attention import flash_attention, reference
+from stableflash.attention.gluon.route import triton_only
 from stableflash.attention.policy import resolve_policy
 
 DEFAULT_SHAPES = ((32, 12, 1024, 64), (8, 16, 4096, 64), (4, 16, 8192, 128))
@@ -27,12 +28,14 @@ class Variant(NamedTuple):
     """One of stableflash's benchmarked kernel variants: the stabilization (a name of
     ``attention.stabilization.NAMES``), the policy preset its policy starts from (None: the dtype's
     default), the policy fields it changes ("{low}" is the input dtype's name), and other
-    ``flash_attention`` arguments. Named ``stableflash[-STABILIZATION][-VARIANT]``, the
-    stabilization left out where it is the default."""
+    ``flash_attention`` arguments; ``hopper``: whether the call may take the Gluon Hopper kernels
+    where they apply (``attention.gluon.route``; off: the portable Triton kernels alone). Named
+    ``stableflash[-STABILIZATION][-VARIANT]``, the stabilization left out where it is the default."""
     stabilize: str
     preset: str | None = None
     changes: dict = {}
     extra: dict = {}
+    hopper: bool = True
 
 
 _E8M5 = {"acc": "e8m5", "row_sum": "e8m5", "out": "e8m5"}
@@ -42,6 +45,8 @@ VARIANTS = {
     # what the product runs (flash_attention's default, "consistent-delta"): the standard row max and
     # δ from a source consistent with the backward's P (bf16/fp16 inputs: O plus its rounding residual)
     "stableflash": Variant("consistent-delta"),
+    # the same on the portable Triton kernels alone, where the default would take the Hopper kernels
+    "stableflash-portable": Variant("consistent-delta", hopper=False),
     "stableflash-none": Variant("none"),
     "stableflash-tie-shift": Variant("tie-shift"),
     "stableflash-tie-shift+consistent-delta": Variant("tie-shift+consistent-delta"),
@@ -187,8 +192,9 @@ def provider_fn(name: str, shape, causal: bool, device) -> Callable:
                 low = "fp16" if q.dtype == torch.float16 else "bf16"
                 policy = resolve_policy(variant.preset, q.dtype).replace(
                     **{f: val.format(low=low) for f, val in variant.changes.items()})
-            return flash_attention(q, k, v, causal=causal, stabilize=variant.stabilize, backend="triton",
-                                   policy=policy, **variant.extra)
+            with contextlib.nullcontext() if variant.hopper else triton_only():
+                return flash_attention(q, k, v, causal=causal, stabilize=variant.stabilize, backend="triton",
+                                       policy=policy, **variant.extra)
         return stableflash
     if name == "flex":
         return _flex(shape, causal, device)

@@ -116,13 +116,13 @@ def backward_tiles_for(head_dim: int, causal: bool) -> BackwardTiles:
     """The default tiles: dK/dV over 128 keys (two consumer warpgroups) with query blocks of 64
     rows in two slots at head_dim 64, of 32 rows in three slots at 128 (the dK, dV accumulators
     take d registers per thread next to the 64 × block_m tiles Sᵀ, dPᵀ: 64-row blocks spill at
-    head_dim 128); dQ over 128 query rows (two consumer warpgroups) with key blocks of 128 at
-    head_dim 64, 64 at 128, in two slots. No spills (``sass.check_backward``) but, with triton 3.9,
-    a few scalars of the causal dK/dV kernel at head_dim 128 (stored once, reloaded per block).
-    Not tuned on a GPU."""
+    head_dim 128); dQ over 128 query rows (two consumer warpgroups) with key blocks of 128 in two
+    slots at head_dim 64, of 32 in three slots at 128. No spills (``sass.check_backward``). At
+    head_dim 128 the dQ tile is the fastest of the variants without spills
+    timed on an H100 at 4×16×8192×128 (benchmarks/results/gluon-backward-H100-2026-11-25.json)."""
     if head_dim <= 64:
         return BackwardTiles(128, 64, 2, 128, 128, 2)
-    return BackwardTiles(128, 32, 3, 128, 64, 2)
+    return BackwardTiles(128, 32, 3, 128, 32, 3)
 
 
 # --- dK, dV ---------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ import triton
 from triton.runtime import _allocation
 from triton.runtime.interpreter import InterpretedFunction
 
+from stableflash.attention.gluon import route as hopper_route
 from stableflash.attention.masking import draw_seed, drop_threshold
 from stableflash.attention.triton import launch_cache
 from stableflash.attention.triton.backward import (attn_bwd_dkdv_kernel, attn_bwd_dq_kernel,
@@ -173,9 +174,8 @@ def _launch(tuned, raw, grid, *args, tma_tuned=None, tma: bool | None = None, fi
 # whether the forward may read K and V through tensor descriptors (Hopper's TMA); its tuner decides
 TMA = True
 # δ = rowsum(dO ∘ O) (or with O + R) computed inside the dQ kernel, which then runs before the dK/dV
-# kernel, instead of by a kernel of its own: where no mask, window, varlen or dropout is on. Off until
-# timed on a GPU.
-FUSED_DELTA = False
+# kernel, instead of by a kernel of its own: where no mask, window, varlen or dropout is on.
+FUSED_DELTA = True
 # the forward's persistent grid: this many programs per SM, each walking tiles longest first over
 # every head (0: one program per tile). Off until timed on a GPU (benchmarks/tools/tune_attention.py).
 PERSISTENT = 0
@@ -352,7 +352,8 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sc
     heads reach the kernel as one int, bit h set for head h. A key block (``config.block_k``)
     walks the keys in blocks of that size (``key_block_config``). ``masks``: what the call masks
     beyond CAUSAL; ``drop_seed``: dropout's seed (``masking.draw_seed``, drawn by the caller,
-    which keeps it for the backward)."""
+    which keeps it for the backward). Where ``gluon.route.why_not`` accepts the call, the Gluon
+    Hopper forward writes the same three outputs."""
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     B, H, n_q, d = q.shape
     n_k = k.shape[2]
@@ -361,6 +362,9 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sc
     lse = torch.empty(B, H, n_q, dtype=torch.float32, device=q.device)
     o32 = torch.empty(q.shape if delta.keeps_o else (0,), dtype=q.dtype if delta.residual else torch.float32,
                       device=q.device)
+    if hopper_route.why_not(q, k, v, config, masks, interpreting()) is None:
+        hopper_route.forward(q, k, v, causal, scale, o, lse, o32)
+        return o, lse, o32
     scale_u, eps_u, lo, hi, period = _units(emu, scale, config.eps, config.min_shift, config.max_shift)
     cap_in = cap_out = 0.0
     if softcap is not None:   # "paper": S = bf16(QKᵀ·scale) capped in natural units; "fa2": QKᵀ into log2 units

@@ -1,0 +1,114 @@
+"""Which forwards of the Triton backend's op run on the Gluon Hopper kernel, and its launch.
+
+``triton.op._forward`` asks ``why_not`` first: where it answers None the forward runs on
+``hopper_forward`` (the same O, log-sum-exp and residual R, in the same layouts, so that the
+Triton backward takes them as its own forward's); anywhere else on the Triton forward, which
+stays the portable path and the reference the Gluon kernel is tested against. The backward stays
+on the Triton kernels: the Gluon backward (``hopper_backward``) was measured no faster than the
+Triton backward with δ inside its dQ kernel (docs/kernels.md). A forward qualifies when all of
+these hold:
+
+- the switch ``ENABLED`` is on and this triton has the Gluon Hopper API (``support``);
+- the configuration is ``flash_attention``'s default for bf16 (``stabilize=True``: the standard
+  row maximum, δ from dO·(O + R), no policy, soft-cap or key block of its own) — any ``beta``/``eps``;
+- bf16 inputs at a head_dim of ``HEAD_DIMS``: where the Gluon forward was measured faster than
+  the Triton forward (head_dim 64 is not: docs/kernels.md);
+- no mask beyond top-left causal (no window, ``attn_mask``, varlen or dropout);
+- q, k, v TMA-aligned: 16-byte base, strides nonzero multiples of 8 elements, the last one 1;
+- B·H ≤ 65535 and B·H·N_q < 2³¹ (the kernel's grid and indexing);
+- a CUDA device of compute capability 9.0 (sm_90a), not Triton's interpreter.
+
+Imports nothing from Gluon at module level (the kernel is imported at its first launch).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+from dataclasses import replace
+
+import torch
+
+from stableflash.attention.gluon.support import unavailable_reason
+
+# off: every call on the Triton kernels (the benchmarks' "stableflash-portable" provider)
+ENABLED = True
+# the head dims routed here: where the Gluon forward is faster than the Triton forward
+HEAD_DIMS = (128,)
+MAX_HEAD_PROGRAMS = 65535
+
+
+@contextlib.contextmanager
+def triton_only():
+    """Within the block every call runs on the Triton kernels (``ENABLED`` off, restored after): the
+    reference the Gluon kernel is compared with, and the benchmarks' portable provider."""
+    global ENABLED
+    was, ENABLED = ENABLED, False
+    try:
+        yield
+    finally:
+        ENABLED = was
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+@functools.lru_cache(maxsize=64)
+def _config_reason(config) -> str | None:
+    from stableflash.attention.triton.launch import stabilized_config
+    ref = stabilized_config(torch.bfloat16)
+    if replace(config, beta=ref.beta, eps=ref.eps, min_shift=ref.min_shift, max_shift=ref.max_shift) != ref:
+        return "the configuration is not flash_attention's default for bf16 (stabilize=True, no policy)"
+    return None
+
+
+def _misaligned(named: dict[str, torch.Tensor]) -> str | None:
+    for name, t in named.items():
+        strides = t.stride()
+        if strides[-1] != 1 or t.data_ptr() % 16 or any(s == 0 or (s * t.element_size()) % 16 for s in strides[:-1]):
+            return f"{name} with strides {strides} is not TMA-aligned"
+    return None
+
+
+def why_not(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config, masks, interpreting: bool = False) -> str | None:
+    """None where this forward runs on the Gluon Hopper kernel (the module docstring's list); else
+    the first reason it does not, in words. ``masks``: the op's ``Masks``."""
+    if not ENABLED:
+        return "the Hopper route is switched off (route.ENABLED)"
+    if interpreting:
+        return "Triton's interpreter runs the kernels"
+    missing = unavailable_reason()
+    if missing is not None:
+        return missing
+    reason = _config_reason(config)
+    if reason is not None:
+        return reason
+    if q.dtype != torch.bfloat16:
+        return f"dtype {q.dtype} (the Hopper kernels take bfloat16)"
+    if q.shape[-1] not in HEAD_DIMS:
+        return f"head_dim {q.shape[-1]} (routed: {HEAD_DIMS})"
+    if masks.any:
+        return "a window, attn_mask, varlen batch or dropout"
+    B, H, n_q = q.shape[:3]
+    if B * H > MAX_HEAD_PROGRAMS or B * H * n_q >= 2**31:
+        return f"q of shape {tuple(q.shape)} exceeds the kernels' grid or int32 indexing"
+    reason = _misaligned({"q": q, "k": k, "v": v})
+    if reason is not None:
+        return reason
+    if q.device.type != "cuda":
+        return f"the tensors are on {q.device}, not CUDA"
+    cap = _capability(q.device.index if q.device.index is not None else torch.cuda.current_device())
+    if cap != (9, 0):
+        return f"compute capability {cap} (the kernels are compiled for sm_90a)"
+    return None
+
+
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, o: torch.Tensor,
+            lse: torch.Tensor, residual: torch.Tensor) -> None:
+    """The Gluon forward into ``o`` (q's layout), ``lse`` (B, H, N_q) fp32 and ``residual`` (B, H, N_q, d)
+    bf16 contiguous, for a call ``why_not`` accepted."""
+    from stableflash.attention.gluon.hopper_forward import tiles_for
+    from stableflash.attention.gluon.launch import attn_fwd_hopper_kernel, launch_args
+    grid, args, meta = launch_args(q, k, v, o, lse, residual, causal, scale, tiles_for(q.shape[-1], causal))
+    attn_fwd_hopper_kernel[grid](*args, **meta)

@@ -1,0 +1,171 @@
+"""Which forwards of the Triton backend run on the Gluon Hopper kernel (``gluon.route``).
+
+Without a GPU: ``why_not`` names each thing that keeps a call on the Triton kernels (the switch, the
+interpreter, a configuration other than the bf16 default, the dtype, the head_dim, masks, TMA
+alignment, the grid's limits, the device), and a call that has everything but a Hopper GPU is
+refused for its device alone; ``beta``/``eps`` of the default (unused by its standard row maximum)
+do not matter; ``triton_only`` switches the route off and back.
+
+On an H100/H200 (compute capability 9.0): ``flash_attention`` as a user calls it, at head_dim 128,
+runs the Gluon forward (counted) and the Triton backward on its outputs, and its O, dQ, dK, dV are
+within 1.25× (+1e-4) the Triton kernels' error against float64 on fresh inputs and on tied maxima — causal and not, ragged
+lengths, grouped-query heads, (B, N, H, d) buffers; through ``torch.compile`` the same kernels give
+the same values bit for bit; head_dim 64 and a window stay on the Triton kernels.
+"""
+import pytest
+import torch
+
+from stableflash.attention import flash_attention
+from stableflash.attention import gluon as sg
+from stableflash.attention.gluon import route
+from stableflash.attention.triton.launch import stabilized_config
+from stableflash.attention.triton.op import Masks
+from tests.attention.test_gluon_hopper import on_hopper
+from tests.attention.test_triton import expanded_reference
+
+needs_gluon = pytest.mark.skipif(not sg.available(), reason=f"Gluon Hopper API missing: {sg.unavailable_reason()}")
+CONFIG = stabilized_config(torch.bfloat16)
+
+
+def _bf16(*shape, device="cpu"):
+    return torch.zeros(*shape, dtype=torch.bfloat16, device=device)
+
+
+def _qkv(d=128, device="cpu"):
+    return _bf16(2, 4, 64, d, device=device), _bf16(2, 2, 64, d, device=device), _bf16(2, 2, 64, d, device=device)
+
+
+def test_switch_and_interpreter_keep_calls_on_triton():
+    q, k, v = _qkv()
+    with route.triton_only():
+        assert "switched off" in route.why_not(q, k, v, CONFIG, Masks())
+    assert route.ENABLED
+    assert "interpreter" in route.why_not(q, k, v, CONFIG, Masks(), interpreting=True)
+
+
+@needs_gluon
+def test_a_qualifying_call_is_refused_for_its_device_alone():
+    q, k, v = _qkv()
+    assert route.why_not(q, k, v, CONFIG, Masks()) == "the tensors are on cpu, not CUDA"
+    from dataclasses import replace
+    custom = replace(CONFIG, beta=3.0, eps=1e-2)         # unused by the standard row maximum
+    assert route.why_not(q, k, v, custom, Masks()) == "the tensors are on cpu, not CUDA"
+
+
+@needs_gluon
+@pytest.mark.parametrize("change, words", [
+    (dict(config=stabilized_config(torch.float16)), "not flash_attention's default for bf16"),
+    (dict(config="none"), "not flash_attention's default for bf16"),
+    (dict(dtype=torch.float16), "dtype torch.float16"),
+    (dict(d=64), "head_dim 64"),
+    (dict(masks=Masks(dropout_p=0.1)), "window, attn_mask, varlen batch or dropout"),
+    (dict(masks=Masks(band=(8, 0, False))), "window, attn_mask, varlen batch or dropout"),
+    (dict(offset=True), "is not TMA-aligned"),
+    (dict(heads=70000), "exceeds the kernels' grid"),
+], ids=["fp16-config", "stabilize-none", "fp16", "d64", "dropout", "window", "misaligned", "grid"])
+def test_each_unsupported_feature_is_named(change, words):
+    from stableflash.attention.policy import resolve_policy
+    from stableflash.attention.shift import ShiftRule
+    from stableflash.attention.triton.launch import kernel_config
+    d = change.get("d", 128)
+    q, k, v = _qkv(d)
+    if "dtype" in change:
+        q, k, v = (t.to(change["dtype"]) for t in (q, k, v))
+    if change.get("offset"):
+        q = _bf16(2 * 4 * 64 * d + 1)[1:].view(2, 4, 64, d)          # base 2 bytes past alignment
+    if "heads" in change:
+        q = torch.empty_strided((1, change["heads"], 1, d), (change["heads"] * d, d, d, 1), dtype=torch.bfloat16)
+    config = change.get("config", CONFIG)
+    if config == "none":
+        config = kernel_config(resolve_policy(None, torch.bfloat16), ShiftRule(), torch.bfloat16)
+    reason = route.why_not(q, k, v, config, change.get("masks", Masks()))
+    assert reason is not None and words in reason, reason
+
+
+# --- on a Hopper GPU -----------------------------------------------------------------------------
+
+@pytest.fixture
+def counted(monkeypatch):
+    """{"forward": n}: the Gluon forwards launched through the route."""
+    calls = {"forward": 0}
+    real = route.forward
+
+    def counting(*args, **kwargs):
+        calls["forward"] += 1
+        return real(*args, **kwargs)
+    monkeypatch.setattr(route, "forward", counting)
+    return calls
+
+
+def _run(q, k, v, do, **kw):
+    q, k, v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+    o = flash_attention(q, k, v, **kw)
+    return (o, *torch.autograd.grad(o, (q, k, v), do))
+
+
+def _inputs(B, H, Hk, n, d, tied, gen, layout="bhnd"):
+    def make(h):
+        if layout == "bnhd":
+            return torch.randn(B, n, h, d, generator=gen, device="cuda").to(torch.bfloat16).transpose(1, 2)
+        return torch.randn(B, h, n, d, generator=gen, device="cuda").to(torch.bfloat16)
+    q, k, v, do = make(H), make(Hk), make(Hk), make(H)
+    if tied:                                   # keys repeating every 16 positions: tied row maxima
+        k = k[:, :, :16].repeat(1, 1, (n + 15) // 16, 1)[:, :, :n]
+    return q, k, v, do
+
+
+ROUTE_CASES = [  # (B, H, H_kv, N, layout, tied)
+    (2, 4, 4, 509, "bhnd", False),
+    (1, 8, 2, 300, "bhnd", True),              # grouped-query heads, tied maxima
+    (2, 4, 4, 256, "bnhd", False),             # (B, N, H, d) buffers, as a model hands them over
+]
+
+
+@pytest.mark.gpu
+@on_hopper
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("case", ROUTE_CASES, ids=["-".join(map(str, c)) for c in ROUTE_CASES])
+def test_flash_attention_runs_the_hopper_kernels_at_head_dim_128(case, causal, counted):
+    B, H, Hk, n, layout, tied = case
+    gen = torch.Generator(device="cuda").manual_seed(n + causal)
+    q, k, v, do = _inputs(B, H, Hk, n, 128, tied, gen, layout)
+    got = _run(q, k, v, do, causal=causal)
+    assert counted == {"forward": 1}
+    with route.triton_only():
+        portable = _run(q, k, v, do, causal=causal)
+    assert counted == {"forward": 1}
+    ref = expanded_reference(q, k, v, do, causal)
+    for name, x, x_t, r, like in zip(("O", "dQ", "dK", "dV"), got, portable, ref, (q, q, k, v)):
+        assert x.shape == like.shape and x.dtype == torch.bfloat16 and torch.isfinite(x).all(), name
+        err, err_t = (((y.double() - r).norm() / r.norm()).item() for y in (x, x_t))
+        assert err <= 1.25 * err_t + 1e-4, (name, err, err_t)
+
+
+@pytest.mark.gpu
+@on_hopper
+def test_compiled_calls_take_the_same_kernels(counted):
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    q, k, v, do = _inputs(2, 4, 4, 384, 128, False, gen, "bnhd")
+    eager = _run(q, k, v, do, causal=True)
+    compiled = torch.compile(lambda a, b, c: flash_attention(a, b, c, causal=True), fullgraph=True)
+    qc, kc, vc = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+    o = compiled(qc, kc, vc)
+    got = (o, *torch.autograd.grad(o, (qc, kc, vc), do))
+    assert counted == {"forward": 2}
+    for a, b in zip(eager, got):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@on_hopper
+@pytest.mark.parametrize("kw", [dict(d=64), dict(d=128, window=(32, 0))], ids=["d64", "window"])
+def test_unsupported_calls_stay_on_the_triton_kernels(kw, counted):
+    d = kw.pop("d")
+    gen = torch.Generator(device="cuda").manual_seed(d)
+    q, k, v, do = _inputs(1, 2, 2, 200, d, False, gen)
+    got = _run(q, k, v, do, causal=True, **kw)
+    with route.triton_only():
+        portable = _run(q, k, v, do, causal=True, **kw)
+    assert counted == {"forward": 0}
+    for a, b in zip(got, portable):
+        assert torch.equal(a, b)
