@@ -3,11 +3,12 @@
 ``flash_forward_hopper(q, k, v, causal, scale=None)``: the attention forward with TMA, mbarriers,
 asynchronous warpgroup products and warp specialisation (``hopper_forward.py``), computing what
 the Triton forward computes for ``stabilize=True`` on the "fa2" policy — O, the log-sum-exp and
-the residual of the O store that the stabilized backward reads. It is a module function only:
-``flash_attention(backend="auto")`` does not select it (not yet measured on a GPU).
+the residual of the O store that the stabilized backward reads. ``flash_attention`` runs it for
+the forwards ``route.why_not`` accepts (head_dim 128, the default configuration, bf16, sm_90).
 ``sass.check(head_dim, causal)`` compiles it for sm_90a without a GPU and counts its SASS.
 ``flash_backward_hopper(do, q, k, v, o, residual, lse, causal, scale=None)``: its backward, (dQ, dK, dV)
-(``hopper_backward.py``: a dK/dV kernel and a dQ kernel after the Triton δ kernel);
+(``hopper_backward.py``: a dK/dV kernel and a dQ kernel after the Triton δ kernel; a module
+function only, no faster than the Triton backward);
 ``sass.check_backward(head_dim, causal)`` compiles and counts it.
 
 This package imports on any machine: ``available()`` says whether this triton has the Gluon

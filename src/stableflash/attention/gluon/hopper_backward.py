@@ -119,7 +119,7 @@ def backward_tiles_for(head_dim: int, causal: bool) -> BackwardTiles:
     head_dim 128); dQ over 128 query rows (two consumer warpgroups) with key blocks of 128 in two
     slots at head_dim 64, of 32 in three slots at 128. No spills (``sass.check_backward``). At
     head_dim 128 the dQ tile is the fastest of the variants without spills
-    timed on an H100 at 4×16×8192×128 (benchmarks/results/gluon-backward-H100-2026-11-25.json)."""
+    timed on an H100 at 4×16×8192×128 (docs/kernels.md, "Hopper path")."""
     if head_dim <= 64:
         return BackwardTiles(128, 64, 2, 128, 128, 2)
     return BackwardTiles(128, 32, 3, 128, 32, 3)

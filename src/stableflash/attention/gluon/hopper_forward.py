@@ -113,7 +113,7 @@ def tiles_for(head_dim: int, causal: bool) -> Tiles:
     """The default tiles: 128 query rows as two ping-pong consumer warpgroups of 64 and 128 keys per
     block; three ring slots at head_dim 64, two at 128 (shared memory: Q, R and STAGES × (K, V) tiles
     of 128 × d bf16, 192 KiB at d = 128). Ping-pong was the fastest schedule at each of the seven
-    shapes timed on an H200 (benchmarks/results/gluon-forward-H200-2026-11-24-*.json)."""
+    shapes timed on an H200 (docs/kernels.md, "Hopper path")."""
     return Tiles(128, 128, 3 if head_dim <= 64 else 2, pingpong=True)
 
 
