@@ -8,12 +8,15 @@ backward in eager mode, and of forward and backward through ``torch.compile`` (`
 mode: the custom op is called from the compiled graph on every call). Providers: SDPA as torch picks
 it, ``flash_attention`` with ``stabilize=True`` (its kernels launched through
 ``triton.launch_cache``, and with that cache off: every launch through Triton's own dispatch) and
-with ``stabilize=False``. Then the forward's own
-parts for ``stabilize=True``: the Python of ``triton.op._forward`` with every kernel launch replaced
-by a no-op (argument preparation and allocation alone), and with the launches (the rest is triton's
-launcher and its autotuner's dispatch). Each figure is the wall time of ``--calls`` calls after 20
-warm-up calls, divided by the count, the median of 5 repeats; the GPU is synchronised at the end of
-each repeat only, so that a call's time is the host's as long as the queue does not fill.
+with ``stabilize=False``. Then the forward's own parts for ``stabilize=True``: the Python of
+``triton.op._forward`` with every kernel launch replaced by a no-op (argument preparation and
+allocation alone), with the compiled kernel's launch alone replaced by a no-op (what the launch
+cache itself adds: its key, Triton's binder), and with the launches (the rest is the compiled
+kernel's launch: Triton's launcher and the driver). Each figure is the wall time of ``--calls``
+calls after 20 warm-up calls, divided by the count, the median of 5 repeats; the GPU is
+synchronised at the end of each repeat only, so that a call's time is the host's as long as the
+queue does not fill. One pass measures each provider once: compare rows across passes (the
+forward row moved by ±40% between passes of one machine).
 
 --profile: also run each ``stabilize=True`` path (forward, forward and backward, compiled forward and
 backward) under cProfile and write the functions with the most own time to the file: where the
@@ -130,6 +133,7 @@ def forward_parts(q, k, v, calls: int) -> dict:
     config = stabilized_config(torch.bfloat16)
     scale = q.shape[-1] ** -0.5
     qd, kd, vd = (t.detach() for t in (q, k, v))
+    from stableflash.attention.triton import launch_cache
     with_launch = per_call_us(lambda: op._forward(qd, kd, vd, True, scale, config), calls)
     real = op._launch
     op._launch = lambda *a, **kw: None
@@ -137,8 +141,21 @@ def forward_parts(q, k, v, calls: int) -> dict:
         without = per_call_us(lambda: op._forward(qd, kd, vd, True, scale, config), calls)
     finally:
         op._launch = real
+    recorded = dict(launch_cache._kernels)            # the launch cache's work, the driver call stubbed
+    launch_cache._kernels.update({key: _NoLaunch() for key in recorded})
+    try:
+        without_driver = per_call_us(lambda: op._forward(qd, kd, vd, True, scale, config), calls)
+    finally:
+        launch_cache._kernels.update(recorded)
     return {"provider": "triton.op._forward (stabilize=True)", "forward_us": with_launch,
-            "forward_without_launch_us": without}
+            "forward_without_launch_us": without, "forward_without_driver_launch_us": without_driver}
+
+
+class _NoLaunch:
+    """A recorded kernel whose launch does nothing: what is left is the launch cache's own work."""
+
+    def __getitem__(self, grid):
+        return lambda *args: None
 
 
 def main(argv=None) -> int:
@@ -160,12 +177,14 @@ def main(argv=None) -> int:
     import triton
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
           f"shape {args.shape}, causal bf16; microseconds per call (host-bound)")
-    print("| provider | forward | forward + backward | compiled forward + backward | forward, launches stubbed |")
-    print("|---|---|---|---|---|")
+    print("| provider | forward | forward + backward | compiled forward + backward | forward, launches stubbed | "
+          "forward, driver call stubbed |")
+    print("|---|---|---|---|---|---|")
     cell = lambda r, key: f"{r[key]:.1f}" if key in r else "—"  # noqa: E731
     for r in rows:
         print(f"| {r['provider']} | {cell(r, 'forward_us')} | {cell(r, 'forward_backward_us')} | "
-              f"{cell(r, 'compiled_forward_backward_us')} | {cell(r, 'forward_without_launch_us')} |")
+              f"{cell(r, 'compiled_forward_backward_us')} | {cell(r, 'forward_without_launch_us')} | "
+              f"{cell(r, 'forward_without_driver_launch_us')} |")
     if args.json:
         args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                                          "triton": triton.__version__, "shape": shape, "rows": rows}, indent=1) + "\n")
