@@ -15,7 +15,9 @@ cache itself adds: its key, Triton's binder), and with the launches (the rest is
 kernel's launch: Triton's launcher and the driver). Each figure is the wall time of ``--calls``
 calls after 20 warm-up calls, divided by the count, the median of 5 repeats; the GPU is
 synchronised at the end of each repeat only, so that a call's time is the host's as long as the
-queue does not fill. One pass measures each provider once: compare rows across passes (the
+queue does not fill. A last provider row has ``_forward`` and ``_backward_impl`` stubbed (outputs
+allocated, no kernel): the host time of everything around the kernels' launchers. One pass
+measures each provider once: compare rows across passes (the
 forward row moved by ±40% between passes of one machine).
 
 --profile: also run each ``stabilize=True`` path (forward, forward and backward, compiled forward and
@@ -28,6 +30,7 @@ says which part of one attention call it comes from.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -100,8 +103,35 @@ def measure(shape: tuple[int, int, int, int], calls: int) -> list[dict]:
                                               for path, call in paths(fn, q, k, v, do).items()}})
         finally:
             launch_cache.ENABLED = True
+    with kernels_stubbed():
+        fn, _ = providers()["stableflash stabilize=True"]
+        rows.append({"provider": "stableflash stabilize=True, _forward and _backward_impl stubbed",
+                     **{PATHS[path]: per_call_us(call, calls) for path, call in paths(fn, q, k, v, do).items()}})
     rows.append(forward_parts(q, k, v, calls))
     return rows
+
+
+@contextlib.contextmanager
+def kernels_stubbed():
+    """``triton.op._forward`` and ``_backward_impl`` replaced by functions that only allocate their
+    outputs (the same shapes, dtypes and layouts): what is left of a call is the API, the autograd
+    function or custom op around the kernels, and torch.compile's wrappers."""
+    from stableflash.attention.triton import op
+
+    def forward(q, k, v, causal, scale, config, masks=op.Masks(), drop_seed=0):
+        o32 = torch.empty(q.shape if config.delta.keeps_o else (0,),
+                          dtype=q.dtype if config.delta.residual else torch.float32, device=q.device)
+        return op._empty_like_layout(q), torch.empty(q.shape[:3], device=q.device), o32
+
+    def backward(do, q, k, v, o, residual, lse, causal, scale, config, masks=op.Masks(), seed=0):
+        return op._empty_like_layout(q), op._empty_like_layout(k), op._empty_like_layout(k)
+
+    real = op._forward, op._backward_impl
+    op._forward, op._backward_impl = forward, backward
+    try:
+        yield
+    finally:
+        op._forward, op._backward_impl = real
 
 
 def profile_paths(shape: tuple[int, int, int, int], calls: int, top: int = 25) -> str:
