@@ -78,18 +78,18 @@ def why_not(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config, masks, in
         return "the Hopper route is switched off (route.ENABLED)"
     if interpreting:
         return "Triton's interpreter runs the kernels"
+    if q.dtype != torch.bfloat16:            # the cheap checks first: most calls stop at one of them
+        return f"dtype {q.dtype} (the Hopper kernels take bfloat16)"
+    if q.shape[-1] not in HEAD_DIMS:
+        return f"head_dim {q.shape[-1]} (routed: {HEAD_DIMS})"
+    if masks.any:
+        return "a window, attn_mask, varlen batch or dropout"
     missing = unavailable_reason()
     if missing is not None:
         return missing
     reason = _config_reason(config)
     if reason is not None:
         return reason
-    if q.dtype != torch.bfloat16:
-        return f"dtype {q.dtype} (the Hopper kernels take bfloat16)"
-    if q.shape[-1] not in HEAD_DIMS:
-        return f"head_dim {q.shape[-1]} (routed: {HEAD_DIMS})"
-    if masks.any:
-        return "a window, attn_mask, varlen batch or dropout"
     B, H, n_q = q.shape[:3]
     if B * H > MAX_HEAD_PROGRAMS or B * H * n_q >= 2**31:
         return f"q of shape {tuple(q.shape)} exceeds the kernels' grid or int32 indexing"
