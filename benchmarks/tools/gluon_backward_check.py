@@ -24,12 +24,13 @@ Gluon backward's dQ kernel recomputes S and dP, so it does 7 products where the 
 """
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 from pathlib import Path
 
 import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gluon_check_cli  # noqa: E402  (this folder's shared command line)
 
 VARIANTS = {64: [(128, 64, 2, 128, 64, 2), (128, 64, 3, 128, 128, 2), (128, 128, 2, 128, 128, 2)],
             128: [(128, 64, 2, 128, 64, 2), (128, 32, 4, 128, 64, 2), (128, 32, 3, 128, 32, 3)]}
@@ -51,10 +52,6 @@ def compile_rows(variants: bool) -> list[dict]:
     return rows
 
 
-def _fmt_waits(w: dict) -> str:
-    return " ".join(f"≤{n}:{c}" for n, c in sorted(w.items()))
-
-
 def _fmt_tiles(r: dict) -> str:
     return (f"dkdv {r['block_n']}×{r['block_m']}×{r['stages']}, dq {r['dq_block_m']}×{r['dq_block_n']}×"
             f"{r['dq_stages']}")
@@ -67,7 +64,7 @@ def print_compile(rows: list[dict]) -> None:
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for r in rows:
-        cells = (r["kernel"], r["head_dim"], r["causal"], _fmt_tiles(r), r["hgmma"], _fmt_waits(r["wait_depths"]),
+        cells = (r["kernel"], r["head_dim"], r["causal"], _fmt_tiles(r), r["hgmma"], gluon_check_cli.fmt_waits(r["wait_depths"]),
                  f"{r['ex2_in_flight']}/{r['ex2']}", r["tma_loads"], r["tma_stores"], r["stl"], r["ldl"],
                  r["registers"], r["shared_bytes"], r["setmaxnreg"])
         print("| " + " | ".join(str(c) for c in cells) + " |")
@@ -151,44 +148,10 @@ def time_rows(shapes: list[tuple[int, ...]], causal: bool, variants: bool) -> li
     return rows
 
 
-def print_time(rows: list[dict]) -> None:
-    import torch
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
-    for r in rows:
-        if r["kind"] == "accuracy":
-            print(f"accuracy d={r['head_dim']} causal={r['causal']} {r['provider']:34s} dQ {r['rel_err_dQ']:.3e} "
-                  f"dK {r['rel_err_dK']:.3e} dV {r['rel_err_dV']:.3e}")
-    for r in rows:
-        if r["kind"] == "time":
-            shape = "×".join(map(str, r["shape"]))
-            print(f"backward {shape:16s} causal={r['causal']} {r['provider']:34s} {r['ms']:.3f} ms "
-                  f"{r['tflops']:.0f} TFLOP/s")
-
-
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--variants", action="store_true", help="also compile (or time) other tiles")
-    ap.add_argument("--time", action="store_true", help="on a GPU: accuracy against float64, then backward timings")
-    ap.add_argument("--non-causal", action="store_true", help="with --time: time non-causal attention")
-    ap.add_argument("--shapes", nargs="+", default=["32,12,1024,64", "8,16,4096,64", "4,16,8192,128"],
-                    help="with --time: B,H,N,d shapes")
-    ap.add_argument("--json", type=Path, help="also write the rows here")
-    args = ap.parse_args(argv)
-    from stableflash.attention.gluon import unavailable_reason
-    reason = unavailable_reason()
-    if reason is not None:
-        print(f"the Gluon Hopper backward is not available here: {reason}", file=sys.stderr)
-        return 1
-    if args.time:
-        rows = time_rows([tuple(int(x) for x in s.split(",")) for s in args.shapes], not args.non_causal,
-                         args.variants)
-        print_time(rows)
-    else:
-        rows = compile_rows(args.variants)
-        print_compile(rows)
-    if args.json:
-        args.json.write_text(json.dumps({"triton": triton.__version__, "rows": rows}, indent=1) + "\n")
-    return 0
+    return gluon_check_cli.main(argv, doc=__doc__, kernel="backward", compile_rows=compile_rows,
+                                print_compile=print_compile, variants_help="also compile (or time) other tiles",
+                                time_rows=time_rows, time_label="backward", width=34)
 
 
 if __name__ == "__main__":

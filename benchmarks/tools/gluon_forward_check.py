@@ -22,12 +22,13 @@ dO·(O+R): the same outputs) and SDPA's cuDNN and flash backends.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 from pathlib import Path
 
 import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gluon_check_cli  # noqa: E402  (this folder's shared command line)
 
 def compile_rows(variants: bool) -> list[dict]:
     from stableflash.attention.gluon import sass
@@ -44,10 +45,6 @@ def compile_rows(variants: bool) -> list[dict]:
     return rows
 
 
-def _fmt_waits(w: dict) -> str:
-    return " ".join(f"≤{n}:{c}" for n, c in sorted(w.items()))
-
-
 def print_compile(rows: list[dict]) -> None:
     print(f"triton {triton.__version__}, target sm_90a (compiled, not run)")
     head = ("d", "causal", "tiles", "WS", "fence", "ping-pong", "HGMMA", "waits (in flight ≤ N: count)",
@@ -56,7 +53,7 @@ def print_compile(rows: list[dict]) -> None:
     print("|" + "---|" * len(head))
     for r in rows:
         cells = (r["head_dim"], r["causal"], f"{r['block_m']}×{r['block_n']}×{r['stages']}", r["warp_specialize"],
-                 r["sched_fence"], r["pingpong"], r["hgmma"], _fmt_waits(r["wait_depths"]),
+                 r["sched_fence"], r["pingpong"], r["hgmma"], gluon_check_cli.fmt_waits(r["wait_depths"]),
                  f"{r['ex2_in_flight']}/{r['ex2']}", r["tma_loads"], r["tma_stores"], r["stl"], r["ldl"],
                  r["registers"], r["shared_bytes"], r["setmaxnreg"])
         print("| " + " | ".join(str(c) for c in cells) + " |")
@@ -125,42 +122,12 @@ def time_rows(shapes: list[tuple[int, ...]], causal: bool) -> list[dict]:
     return rows
 
 
-def print_time(rows: list[dict]) -> None:
-    import torch
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
-    for r in rows:
-        if r["kind"] == "accuracy":
-            print(f"accuracy d={r['head_dim']} causal={r['causal']} {r['provider']:18s} O {r['rel_err_O']:.3e}")
-    for r in rows:
-        if r["kind"] == "time":
-            shape = "×".join(map(str, r["shape"]))
-            print(f"time {shape:16s} causal={r['causal']} {r['provider']:18s} {r['ms']:.3f} ms "
-                  f"{r['tflops']:.0f} TFLOP/s")
-
-
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--variants", action="store_true", help="also compile without warp specialisation, without the fence, and with ping-pong")
-    ap.add_argument("--time", action="store_true", help="on a GPU: accuracy against float64, then forward timings")
-    ap.add_argument("--non-causal", action="store_true", help="with --time: time non-causal attention")
-    ap.add_argument("--shapes", nargs="+", default=["32,12,1024,64", "8,16,4096,64", "4,16,8192,128"],
-                    help="with --time: B,H,N,d shapes")
-    ap.add_argument("--json", type=Path, help="also write the rows here")
-    args = ap.parse_args(argv)
-    from stableflash.attention.gluon import unavailable_reason
-    reason = unavailable_reason()
-    if reason is not None:
-        print(f"the Gluon Hopper forward is not available here: {reason}", file=sys.stderr)
-        return 1
-    if args.time:
-        rows = time_rows([tuple(int(x) for x in s.split(",")) for s in args.shapes], not args.non_causal)
-        print_time(rows)
-    else:
-        rows = compile_rows(args.variants)
-        print_compile(rows)
-    if args.json:
-        args.json.write_text(json.dumps({"triton": triton.__version__, "rows": rows}, indent=1) + "\n")
-    return 0
+    return gluon_check_cli.main(
+        argv, doc=__doc__, kernel="forward", compile_rows=compile_rows, print_compile=print_compile,
+        variants_help="also compile with one consumer partition instead of ping-pong, that without warp "
+                      "specialisation, and without the fence",
+        time_rows=lambda shapes, causal, variants: time_rows(shapes, causal), time_label="time", width=18)
 
 
 if __name__ == "__main__":
