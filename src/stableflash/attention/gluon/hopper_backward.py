@@ -67,7 +67,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from stableflash.attention.gluon.hopper_forward import (_init_kv_ring, _invalidate_kv_ring, _mask, _producer,
-                                                        _query_program, cta_barrier, tma_load, tma_store)
+                                                        _query_program, _store_tile_pair, cta_barrier, tma_load,
+                                                        tma_store)
 
 LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
 
@@ -234,11 +235,7 @@ def _dkdv_consumer(dk_desc, dv_desc, lse_ptr, delta_ptr, k_smem, v_smem, q_smem,
                                 STAGES, CAUSAL, True, mma_t, mma_d)
     k.store((dk * scale).to(gl.bfloat16))                   # every product reading K and V is complete
     v.store(dv.to(gl.bfloat16))
-    fence_async_shared()
-    cta_barrier()
-    tma_store(dk_desc, [b, hk, start_n, 0], k_smem)
-    tma_store(dv_desc, [b, hk, start_n, 0], v_smem)
-    tma.store_wait(0)
+    _store_tile_pair(dk_desc, k_smem, dv_desc, v_smem, b, hk, start_n)
 
 
 @gluon.jit

@@ -307,6 +307,18 @@ def _step(q, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_free, v_free, s
 
 
 @gluon.jit
+def _store_tile_pair(desc_a, smem_a, desc_b, smem_b, b, h, row):
+    """An epilogue's two tiles, already written to shared memory from registers, stored by TMA at
+    (b, h, row): a fence makes the writes visible to the async proxy, a barrier waits for every warp
+    of the partition, then both stores are issued and waited for."""
+    fence_async_shared()
+    cta_barrier()
+    tma_store(desc_a, [b, h, row, 0], smem_a)
+    tma_store(desc_b, [b, h, row, 0], smem_b)
+    tma.store_wait(0)
+
+
+@gluon.jit
 def _consumer(k_desc, v_desc, o_desc, r_desc, lse_ptr, q_smem, k_smem, v_smem, r_smem,
               q_bar, k_ready, v_ready, k_free, v_free, sched_mine, sched_other,
               b, h, hk, start_m, n_q, n_k, n_blocks, full, lse_row0, qk_scale,
@@ -380,11 +392,7 @@ def _consumer(k_desc, v_desc, o_desc, r_desc, lse_ptr, q_smem, k_smem, v_smem, r
     cta_barrier()                                           # every warpgroup's last S is done: Q's tile is free
     q.store(o16)
     r_smem.reshape([ROWS, HEAD_DIM]).store(r16)
-    fence_async_shared()
-    cta_barrier()
-    tma_store(o_desc, [b, h, start_m, 0], q_smem)
-    tma_store(r_desc, [b, h, start_m, 0], r_smem)
-    tma.store_wait(0)
+    _store_tile_pair(o_desc, q_smem, r_desc, r_smem, b, h, start_m)
 
 
 @gluon.jit
