@@ -183,12 +183,20 @@ def _triton_forward(q, k, v, causal, scale):
 CASES = [(2, 4, 4, 509, 509), (1, 8, 2, 1024, 1024), (2, 3, 3, 130, 257), (1, 2, 2, 257, 130)]
 
 
-@pytest.mark.gpu
-@on_hopper
-@pytest.mark.parametrize("tied", [False, True], ids=["random", "tied"])
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("case", CASES, ids=["x".join(map(str, c)) for c in CASES])
+def against_float64(test):
+    """The marks of a Hopper GPU test run over every case of CASES × head_dim 64, 128 × causal or
+    not × random or tied-maxima inputs (the forward's and the backward's)."""
+    marks = (pytest.mark.gpu, on_hopper,
+             pytest.mark.parametrize("tied", [False, True], ids=["random", "tied"]),
+             pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"]),
+             pytest.mark.parametrize("d", [64, 128]),
+             pytest.mark.parametrize("case", CASES, ids=["x".join(map(str, c)) for c in CASES]))
+    for mark in reversed(marks):                           # applied bottom-up, as decorators are
+        test = mark(test)
+    return test
+
+
+@against_float64
 def test_forward_against_float64(case, d, causal, tied):
     """B×H×H_kv×N_q×N_k cases: none a multiple of the 128-row blocks but the second, grouped-query
     heads in the second, fewer keys than queries in the last (causal: top-left aligned)."""

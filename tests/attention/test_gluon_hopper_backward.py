@@ -25,7 +25,8 @@ import pytest
 import torch
 
 from stableflash.attention import gluon as sg
-from tests.attention.test_gluon_hopper import CASES, needs_gluon, on_hopper   # the forward's markers and cases
+# the forward's cases and markers
+from tests.attention.test_gluon_hopper import CASES, against_float64, needs_gluon, on_hopper
 from tests.attention.test_triton import expanded_reference
 
 
@@ -181,12 +182,7 @@ def _triton_backward(do, q, k, v, o, r, lse, causal, scale):
         return _backward_impl(do, q, k, v, o, r, lse, causal, scale, config)
 
 
-@pytest.mark.gpu
-@on_hopper
-@pytest.mark.parametrize("tied", [False, True], ids=["random", "tied"])
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("case", CASES, ids=["x".join(map(str, c)) for c in CASES])
+@against_float64
 def test_backward_against_float64(case, d, causal, tied, fixed_triton_tiles):
     """B×H×H_kv×N_q×N_k cases: none a multiple of the blocks but the second, grouped-query heads in
     the second, more keys than queries in the third (causal: keys past the last query get no
