@@ -9,9 +9,7 @@ import triton
 from stableflash.attention.gluon.hopper_backward import (BackwardTiles, attn_bwd_dkdv_hopper_kernel,
                                                          attn_bwd_dq_hopper_kernel, backward_tiles_for)
 from stableflash.attention.gluon.launch import LOG2E, _descriptor, check_inputs
-from stableflash.attention.triton.backward import delta_dot_kernel
-
-DELTA_BLOCK = 64                     # query rows per program of the δ kernel (as the Triton backward launches it)
+from stableflash.attention.triton.op import delta_dot
 
 
 def _check_tensor(name: str, t, dims: int, what: str) -> None:
@@ -95,8 +93,8 @@ def flash_backward_hopper(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     the last dimension contiguous (do, q, k, v TMA-aligned); lse (B, H, N_q) fp32, the forward's
     natural-log log-sum-exp; residual: R of the O store (what ``flash_forward_hopper`` returns),
     for δ = rowsum(dO ∘ (O + R)), or None / an empty tensor for δ = rowsum(dO ∘ O). causal top-left
-    aligned; scale None for 1/sqrt(d). δ comes from the Triton backward's ``delta_dot_kernel``
-    (launched as ``triton.op._backward_impl`` launches it), then the Gluon dK/dV and dQ kernels
+    aligned; scale None for 1/sqrt(d). δ comes from the Triton backward's δ kernel
+    (``triton.op.delta_dot``), then the Gluon dK/dV and dQ kernels
     (``hopper_backward``) run. Returns dq like q, dk and dv like k (bf16; with grouped-query heads
     dK and dV summed over each group). ``tiles``: a ``BackwardTiles`` other than
     ``backward_tiles_for(d, causal)``."""
@@ -104,9 +102,7 @@ def flash_backward_hopper(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     B, H, n_q, d = q.shape
     delta = torch.empty(B, H, n_q, dtype=torch.float32, device=q.device)
     has_r = residual is not None and residual.numel() > 0
-    delta_dot_kernel[(triton.cdiv(n_q, DELTA_BLOCK), B * H)](
-        o, residual.contiguous() if has_r else o, do, delta, o.stride(0), o.stride(1), o.stride(2),
-        do.stride(0), do.stride(1), do.stride(2), H, n_q, HEAD_DIM=d, BLOCK_M=DELTA_BLOCK, HAS_R=has_r)
+    delta_dot(o, residual.contiguous() if has_r else o, do, delta, has_r)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     launches = launch_args_backward(do, q, k, v, dq, dk, dv, lse.contiguous(), delta, causal, scale, tiles)
     for kernel, (grid, args, meta) in ((attn_bwd_dkdv_hopper_kernel, launches["dkdv"]),

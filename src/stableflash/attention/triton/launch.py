@@ -160,7 +160,6 @@ def kernel_config(policy: PrecisionPolicy, rule: ShiftRule, dtype: torch.dtype, 
                         softcap=float(softcap) if softcap else None, block_k=block_k, **precision)
 
 
-
 def stabilized_config(dtype: torch.dtype = torch.bfloat16) -> KernelConfig:
     """The kernels' configuration of ``flash_attention(q, k, v)`` with its defaults (``stabilize=True``,
     no policy) for inputs of ``dtype``, resolved as the API resolves it: what the benchmarks and
@@ -168,6 +167,7 @@ def stabilized_config(dtype: torch.dtype = torch.bfloat16) -> KernelConfig:
     from stableflash.attention.stabilization import parse_stabilize
     stab = parse_stabilize(True)
     return kernel_config(stab.policy_for(resolve_policy(None, dtype)), stab.rule, dtype)
+
 
 def check_policy(policy: PrecisionPolicy, dtype: torch.dtype) -> None:
     """ValueError, naming what the kernels accept, if they cannot run ``policy`` for ``dtype`` inputs."""

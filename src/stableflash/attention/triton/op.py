@@ -449,6 +449,15 @@ def _(q, k, v, causal, scale, *args, **kwargs):
     return _empty_like_layout(q), q.new_empty(q.shape[:3], dtype=torch.float32), o32, _seed_output(0, dropout_p, q)
 
 
+def delta_dot(o: torch.Tensor, r: torch.Tensor, do: torch.Tensor, delta: torch.Tensor, has_r: bool) -> None:
+    """δ = rowsum(dO ∘ O), with ``has_r`` rowsum(dO ∘ (O + R)) (``r`` contiguous (B, H, N_q, d); any
+    tensor without), into ``delta`` (B, H, N_q) fp32, by the δ kernel of its own."""
+    B, H, n_q, d = o.shape
+    block = 64
+    launch_cache.launch(delta_dot_kernel, (triton.cdiv(n_q, block), B * H), o, r, do, delta, *_strides(o),
+                        *_strides(do), H, n_q, HEAD_DIM=d, BLOCK_M=block, HAS_R=has_r)
+
+
 def _backward_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                    residual: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float,
                    config: KernelConfig, masks: Masks = Masks(),
@@ -489,9 +498,7 @@ def _backward_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
         launch_dq(O=o, R=r, stride_ob=o.stride(0), stride_oh=o.stride(1), stride_om=o.stride(2), FUSE_DELTA=True,
                   HAS_R=has_r)
     elif not config.delta.extra_pass:         # δ = rowsum(dO ∘ O), O as stored, kept in fp32, or plus R
-        block = 64
-        launch_cache.launch(delta_dot_kernel, (triton.cdiv(n_q, block), B * H), o, r, do, delta, *_strides(o),
-                            *_strides(do), H, n_q, HEAD_DIM=d, BLOCK_M=block, HAS_R=has_r)
+        delta_dot(o, r, do, delta, has_r)
     else:
         _launch(_delta_tuned, delta_pass_kernel, lambda meta: blocks(n_m, meta["BLOCK_M"], n_bh),
                 q, k, v, do, lse, delta, *_strides(q), *_strides(k), *_strides(v), *_strides(do), H, group, n_q, n_k,
