@@ -30,12 +30,12 @@ says which part of one attention call it comes from.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import statistics
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -95,27 +95,26 @@ def paths(fn, q, k, v, do) -> dict:
 def measure(shape: tuple[int, int, int, int], calls: int) -> list[dict]:
     from stableflash.attention.triton import launch_cache
     q, k, v, do = inputs(shape)
+
+    def row(name: str, fn) -> dict:
+        timed = paths(fn, q, k, v, do)
+        return {"provider": name, **{PATHS[path]: per_call_us(call, calls) for path, call in timed.items()}}
+
     rows = []
     for name, (fn, cached) in providers().items():
-        launch_cache.ENABLED = cached
-        try:
-            rows.append({"provider": name, **{PATHS[path]: per_call_us(call, calls)
-                                              for path, call in paths(fn, q, k, v, do).items()}})
-        finally:
-            launch_cache.ENABLED = True
+        with mock.patch.object(launch_cache, "ENABLED", cached):
+            rows.append(row(name, fn))
     with kernels_stubbed():
-        fn, _ = providers()["stableflash stabilize=True"]
-        rows.append({"provider": "stableflash stabilize=True, _forward and _backward_impl stubbed",
-                     **{PATHS[path]: per_call_us(call, calls) for path, call in paths(fn, q, k, v, do).items()}})
+        rows.append(row("stableflash stabilize=True, _forward and _backward_impl stubbed",
+                        providers()["stableflash stabilize=True"][0]))
     rows.append(forward_parts(q, k, v, calls))
     return rows
 
 
-@contextlib.contextmanager
 def kernels_stubbed():
     """``triton.op._forward`` and ``_backward_impl`` replaced by functions that only allocate their
-    outputs (the same shapes, dtypes and layouts): what is left of a call is the API, the autograd
-    function or custom op around the kernels, and torch.compile's wrappers."""
+    outputs (the same shapes, dtypes and layouts), as a context manager: what is left of a call is
+    the API, the autograd function or custom op around the kernels, and torch.compile's wrappers."""
     from stableflash.attention.triton import op
 
     def forward(q, k, v, causal, scale, config, masks=op.Masks(), drop_seed=0):
@@ -126,12 +125,7 @@ def kernels_stubbed():
     def backward(do, q, k, v, o, residual, lse, causal, scale, config, masks=op.Masks(), seed=0):
         return op._empty_like_layout(q), op._empty_like_layout(k), op._empty_like_layout(k)
 
-    real = op._forward, op._backward_impl
-    op._forward, op._backward_impl = forward, backward
-    try:
-        yield
-    finally:
-        op._forward, op._backward_impl = real
+    return mock.patch.multiple(op, _forward=forward, _backward_impl=backward)
 
 
 def profile_paths(shape: tuple[int, int, int, int], calls: int, top: int = 25) -> str:
@@ -158,25 +152,21 @@ def profile_paths(shape: tuple[int, int, int, int], calls: int, top: int = 25) -
 
 def forward_parts(q, k, v, calls: int) -> dict:
     """``_forward``'s host time for the ``stabilize=True`` configuration, without and with its launches."""
-    from stableflash.attention.triton import op
+    from stableflash.attention.triton import launch_cache, op
     from stableflash.attention.triton.launch import stabilized_config
     config = stabilized_config(torch.bfloat16)
     scale = q.shape[-1] ** -0.5
     qd, kd, vd = (t.detach() for t in (q, k, v))
-    from stableflash.attention.triton import launch_cache
-    with_launch = per_call_us(lambda: op._forward(qd, kd, vd, True, scale, config), calls)
-    real = op._launch
-    op._launch = lambda *a, **kw: None
-    try:
-        without = per_call_us(lambda: op._forward(qd, kd, vd, True, scale, config), calls)
-    finally:
-        op._launch = real
-    recorded = dict(launch_cache._kernels)            # the launch cache's work, the driver call stubbed
-    launch_cache._kernels.update({key: _NoLaunch() for key in recorded})
-    try:
-        without_driver = per_call_us(lambda: op._forward(qd, kd, vd, True, scale, config), calls)
-    finally:
-        launch_cache._kernels.update(recorded)
+
+    def forward():
+        op._forward(qd, kd, vd, True, scale, config)
+
+    with_launch = per_call_us(forward, calls)
+    with mock.patch.object(op, "_launch", lambda *a, **kw: None):
+        without = per_call_us(forward, calls)
+    # the launch cache's work with the driver call stubbed: each recorded kernel launches nothing
+    with mock.patch.dict(launch_cache._kernels, {key: _NoLaunch() for key in launch_cache._kernels}):
+        without_driver = per_call_us(forward, calls)
     return {"provider": "triton.op._forward (stabilize=True)", "forward_us": with_launch,
             "forward_without_launch_us": without, "forward_without_driver_launch_us": without_driver}
 
