@@ -5,10 +5,11 @@ backward, when the GPU work is too small to matter (a 1 × 1 × 128 × 64 causal
 
 Per provider: microseconds per call of the forward alone (under ``torch.no_grad``), of forward and
 backward in eager mode, and of forward and backward through ``torch.compile`` (``fullgraph``, default
-mode: the custom op is called from the compiled graph on every call). Providers: SDPA as torch picks
+mode). Providers: SDPA as torch picks
 it, ``flash_attention`` with ``stabilize=True`` (its kernels launched through
-``triton.launch_cache``, and with that cache off: every launch through Triton's own dispatch) and
-with ``stabilize=False``. Then the forward's own parts for ``stabilize=True``: the Python of
+``triton.launch_cache``, and with that cache off: every launch through Triton's own dispatch;
+compiled, through the inline ops — torch.compile launches the kernels — and through the opaque
+ops, whose Python runs on every call) and with ``stabilize=False``. Then the forward's own parts for ``stabilize=True``: the Python of
 ``triton.op._forward`` with every kernel launch replaced by a no-op (argument preparation and
 allocation alone), with the compiled kernel's launch alone replaced by a no-op (what the launch
 cache itself adds: its key, Triton's binder), and with the launches (the rest is the compiled
@@ -56,14 +57,17 @@ def per_call_us(fn, calls: int, repeats: int = 5) -> float:
 
 
 def providers():
-    """{name: (function, whether the kernels' launch cache is on)}."""
+    """{name: (function, whether the kernels' launch cache is on, whether torch.compile calls the
+    inline ops)}."""
     from stableflash.attention import flash_attention
     stabilized = lambda q, k, v: flash_attention(q, k, v, causal=True)  # noqa: E731
     return {
-        "sdpa (torch's pick)": (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), True),
-        "stableflash stabilize=True": (stabilized, True),
-        "stableflash stabilize=True, every launch through Triton's dispatch": (stabilized, False),
-        "stableflash stabilize=False": (lambda q, k, v: flash_attention(q, k, v, causal=True, stabilize=False), True),
+        "sdpa (torch's pick)": (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), True, True),
+        "stableflash stabilize=True": (stabilized, True, True),
+        "stableflash stabilize=True, opaque ops under torch.compile": (stabilized, True, False),
+        "stableflash stabilize=True, every launch through Triton's dispatch": (stabilized, False, True),
+        "stableflash stabilize=False": (lambda q, k, v: flash_attention(q, k, v, causal=True, stabilize=False), True,
+                                        True),
     }
 
 
@@ -93,7 +97,7 @@ def paths(fn, q, k, v, do) -> dict:
 
 
 def measure(shape: tuple[int, int, int, int], calls: int) -> list[dict]:
-    from stableflash.attention.triton import launch_cache
+    from stableflash.attention.triton import launch_cache, op
     q, k, v, do = inputs(shape)
 
     def row(name: str, fn) -> dict:
@@ -101,8 +105,8 @@ def measure(shape: tuple[int, int, int, int], calls: int) -> list[dict]:
         return {"provider": name, **{PATHS[path]: per_call_us(call, calls) for path, call in timed.items()}}
 
     rows = []
-    for name, (fn, cached) in providers().items():
-        with mock.patch.object(launch_cache, "ENABLED", cached):
+    for name, (fn, cached, inline) in providers().items():
+        with mock.patch.object(launch_cache, "ENABLED", cached), mock.patch.object(op, "INLINE_OPS", inline):
             rows.append(row(name, fn))
     with kernels_stubbed():
         rows.append(row("stableflash stabilize=True, _forward and _backward_impl stubbed",

@@ -69,15 +69,23 @@ def test_fullgraph_compile_runs_forward_and_backward_as_eager():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dynamic", [False, True])
 def test_fullgraph_compile_with_inductor_on_the_gpu(dynamic):
+    """The four entries summed (4·O): output and gradients within 1.25× (+1e-4) eager's error against
+    float64 — inductor tunes the kernels it launches itself, so its tiles may differ from eager's."""
+    from tests.attention.test_triton import expanded_reference
     torch._dynamo.reset()
     fn = every_entry(None)
     compiled = torch.compile(fn, fullgraph=True, dynamic=dynamic)
     gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, 2, 128, 64, generator=gen).bfloat16().cuda().requires_grad_(True) for _ in range(3))
-    got = compiled(q, k, v)
-    got.float().sum().backward()
-    want = fn(*(t.detach().requires_grad_(True) for t in (q, k, v)))
-    assert (got - want).abs().max().item() <= 1e-2
+    q, k, v, do = (torch.randn(1, 2, 128, 64, generator=gen).bfloat16().cuda() for _ in range(4))
+    results = []
+    for f in (compiled, fn):
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        out = f(*leaves)
+        results.append((out, *torch.autograd.grad(out, leaves, do)))
+    ref = [4 * r for r in expanded_reference(q, k, v, do, True)]
+    for name, x, x_e, r in zip(("O", "dQ", "dK", "dV"), *results, ref):
+        err, err_e = (((y.double() - r).norm() / r.norm()).item() for y in (x, x_e))
+        assert err <= 1.25 * err_e + 1e-4, (name, err, err_e)
 
 
 @pytest.mark.parametrize("dropout_p", [0.0, 0.25])

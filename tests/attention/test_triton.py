@@ -14,7 +14,7 @@ from tests.conftest import DEVICE, rel_err
 triton = pytest.importorskip("triton")
 from stableflash.attention.triton import op as triton_op  # noqa: E402  (after TRITON_INTERPRET is set)
 import triton.language as tl  # noqa: E402
-from stableflash.attention.triton.common import E4M3, p_bar_v, round_format, round_mantissa_stochastic  # noqa: E402
+from stableflash.attention.triton.common import E4M3, NO_FORMAT, p_bar_v, round_format, round_mantissa_stochastic  # noqa: E402
 from stableflash.attention.triton.config import DeltaSource, Format, KernelConfig  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")   # interpreter: numpy's inf − inf
@@ -153,7 +153,7 @@ def _p_bar_v(P, V, Y, hp, PBAR32: tl.constexpr, HP: tl.constexpr, INTERP: tl.con
     i = tl.arange(0, 16)
     p = tl.load(P + i[:, None] * 16 + i[None, :])
     v = tl.load(V + i[:, None] * 16 + i[None, :])
-    tl.store(Y + i[:, None] * 16 + i[None, :], p_bar_v(p, v, v, hp != 0, PBAR32, HP, INTERP))
+    tl.store(Y + i[:, None] * 16 + i[None, :], p_bar_v(p, v, v, hp != 0, PBAR32, HP, INTERP, NO_FORMAT))
 
 
 def test_p_bar_v_multiplies_p_bar_in_fp32_only_when_asked():

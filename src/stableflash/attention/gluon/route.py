@@ -71,9 +71,12 @@ def _misaligned(named: dict[str, torch.Tensor]) -> str | None:
     return None
 
 
-def why_not(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config, masks, interpreting: bool = False) -> str | None:
+def why_not(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config, masks, interpreting: bool = False,
+            pointers: bool = True) -> str | None:
     """None where this forward runs on the Gluon Hopper kernel (the module docstring's list); else
-    the first reason it does not, in words. ``masks``: the op's ``Masks``."""
+    the first reason it does not, in words. ``masks``: the op's ``Masks``. ``pointers`` off: the
+    tensors' addresses and strides are not checked (traced tensors have none): None then means
+    the call may run here."""
     if not ENABLED:
         return "the Hopper route is switched off (route.ENABLED)"
     if interpreting:
@@ -93,7 +96,7 @@ def why_not(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config, masks, in
     B, H, n_q = q.shape[:3]
     if B * H > MAX_HEAD_PROGRAMS or B * H * n_q >= 2**31:
         return f"q of shape {tuple(q.shape)} exceeds the kernels' grid or int32 indexing"
-    reason = _misaligned({"q": q, "k": k, "v": v})
+    reason = _misaligned({"q": q, "k": k, "v": v}) if pointers else None
     if reason is not None:
         return reason
     if q.device.type != "cuda":

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from stableflash.attention.triton.common import (DELTA_DP_P, DELTA_RECOMPUTE, MASK_ADD, MASK_BOOL, cast, dropout_keep,
-                                                 in_band, key_ranges, load_mask_tile, mma, tanh, to_bf16)
+                                                 fp32, in_band, key_ranges, load_mask_tile, mma, tanh, to_bf16)
 
 
 @triton.jit
@@ -121,6 +121,7 @@ def delta_pass_kernel(Q, K, V, DO, LSE, DELTA,
     """δ from dP·P (DELTA_SRC = DELTA_DP_P) or from dO·(PV in fp32) (DELTA_RECOMPUTE): one pass over the
     keys, longest query blocks first (as in the forward). The masking switches as the forward's;
     with DROPOUT, dP and PV those of the dropped, rescaled P."""
+    scale, softcap, drop_scale = fp32(scale), fp32(softcap), fp32(drop_scale)
     if BAND or VARLEN or MASK_KIND != 0 or DROPOUT:
         _delta_pass_masked(Q, K, V, DO, LSE, DELTA, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
                            stride_vb, stride_vh, stride_vn, stride_db, stride_dh, stride_dm,
@@ -309,6 +310,7 @@ def attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
     """dK, dV of one key block of one (batch, kv head), over the query heads of its group. With the
     masking switches (as the forward's), the query blocks that see the key block: a masked leading
     edge, whole unmasked blocks, a masked trailing edge (the band read from the keys' side)."""
+    scale, softcap, drop_scale = fp32(scale), fp32(softcap), fp32(drop_scale)
     if BAND or VARLEN or MASK_KIND != 0 or DROPOUT:
         _dkdv_masked(Q, K, V, DO, LSE, DELTA, DK, DV, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
                      stride_vb, stride_vh, stride_vn, stride_db, stride_dh, stride_dm, stride_dkb, stride_dkh,
@@ -492,6 +494,7 @@ def attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
     (no masking switch on): δ of the block's rows computed here as ``delta_dot_kernel`` computes it,
     rowsum(dO ∘ O) or with HAS_R rowsum(dO ∘ (O + R)), from the dO tile this kernel loads anyway,
     and stored to DELTA for the dK/dV kernel launched after it (one kernel and one read of dO fewer)."""
+    scale, softcap, drop_scale = fp32(scale), fp32(softcap), fp32(drop_scale)
     if BAND or VARLEN or MASK_KIND != 0 or DROPOUT:
         _dq_masked(Q, K, V, DO, LSE, DELTA, DQ, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
                    stride_vb, stride_vh, stride_vn, stride_db, stride_dh, stride_dm, stride_dqb, stride_dqh, stride_dqm,

@@ -245,8 +245,15 @@ def keep_hp(x, narrowed, hp, HP: tl.constexpr):
 
 
 @triton.jit
+def fp32(x):
+    """A kernel's float argument in fp32: Triton's launch passes a Python float as fp32, a launch
+    from torch.compile's generated code as fp64 (its scalar arithmetic would then run in fp64)."""
+    return tl.cast(x, tl.float32)
+
+
+@triton.jit
 def p_bar_v(p, v, v8, hp, PBAR32: tl.constexpr, HP: tl.constexpr, INTERP: tl.constexpr,
-            PFMT: tl.constexpr = NO_FORMAT, FP8_PV: tl.constexpr = False):
+            PFMT: tl.constexpr, FP8_PV: tl.constexpr = False):
     """P̄V with fp32 accumulation: P̄ rounded to V's dtype for the tensor cores, or (PBAR32, or a head
     kept in fp32) multiplied in fp32. PFMT other than NO_FORMAT: P̄ rounded to that format first
     (``round_format``); bf16, e8mY and fp8 values are exact in bf16, fp16 values in tf32, so the

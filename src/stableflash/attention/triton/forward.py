@@ -43,9 +43,9 @@ import triton
 import triton.language as tl
 
 from stableflash.attention.triton.common import (BF16, DELTA_O16, DELTA_O16_R, DELTA_O32, DELTA_O_FP32, DELTA_O_R,
-                                                 FP16, HP_LIMIT, MASK_ADD, MASK_BOOL, PAPER, TIE_SHIFT,
-                                                 bound_rounded_shift, cast, count_ties, dropout_keep, in_band,
-                                                 keep_hp, key_ranges, load_mask_tile, mma, narrow, next_shift, p_bar_v,
+                                                 FP16, NO_FORMAT, HP_LIMIT, MASK_ADD, MASK_BOOL, PAPER, TIE_SHIFT,
+                                                 bound_rounded_shift, cast, count_ties, dropout_keep, fp32,
+                                                 in_band, keep_hp, key_ranges, load_mask_tile, mma, narrow, next_shift, p_bar_v,
                                                  round_up_bf16, shift_from_ties, tanh, to_bf16)
 
 LOG2E = 1.4426950408889634
@@ -161,7 +161,7 @@ def _fwd_blocks(acc, acc16, l_i, m_i, r_i, q, K, V, V8, stride_kn, stride_vn, of
                 p = tl.where(dropout_keep(drop_seed, drop_thr, offs_m[:, None], cols[None, :], drop_bh), p, 0.0)
             acc = acc * alpha[:, None] + p_bar_v(p, v, v8, hp, PBAR32, HP, INTERP, PFMT, FP8_PV)
             if O16:                                # the 16-bit product beside the policy's, for δ
-                acc16 = acc16 * alpha[:, None] + p_bar_v(p, v, v, hp, False, False, INTERP)
+                acc16 = acc16 * alpha[:, None] + p_bar_v(p, v, v, hp, False, False, INTERP, NO_FORMAT)
         m_i = m_new
     return acc, acc16, l_i, m_i, r_i
 
@@ -247,6 +247,8 @@ def attn_fwd_kernel(Q, K, V, V8, O, LSE, O32,
     ``CU_K`` (int32, n_seq + 1), the grid's first axis then sequence·head (``op.varlen_grid``)
     and n_q, n_k the totals; MASK_KIND, an attn_mask at ``MASK`` (B, H, Nq, Nk) with strides (0 where broadcast);
     DROPOUT, attention dropout (seed, threshold ⌊p·2³²⌋, 1/(1 − p)). Not with PERSISTENT."""
+    scale, beta, eps, lo, hi, period = fp32(scale), fp32(beta), fp32(eps), fp32(lo), fp32(hi), fp32(period)
+    cap_in, cap_out, mask_mul, drop_scale = fp32(cap_in), fp32(cap_out), fp32(mask_mul), fp32(drop_scale)
     if PERSISTENT:
         n_m = tl.cdiv(n_q, BLOCK_M)
         for tile in range(tl.program_id(0), n_m * n_bh, tl.num_programs(0)):

@@ -1,20 +1,30 @@
 """Launchers for the Triton kernels, registered as ``torch.library`` custom ops with autograd.
 
-``stableflash::attn_fwd`` and ``stableflash::attn_bwd`` are opaque to torch.compile (it traces
-through them with their fake implementations, no graph break), and the autograd formula calls
-the backward op. In eager mode ``attention`` goes through a plain autograd.Function instead:
-the custom-op dispatch costs about 55 µs of Python per call (measured on this project's CPU
-machine), as much as a small attention kernel takes on the GPU. Both paths run the same
-``_forward`` and ``_backward``. Inputs whose last dimension is not contiguous are copied first.
+Two pairs of ops run the same ``_forward`` and ``_backward_impl``. ``stableflash::attn_fwd`` and
+``stableflash::attn_bwd`` are opaque to torch.compile: it traces past them with their fake
+implementations (no graph break) and calls their Python body on every step. Their inline twins
+``stableflash::attn_fwd_inline`` and ``stableflash::attn_bwd_inline`` (``torch.library.triton_op``)
+show torch.compile their Triton kernels, each launch wrapped in ``torch.library.wrap_triton``: it
+traces the body once and launches the kernels from its own generated code, without this module's
+Python on the step's path. Under torch.compile ``attention`` calls the inline forward, whose body
+hands a call to the opaque op where it must (``why_not_inline``: the interpreter, a per-call seed,
+the Gluon Hopper forward); the autograd formulas call the matching backward op. In eager mode
+``attention`` goes through a plain autograd.Function instead: the custom-op dispatch costs about
+55 µs of Python per call (measured on this project's CPU machine), as much as a small attention
+kernel takes on the GPU. Inputs whose last dimension is not contiguous are copied first.
 """
 from __future__ import annotations
 
+import contextvars
 import functools
+import inspect
 import math
 from typing import NamedTuple, Optional
 
 import torch
 import triton
+from torch._subclasses.fake_tensor import is_fake
+from torch.library import wrap_triton
 from triton.runtime import _allocation
 from triton.runtime.interpreter import InterpretedFunction
 
@@ -151,12 +161,13 @@ def _launch(tuned, raw, grid, *args, tma_tuned=None, tma: bool | None = None, fi
     ``fixed``: use the fixed config even when tuning — the forward's "paper" emulation rounds Ō and
     ℓ after every key block, so its key block is part of its arithmetic (``key_block``). ``config``:
     this tile and no other (a key block the caller chose: ``key_block_config``); the caller passes
-    tma=False with it."""
+    tma=False with it. Inside the inline ops' bodies every launch goes through
+    ``torch.library.wrap_triton``."""
     tune = AUTOTUNE and not fixed and config is None
     if tma:
         _ensure_allocator()
         if tune and not interpreting():
-            launch_cache.launch(tma_tuned, grid, *args, **meta, INTERP=False)
+            _run(tma_tuned, grid, *args, **meta, INTERP=False)
             return
     if tma is not None:
         meta["TMA"] = tma
@@ -164,11 +175,35 @@ def _launch(tuned, raw, grid, *args, tma_tuned=None, tma: bool | None = None, fi
         tile = _INTERP if config is None else {**_INTERP, "BLOCK_N": config.kwargs["BLOCK_N"]}
         raw[grid(tile)](*args, **meta, **tile, INTERP=True)
     elif tune:
-        launch_cache.launch(tuned, grid, *args, **meta, INTERP=False)
+        _run(tuned, grid, *args, **meta, INTERP=False)
     else:
         cfg = config or _FIXED[tuned][meta["HEAD_DIM"] <= 128]
-        launch_cache.launch(raw, grid(cfg.kwargs), *args, **meta, **cfg.kwargs, num_warps=cfg.num_warps,
-                            num_stages=cfg.num_stages, INTERP=False)
+        _run(raw, grid(cfg.kwargs), *args, **meta, **cfg.kwargs, num_warps=cfg.num_warps,
+             num_stages=cfg.num_stages, INTERP=False)
+
+
+# true inside the bodies of the inline ops (attn_fwd_inline, attn_bwd_inline): their kernels launch
+# through torch.library.wrap_triton, which torch.compile records as kernel calls of its own graph
+_INLINE: contextvars.ContextVar[bool] = contextvars.ContextVar("stableflash_inline_launches", default=False)
+
+
+def _with_defaults(entry, n_args: int, kwargs: dict) -> dict:
+    """``kwargs`` plus the default of each of the kernel's parameters after the first ``n_args``
+    that they leave out: torch.compile's copy of a kernel gives such a parameter None instead of
+    its default (torch 2.11), which would turn the switches of paths not taken (masks, dropout) on."""
+    fn = entry
+    while not isinstance(fn, triton.JITFunction):
+        fn = fn.fn
+    return {**{p.name: p.default for p in fn.params[n_args:] if p.has_default and p.name not in kwargs}, **kwargs}
+
+
+def _run(entry, grid, *args, **kwargs) -> None:
+    """``entry[grid](*args, **kwargs)`` for a compiled (not interpreted) kernel or tuner: through
+    ``wrap_triton`` inside an inline op's body, else through ``launch_cache``."""
+    if _INLINE.get():
+        wrap_triton(entry)[grid](*args, **_with_defaults(entry, len(args), kwargs))
+    else:
+        launch_cache.launch(entry, grid, *args, **kwargs)
 
 
 # whether the forward may read K and V through tensor descriptors (Hopper's TMA); its tuner decides
@@ -176,6 +211,9 @@ TMA = True
 # δ = rowsum(dO ∘ O) (or with O + R) computed inside the dQ kernel, which then runs before the dK/dV
 # kernel, instead of by a kernel of its own: where no mask, window, varlen or dropout is on.
 FUSED_DELTA = True
+# under torch.compile the ops whose kernels it launches from its own generated code (attn_fwd_inline,
+# attn_bwd_inline; ``why_not_inline`` names the calls that stay opaque); off: the opaque ops alone
+INLINE_OPS = True
 # the forward's persistent grid: this many programs per SM, each walking tiles longest first over
 # every head (0: one program per tile). Off until timed on a GPU (benchmarks/tools/tune_attention.py).
 PERSISTENT = 0
@@ -192,13 +230,19 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def _address(t: torch.Tensor) -> int:
+    """t's data address; for a traced tensor (torch.compile's fake tensors) its byte offset into its
+    storage, whose base torch.compile keeps 16-byte aligned (inductor copies a graph input that is not)."""
+    return t.storage_offset() * t.element_size() if is_fake(t) else t.data_ptr()
+
+
 def _use_tma(*ts: torch.Tensor) -> bool:
     """TMA needs compute capability ≥ 9, 16-byte aligned head bases and row strides (otherwise the
     pointer path runs)."""
     if not TMA or interpreting() or torch.cuda.get_device_capability(ts[0].device)[0] < 9:
         return False
     bytes_ = ts[0].element_size()
-    return not any(t.data_ptr() % 16 or any((s * bytes_) % 16 for s in t.stride()[:3]) for t in ts)
+    return not any(_address(t) % 16 or any((s * bytes_) % 16 for s in t.stride()[:3]) for t in ts)
 
 
 def _torch_scratch(size: int, alignment: int, stream) -> torch.Tensor:
@@ -317,7 +361,7 @@ def _mask_launch(masks: Masks, scale_u: float, seed: int) -> tuple[dict, dict]:
     if mask is not None:
         kind = 1 if mask.dtype == torch.bool else 2
         mstrides = mask.stride()
-        rows = mstrides[2] != 0 and mask.shape[2] > 1
+        rows = bool(mstrides[2] != 0 and mask.shape[2] > 1)
         mask = mask.view(torch.uint8) if kind == 1 else mask
     p = masks.dropout_p
     args = dict(CU_Q=masks.cu_q, CU_K=masks.cu_k, MASK=mask, stride_mb=mstrides[0], stride_mh=mstrides[1],
@@ -356,13 +400,14 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sc
     Hopper forward writes the same three outputs."""
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     B, H, n_q, d = q.shape
+    d = int(d)                                 # a compile-time constant of the kernels (traced: specialized)
     n_k = k.shape[2]
     emu, softcap, delta = config.emulated, config.softcap, config.delta
     o = _empty_like_layout(q)
     lse = torch.empty(B, H, n_q, dtype=torch.float32, device=q.device)
     o32 = torch.empty(q.shape if delta.keeps_o else (0,), dtype=q.dtype if delta.residual else torch.float32,
                       device=q.device)
-    if hopper_route.why_not(q, k, v, config, masks, interpreting()) is None:
+    if not _INLINE.get() and hopper_route.why_not(q, k, v, config, masks, interpreting()) is None:
         hopper_route.forward(q, k, v, causal, scale, o, lse, o32)
         return o, lse, o32
     scale_u, eps_u, lo, hi, period = _units(emu, scale, config.eps, config.min_shift, config.max_shift)
@@ -411,26 +456,58 @@ MASK_ARGS = ("band", "attn_mask", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q"
 N_MASK_ARGS = len(MASK_ARGS)
 
 
-@torch.library.custom_op("stableflash::attn_fwd", mutates_args=())
-def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, arithmetic: str,
-             rule: int, beta: float, eps: float, min_shift: float, max_shift: float, narrow: int, narrow_acc: bool,
-             narrow_row_sum: bool, narrow_out: bool, stochastic: bool, p_bar: Optional[int], fp8_product: bool,
-             delta: int, hp_heads: list[int], softcap: Optional[float], block_k: Optional[int],
-             band: Optional[list[int]] = None, attn_mask: Optional[torch.Tensor] = None,
-             cu_seqlens_q: Optional[torch.Tensor] = None, cu_seqlens_k: Optional[torch.Tensor] = None,
-             max_seqlen_q: int = 0, max_seqlen_k: int = 0,
-             dropout_p: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(O, LSE, O32, seed) as ``_forward`` for the KernelConfig whose ``op_args`` these are
-    (``OP_FIELDS``) and the masks (``Masks.op_args``); seed: with dropout, dropout's seed as a CPU
-    int64 tensor of one value for the backward op, drawn here on every call (also under
-    torch.compile, where the op is opaque); without, an empty int64 tensor on q's device, so that
-    a step with no dropout has no CPU output (torch.compile's CUDA graphs cannot record one)."""
-    config = _op_config(arithmetic, rule, beta, eps, min_shift, max_shift, narrow, narrow_acc, narrow_row_sum,
-                        narrow_out, stochastic, p_bar, fp8_product, delta, tuple(hp_heads), softcap, block_k)
-    masks = Masks.from_op_args(band, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p)
-    seed = draw_seed() if masks.dropout_p > 0 else 0
-    o, lse, o32 = _forward(q, k, v, causal, scale, config, masks, seed)
-    return o, lse, o32, _seed_output(seed, dropout_p, q)
+def _forward_op(inline: bool):
+    """The forward op's implementation: ``_forward`` with the op's arguments; ``inline``: the
+    launches through ``wrap_triton`` (``attn_fwd_inline``), except where a call needs the opaque
+    op — which it then calls."""
+
+    def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, arithmetic: str,
+                 rule: int, beta: float, eps: float, min_shift: float, max_shift: float, narrow: int,
+                 narrow_acc: bool, narrow_row_sum: bool, narrow_out: bool, stochastic: bool, p_bar: Optional[int],
+                 fp8_product: bool, delta: int, hp_heads: list[int], softcap: Optional[float],
+                 block_k: Optional[int], band: Optional[list[int]] = None, attn_mask: Optional[torch.Tensor] = None,
+                 cu_seqlens_q: Optional[torch.Tensor] = None, cu_seqlens_k: Optional[torch.Tensor] = None,
+                 max_seqlen_q: int = 0, max_seqlen_k: int = 0,
+                 dropout_p: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(O, LSE, O32, seed) as ``_forward`` for the KernelConfig whose ``op_args`` these are
+        (``OP_FIELDS``) and the masks (``Masks.op_args``); seed: with dropout, dropout's seed as a CPU
+        int64 tensor of one value for the backward op, drawn here on every call (also under
+        torch.compile, where the op is opaque); without, an empty int64 tensor on q's device, so that
+        a step with no dropout has no CPU output (torch.compile's CUDA graphs cannot record one)."""
+        config = _op_config(arithmetic, rule, beta, eps, min_shift, max_shift, narrow, narrow_acc, narrow_row_sum,
+                            narrow_out, stochastic, p_bar, fp8_product, delta, tuple(hp_heads), softcap, block_k)
+        masks = Masks.from_op_args(band, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                   dropout_p)
+        if inline and why_not_inline(q, k, v, config, masks) is not None:
+            return attn_fwd_opaque(q, k, v, causal, scale, *config.op_args(), *masks.op_args())
+        seed = draw_seed() if masks.dropout_p > 0 else 0
+        token = _INLINE.set(inline)
+        try:
+            o, lse, o32 = _forward(q, k, v, causal, scale, config, masks, seed)
+        finally:
+            _INLINE.reset(token)
+        return o, lse, o32, _seed_output(seed, dropout_p, q)
+
+    return attn_fwd
+
+
+# torch.compile leaves an opaque op's body alone (it runs as Python on every call); it traces an
+# inline op's body and launches its Triton kernels from its own generated code
+attn_fwd = attn_fwd_opaque = torch.library.custom_op("stableflash::attn_fwd", mutates_args=())(_forward_op(False))
+
+
+def why_not_inline(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: KernelConfig, masks: Masks) -> str | None:
+    """None where the inline ops run a call; else why it runs on the opaque ops: Triton's
+    interpreter (whose kernels ``wrap_triton`` does not take), a seed drawn per call (dropout,
+    stochastic rounding: torch.compile would fix it at trace time), or a forward the Gluon Hopper
+    kernel may take (``gluon.route``, which the opaque op asks with the tensors' addresses)."""
+    if interpreting():
+        return "Triton's interpreter runs the kernels"
+    if masks.dropout_p > 0 or config.stochastic:
+        return "dropout or stochastic rounding draws a seed on every call"
+    if hopper_route.why_not(q, k, v, config, masks, pointers=False) is None:
+        return "the Gluon Hopper forward may take the call"
+    return None
 
 
 def _seed_output(seed: int, dropout_p: float, q: torch.Tensor) -> torch.Tensor:
@@ -449,13 +526,42 @@ def _(q, k, v, causal, scale, *args, **kwargs):
     return _empty_like_layout(q), q.new_empty(q.shape[:3], dtype=torch.float32), o32, _seed_output(0, dropout_p, q)
 
 
+class _Body:
+    """An op's implementation as torch.library.triton_op takes it (its signature and globals for
+    the schema, a call), without the function's source: triton_op parses a function's source to
+    find the kernels it launches (which does not follow this module's helpers, and imports
+    torch._inductor, a second at import time); ``_triton_op`` names them instead."""
+
+    def __init__(self, fn):
+        self._fn = fn
+        self.__name__, self.__globals__ = fn.__name__, fn.__globals__
+        self.__signature__ = inspect.signature(fn)
+
+    def __call__(self, *args, **kwargs):
+        return self._fn(*args, **kwargs)
+
+
+def _triton_op(name: str, body, kernels) -> torch.library.CustomOpDef:
+    """``torch.library.triton_op(name)(body)``, ``kernels`` named as the Triton kernels it launches
+    (torch.compile's cache key includes the source of each kernel an op names)."""
+    op = torch.library.triton_op(name, mutates_args=())(_Body(body))
+    table = getattr(getattr(torch._library, "triton", None), "triton_ops_to_kernels", None)
+    if isinstance(table, dict):
+        table[name] = list(kernels)
+    return op
+
+
+# the same op inlined: torch.library.triton_op traces its body (also as its fake implementation)
+attn_fwd_inline = _triton_op("stableflash::attn_fwd_inline", _forward_op(True), (attn_fwd_kernel,))
+
+
 def delta_dot(o: torch.Tensor, r: torch.Tensor, do: torch.Tensor, delta: torch.Tensor, has_r: bool) -> None:
     """δ = rowsum(dO ∘ O), with ``has_r`` rowsum(dO ∘ (O + R)) (``r`` contiguous (B, H, N_q, d); any
     tensor without), into ``delta`` (B, H, N_q) fp32, by the δ kernel of its own."""
     B, H, n_q, d = o.shape
-    block = 64
-    launch_cache.launch(delta_dot_kernel, (triton.cdiv(n_q, block), B * H), o, r, do, delta, *_strides(o),
-                        *_strides(do), H, n_q, HEAD_DIM=d, BLOCK_M=block, HAS_R=has_r)
+    d, block = int(d), 64
+    _run(delta_dot_kernel, (triton.cdiv(n_q, block), B * H), o, r, do, delta, *_strides(o), *_strides(do), H,
+         n_q, HEAD_DIM=d, BLOCK_M=block, HAS_R=has_r)
 
 
 def _backward_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
@@ -471,6 +577,7 @@ def _backward_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     cap = dict(SOFTCAP=config.softcap is not None)
     do, q, k, v, o = (_last_dim_contiguous(t) for t in (do, q, k, v, o))
     B, H, n_q, d = q.shape
+    d = int(d)
     Hk, n_k = k.shape[1], k.shape[2]
     group = H // Hk
     delta = torch.empty(B, H, n_q, dtype=torch.float32, device=q.device)
@@ -512,28 +619,48 @@ def _backward_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     return dq, dk, dv
 
 
-@torch.library.custom_op("stableflash::attn_bwd", mutates_args=())
-def attn_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-             residual: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float, arithmetic: str, rule: int,
-             beta: float, eps: float, min_shift: float, max_shift: float, narrow: int, narrow_acc: bool,
-             narrow_row_sum: bool, narrow_out: bool, stochastic: bool, p_bar: Optional[int], fp8_product: bool,
-             delta: int, hp_heads: list[int], softcap: Optional[float], block_k: Optional[int],
-             band: Optional[list[int]] = None, attn_mask: Optional[torch.Tensor] = None,
-             cu_seqlens_q: Optional[torch.Tensor] = None, cu_seqlens_k: Optional[torch.Tensor] = None,
-             max_seqlen_q: int = 0, max_seqlen_k: int = 0, dropout_p: float = 0.0,
-             seed: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dQ, dK, dV) for the forward that produced ``o``, ``lse`` and dropout's ``seed``, with the
-    forward's arguments."""
-    config = _op_config(arithmetic, rule, beta, eps, min_shift, max_shift, narrow, narrow_acc, narrow_row_sum,
-                        narrow_out, stochastic, p_bar, fp8_product, delta, tuple(hp_heads), softcap, block_k)
-    masks = Masks.from_op_args(band, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p)
-    return _backward_impl(do, q, k, v, o, residual, lse, causal, scale, config, masks,
-                          int(seed[0]) if seed is not None and seed.numel() else 0)
+def _backward_op(inline: bool):
+    """The backward op's implementation: ``_backward_impl`` with the op's arguments; ``inline`` as
+    for ``_forward_op`` (the backward of dropout reads its seed from a tensor: the opaque op)."""
+
+    def attn_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                 residual: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float, arithmetic: str, rule: int,
+                 beta: float, eps: float, min_shift: float, max_shift: float, narrow: int, narrow_acc: bool,
+                 narrow_row_sum: bool, narrow_out: bool, stochastic: bool, p_bar: Optional[int],
+                 fp8_product: bool, delta: int, hp_heads: list[int], softcap: Optional[float],
+                 block_k: Optional[int], band: Optional[list[int]] = None, attn_mask: Optional[torch.Tensor] = None,
+                 cu_seqlens_q: Optional[torch.Tensor] = None, cu_seqlens_k: Optional[torch.Tensor] = None,
+                 max_seqlen_q: int = 0, max_seqlen_k: int = 0, dropout_p: float = 0.0,
+                 seed: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(dQ, dK, dV) for the forward that produced ``o``, ``lse`` and dropout's ``seed``, with the
+        forward's arguments."""
+        config = _op_config(arithmetic, rule, beta, eps, min_shift, max_shift, narrow, narrow_acc, narrow_row_sum,
+                            narrow_out, stochastic, p_bar, fp8_product, delta, tuple(hp_heads), softcap, block_k)
+        masks = Masks.from_op_args(band, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                   dropout_p)
+        if inline and (interpreting() or masks.dropout_p > 0):
+            return attn_bwd_opaque(do, q, k, v, o, residual, lse, causal, scale, *config.op_args(),
+                                   *masks.op_args(), seed)
+        token = _INLINE.set(inline)
+        try:
+            return _backward_impl(do, q, k, v, o, residual, lse, causal, scale, config, masks,
+                                  int(seed[0]) if seed is not None and seed.numel() else 0)
+        finally:
+            _INLINE.reset(token)
+
+    return attn_bwd
+
+
+attn_bwd = attn_bwd_opaque = torch.library.custom_op("stableflash::attn_bwd", mutates_args=())(_backward_op(False))
 
 
 @attn_bwd.register_fake
-def _(do, q, k, v, o, residual, lse, causal, scale, *args):
+def _(do, q, k, v, o, residual, lse, causal, scale, *args, **kwargs):
     return _empty_like_layout(q), _empty_like_layout(k), _empty_like_layout(k)
+
+
+attn_bwd_inline = _triton_op("stableflash::attn_bwd_inline", _backward_op(True),
+                             (attn_bwd_dq_kernel, attn_bwd_dkdv_kernel, delta_dot_kernel, delta_pass_kernel))
 
 
 def _for_delta(o: torch.Tensor, o32: torch.Tensor, config: KernelConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -555,13 +682,17 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(lse, o32, seed)
 
 
-def _backward(ctx, do, _dlse, _do32, _dseed):
-    q, k, v, lse, o, residual, seed = ctx.saved_tensors
-    dq, dk, dv = attn_bwd(do, q, k, v, o, residual, lse, *ctx.args, *ctx.mask_args, seed)
-    return dq, dk, dv, *[None] * (2 + len(OP_FIELDS) + N_MASK_ARGS)
+def _backward_of(op):
+    def backward(ctx, do, _dlse, _do32, _dseed):
+        q, k, v, lse, o, residual, seed = ctx.saved_tensors
+        dq, dk, dv = op(do, q, k, v, o, residual, lse, *ctx.args, *ctx.mask_args, seed)
+        return dq, dk, dv, *[None] * (2 + len(OP_FIELDS) + N_MASK_ARGS)
+
+    return backward
 
 
-attn_fwd.register_autograd(_backward, setup_context=_setup_context)
+attn_fwd.register_autograd(_backward_of(attn_bwd), setup_context=_setup_context)
+attn_fwd_inline.register_autograd(_backward_of(attn_bwd_inline), setup_context=_setup_context)
 
 
 class _EagerAttention(torch.autograd.Function):
@@ -585,10 +716,12 @@ class _EagerAttention(torch.autograd.Function):
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
               config: KernelConfig, masks: Masks = Masks()) -> tuple[torch.Tensor, torch.Tensor]:
-    """(O, LSE): O differentiable, LSE (B, H, Nq) fp32 without gradient — the custom op under
-    torch.compile (``config`` as its ``op_args``), the autograd.Function in eager mode. ``config``:
-    what ``launch.kernel_config`` built; ``masks``: what the call masks beyond CAUSAL."""
+    """(O, LSE): O differentiable, LSE (B, H, Nq) fp32 without gradient — the inline forward op
+    under torch.compile (the opaque one with ``INLINE_OPS`` off; ``config`` as its ``op_args``),
+    the autograd.Function in eager mode. ``config``: what ``launch.kernel_config`` built;
+    ``masks``: what the call masks beyond CAUSAL."""
     if torch.compiler.is_compiling():
-        o, lse, _, _ = attn_fwd(q, k, v, causal, scale, *config.op_args(), *masks.op_args())
+        op = attn_fwd_inline if INLINE_OPS else attn_fwd
+        o, lse, _, _ = op(q, k, v, causal, scale, *config.op_args(), *masks.op_args())
         return o, lse
     return _EagerAttention.apply(q, k, v, causal, scale, config, masks)

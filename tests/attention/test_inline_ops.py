@@ -1,0 +1,124 @@
+"""The inline ops (``stableflash::attn_fwd_inline``, ``attn_bwd_inline``): what torch.compile calls.
+
+Without a GPU (Triton's interpreter): the inline forward's schema and fake implementation agree
+with its real run (``torch.library.opcheck``), and under the interpreter both ops hand every call
+to the opaque ops (``why_not_inline``), whose outputs they return unchanged.
+
+On a GPU: a compiled forward and backward launches its kernels from torch.compile's own code —
+a second call runs with this package's forward and backward functions replaced by ones that
+raise — and gives eager's O, dQ, dK, dV bit for bit on the same fixed tiles; with the tuners on
+(inductor tunes the kernels itself, eager its own tuners) its errors against float64 stay within
+1.25× (+1e-4) eager's. Calls that need the opaque ops (dropout and stochastic rounding draw a
+seed per call, the Gluon Hopper forward is picked by address) are named, and compiled dropout
+gives eager's values for the same seed.
+"""
+from unittest import mock
+
+import pytest
+import torch
+
+import stableflash as sf
+from stableflash.attention.gluon import route
+from stableflash.attention.policy import PrecisionPolicy
+from stableflash.attention.shift import ShiftRule
+from stableflash.attention.triton import op
+from stableflash.attention.triton.launch import kernel_config, stabilized_config
+from stableflash.attention.triton.op import Masks
+from tests.attention.test_triton import expanded_reference
+from tests.conftest import DEVICE
+
+CONFIG = stabilized_config(torch.bfloat16)
+
+
+def _inputs(shape, seed, device=DEVICE):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    return [torch.randn(*shape, generator=gen, device=device).bfloat16() for _ in range(4)]
+
+
+def _run(fn, q, k, v, do):
+    q, k, v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+    o = fn(q, k, v)
+    return (o, *torch.autograd.grad(o, (q, k, v), do))
+
+
+def test_the_inline_forward_agrees_with_its_fake_and_schema():
+    q, k, v, _ = _inputs((1, 2, 40, 32), 0)
+    args = (q, k, v, True, 0.25, *CONFIG.op_args(), *Masks().op_args())
+    torch.library.opcheck(op.attn_fwd_inline, args, test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter runs only without a GPU here")
+def test_under_the_interpreter_the_inline_ops_return_the_opaque_ops_outputs():
+    q, k, v, do = _inputs((1, 2, 40, 32), 1)
+    assert op.why_not_inline(q, k, v, CONFIG, Masks()) == "Triton's interpreter runs the kernels"
+    args = (True, 0.25, *CONFIG.op_args(), *Masks().op_args())
+    inline, opaque = (f(q, k, v, *args) for f in (op.attn_fwd_inline, op.attn_fwd))
+    for a, b in zip(inline, opaque):
+        assert torch.equal(a, b)
+    o, lse, o32, seed = opaque
+    saved = (o, o32) if CONFIG.delta.residual else (o, o32.new_empty(0))
+    bwd = [f(do, q, k, v, *saved, lse, *args, seed) for f in (op.attn_bwd_inline, op.attn_bwd)]
+    for a, b in zip(*bwd):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_a_compiled_call_launches_its_kernels_without_this_packages_python(causal, monkeypatch):
+    """Fixed tiles (AUTOTUNE off) on both sides: eager's values bit for bit, on the first compiled
+    call and on a second one during which ``_forward`` and ``_backward_impl`` raise."""
+    monkeypatch.setattr(op, "AUTOTUNE", False)
+    torch._dynamo.reset()
+    fn = lambda q, k, v: sf.flash_attention(q, k, v, causal=causal)     # noqa: E731
+    compiled = torch.compile(fn, fullgraph=True)
+    q, k, v, do = (t.transpose(1, 2) for t in _inputs((2, 300, 3, 64), 7))   # (B, N, H, d) buffers
+    want = _run(fn, q, k, v, do)
+    first = _run(compiled, q, k, v, do)
+    stop = AssertionError("the package's Python ran inside the compiled call")
+    with mock.patch.object(op, "_forward", side_effect=stop), mock.patch.object(op, "_backward_impl", side_effect=stop):
+        again = _run(compiled, q, k, v, do)
+    for name, w, a, b in zip(("O", "dQ", "dK", "dV"), want, first, again):
+        assert torch.equal(w, a) and torch.equal(w, b), name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(2, 4, 2, 512, 64), (1, 4, 4, 700, 32)], ids=["gqa-64", "32"])
+def test_compiled_with_the_tuners_on_is_as_accurate_as_eager(shape):
+    B, H, Hk, n, d = shape
+    torch._dynamo.reset()
+    fn = lambda q, k, v: sf.flash_attention(q, k, v, causal=True)      # noqa: E731
+    gen = torch.Generator(device="cuda").manual_seed(n)
+    q, do = (torch.randn(B, H, n, d, generator=gen, device="cuda").bfloat16() for _ in range(2))
+    k, v = (torch.randn(B, Hk, n, d, generator=gen, device="cuda").bfloat16() for _ in range(2))
+    got = _run(torch.compile(fn, fullgraph=True), q, k, v, do)
+    eager = _run(fn, q, k, v, do)
+    ref = expanded_reference(q, k, v, do, True)
+    for name, x, x_e, r in zip(("O", "dQ", "dK", "dV"), got, eager, ref):
+        err, err_e = (((y.double() - r).norm() / r.norm()).item() for y in (x, x_e))
+        assert err <= 1.25 * err_e + 1e-4, (name, err, err_e)
+
+
+@pytest.mark.gpu
+def test_calls_that_need_the_opaque_ops_are_named():
+    q, k, v, _ = _inputs((1, 2, 64, 64), 2)
+    assert op.why_not_inline(q, k, v, CONFIG, Masks()) is None
+    assert "seed" in op.why_not_inline(q, k, v, CONFIG, Masks(dropout_p=0.1))
+    sr = kernel_config(PrecisionPolicy.preset("fa2").replace(out="e8m3:stochastic"), ShiftRule(), torch.bfloat16)
+    assert sr.stochastic and "seed" in op.why_not_inline(q, k, v, sr, Masks())
+    q128, k128, v128 = (torch.zeros(1, 2, 64, 128, dtype=torch.bfloat16, device="cuda") for _ in range(3))
+    gluon = route.why_not(q128, k128, v128, CONFIG, Masks()) is None
+    assert (op.why_not_inline(q128, k128, v128, CONFIG, Masks()) == "the Gluon Hopper forward may take the call") == gluon
+
+
+@pytest.mark.gpu
+def test_compiled_dropout_gives_eagers_values_for_the_same_seed():
+    torch._dynamo.reset()
+    fn = lambda q, k, v: sf.flash_attention(q, k, v, causal=True, dropout_p=0.2)     # noqa: E731
+    compiled = torch.compile(fn, fullgraph=True)
+    q, k, v, do = _inputs((2, 2, 256, 64), 4)
+    outs = []
+    for f in (fn, compiled):
+        torch.manual_seed(11)
+        outs.append(_run(f, q, k, v, do))
+    for name, a, b in zip(("O", "dQ", "dK", "dV"), *outs):
+        assert torch.equal(a, b), name
