@@ -70,7 +70,7 @@ def test_fullgraph_compile_runs_forward_and_backward_as_eager():
 @pytest.mark.parametrize("dynamic", [False, True])
 def test_fullgraph_compile_with_inductor_on_the_gpu(dynamic):
     """The four entries summed (4·O): output and gradients within 1.25× (+1e-4) eager's error against
-    float64 — inductor tunes the kernels it launches itself, so its tiles may differ from eager's."""
+    float64 (the compiled graph's kernels may take other tiles than eager's: not bit for bit)."""
     from tests.attention.test_triton import expanded_reference
     torch._dynamo.reset()
     fn = every_entry(None)

@@ -6,11 +6,12 @@ to the opaque ops (``why_not_inline``), whose outputs they return unchanged.
 
 On a GPU: a compiled forward and backward launches its kernels from torch.compile's own code —
 a second call runs with this package's forward and backward functions replaced by ones that
-raise — and gives eager's O, dQ, dK, dV bit for bit on the same fixed tiles; with the tuners on
-(inductor tunes the kernels itself, eager its own tuners) its errors against float64 stay within
-1.25× (+1e-4) eager's. Calls that need the opaque ops (dropout and stochastic rounding draw a
-seed per call, the Gluon Hopper forward is picked by address) are named, and compiled dropout
-gives eager's values for the same seed.
+raise — and gives eager's O, dQ, dK, dV bit for bit on the same fixed tiles, and with the tuners
+on (the traced call tunes them for its shapes; the eager call after it takes the same choice);
+with grouped-query heads within 1.25× eager's error against float64.
+Calls that need the opaque ops (dropout and stochastic rounding draw a seed per call, the Gluon
+Hopper forward is picked by address) are named, and compiled dropout gives eager's values for
+the same seed.
 """
 from unittest import mock
 
@@ -81,15 +82,38 @@ def test_a_compiled_call_launches_its_kernels_without_this_packages_python(causa
         assert torch.equal(w, a) and torch.equal(w, b), name
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("shape", [(2, 4, 2, 512, 64), (1, 4, 4, 700, 32)], ids=["gqa-64", "32"])
-def test_compiled_with_the_tuners_on_is_as_accurate_as_eager(shape):
-    B, H, Hk, n, d = shape
-    torch._dynamo.reset()
-    fn = lambda q, k, v: sf.flash_attention(q, k, v, causal=True)      # noqa: E731
+def _causal_inputs(B, H, Hk, n, d):
     gen = torch.Generator(device="cuda").manual_seed(n)
     q, do = (torch.randn(B, H, n, d, generator=gen, device="cuda").bfloat16() for _ in range(2))
     k, v = (torch.randn(B, Hk, n, d, generator=gen, device="cuda").bfloat16() for _ in range(2))
+    return q, k, v, do
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(2, 4, 4, 512, 64), (1, 4, 4, 700, 32)], ids=["64", "32"])
+def test_compiled_with_the_tuners_on_takes_the_tiles_eager_takes(shape):
+    """Tuners on: the compiled call's kernels get the tuners' choice for its shapes (tuned while it
+    is traced), which the eager call after it reuses: the same values bit for bit, and both within
+    bf16 rounding of float64 (relative error ≤ 2⁻⁷)."""
+    torch._dynamo.reset()
+    fn = lambda q, k, v: sf.flash_attention(q, k, v, causal=True)      # noqa: E731
+    q, k, v, do = _causal_inputs(*shape)
+    got = _run(torch.compile(fn, fullgraph=True), q, k, v, do)
+    eager = _run(fn, q, k, v, do)
+    ref = expanded_reference(q, k, v, do, True)
+    for name, x, x_e, r in zip(("O", "dQ", "dK", "dV"), got, eager, ref):
+        assert torch.equal(x, x_e), name
+        assert ((x.double() - r).norm() / r.norm()).item() <= 2.0 ** -7, name
+
+
+@pytest.mark.gpu
+def test_compiled_grouped_query_heads_are_as_accurate_as_eager():
+    """Grouped-query heads (two query heads per key head) with the tuners on: within 1.25× (+1e-4)
+    eager's error against float64 (not bit for bit: the backward's kernels are tuned by inductor
+    here, and the forward's O has differed from eager's by one bf16 unit on the same tile)."""
+    torch._dynamo.reset()
+    fn = lambda q, k, v: sf.flash_attention(q, k, v, causal=True)      # noqa: E731
+    q, k, v, do = _causal_inputs(2, 4, 2, 512, 64)
     got = _run(torch.compile(fn, fullgraph=True), q, k, v, do)
     eager = _run(fn, q, k, v, do)
     ref = expanded_reference(q, k, v, do, True)

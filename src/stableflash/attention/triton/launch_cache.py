@@ -55,6 +55,12 @@ def _tuner_key(tuner: Autotuner, args: tuple, kwargs: dict) -> tuple:
     return (id(tuner), values, dtypes)
 
 
+def recorded_choice(tuner: Autotuner, args: tuple, kwargs: dict) -> dict[str, Any] | None:
+    """The config (all its keyword arguments) ``launch`` recorded for the tuner at these arguments'
+    key; None if it has none (never launched there, or the cache was off)."""
+    return _configs.get(_tuner_key(tuner, args, kwargs))
+
+
 def _grid_tuple(grid, bound: dict) -> tuple[int, int, int]:
     g = grid(bound) if callable(grid) else grid
     return (g[0], g[1] if len(g) > 1 else 1, g[2] if len(g) > 2 else 1)

@@ -16,6 +16,7 @@ kernel takes on the GPU. Inputs whose last dimension is not contiguous are copie
 from __future__ import annotations
 
 import contextvars
+import dataclasses
 import functools
 import inspect
 import math
@@ -26,6 +27,7 @@ import triton
 from torch._subclasses.fake_tensor import is_fake
 from torch.library import wrap_triton
 from triton.runtime import _allocation
+from triton.runtime.autotuner import Autotuner
 from triton.runtime.interpreter import InterpretedFunction
 
 from stableflash.attention.gluon import route as hopper_route
@@ -182,9 +184,18 @@ def _launch(tuned, raw, grid, *args, tma_tuned=None, tma: bool | None = None, fi
              num_stages=cfg.num_stages, INTERP=False)
 
 
-# true inside the bodies of the inline ops (attn_fwd_inline, attn_bwd_inline): their kernels launch
-# through torch.library.wrap_triton, which torch.compile records as kernel calls of its own graph
-_INLINE: contextvars.ContextVar[bool] = contextvars.ContextVar("stableflash_inline_launches", default=False)
+@dataclasses.dataclass(frozen=True)
+class _InlineBody:
+    """Set while an inline op's body runs: its launches go through ``wrap_triton``, which
+    torch.compile records as kernel calls of its own graph. ``tune_here``: a tuned kernel gets the
+    tuner's choice for the traced shapes (``_tuned_here``), as an eager call would; else the tuner
+    itself, which inductor then tunes on its own."""
+
+    tune_here: bool
+
+
+_INLINE: contextvars.ContextVar[Optional[_InlineBody]] = contextvars.ContextVar("stableflash_inline_body",
+                                                                                default=None)
 
 
 def _with_defaults(entry, n_args: int, kwargs: dict) -> dict:
@@ -200,10 +211,60 @@ def _with_defaults(entry, n_args: int, kwargs: dict) -> dict:
 def _run(entry, grid, *args, **kwargs) -> None:
     """``entry[grid](*args, **kwargs)`` for a compiled (not interpreted) kernel or tuner: through
     ``wrap_triton`` inside an inline op's body, else through ``launch_cache``."""
-    if _INLINE.get():
-        wrap_triton(entry)[grid](*args, **_with_defaults(entry, len(args), kwargs))
-    else:
+    body = _INLINE.get()
+    if body is None:
         launch_cache.launch(entry, grid, *args, **kwargs)
+        return
+    # tuned with the arguments an eager call passes (the tuners' keys see the defaults left out)
+    choice = _tuned_here(entry, grid, args, kwargs) if body.tune_here and isinstance(entry, Autotuner) else None
+    kwargs = _with_defaults(entry, len(args), kwargs)
+    if choice is None:
+        wrap_triton(entry)[grid](*args, **kwargs)
+        return
+    meta, options = choice
+    wrap_triton(entry.fn)[grid(meta)](*args, **kwargs, **meta, **options)
+
+
+def _hint(x):
+    """A traced integer's value in the call being traced (a plain value as it is); None if it has none."""
+    return x.node.hint if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)) else x
+
+
+def _real_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A tensor of t's dtype, device, sizes, strides and storage offset (their traced values),
+    filled with normal values (integers: zeros)."""
+    size, stride, offset = [_hint(n) for n in t.shape], [_hint(s) for s in t.stride()], _hint(t.storage_offset())
+    if None in size or None in stride or offset is None:
+        raise LookupError("a size without a value")
+    numel = offset + 1 + sum((n - 1) * s for n, s in zip(size, stride)) if all(size) else offset + 1
+    base = torch.empty(numel, dtype=t.dtype, device=t.device)
+    if t.dtype.is_floating_point:
+        base.copy_(torch.randn(numel, device=t.device))
+    else:
+        base.zero_()
+    return base.as_strided(size, stride, offset)
+
+
+def _tuned_here(tuner: Autotuner, grid, args: tuple, kwargs: dict) -> tuple[dict, dict] | None:
+    """(the kernel's meta-parameters, num_warps and num_stages) the tuner picks for traced arguments
+    like these: this process's recorded choice for their key (``launch_cache``), or the tuner run
+    on real tensors of their shapes, outside the tracing modes. None where a traced size has no
+    value (an unbacked size), or the launch cache is off."""
+    try:
+        with torch.utils._python_dispatch._disable_current_modes():
+            real = [_real_tensor(a) if isinstance(a, torch.Tensor) else _hint(a) for a in args]
+            named = {k: _real_tensor(a) if isinstance(a, torch.Tensor) else _hint(a) for k, a in kwargs.items()}
+            chosen = launch_cache.recorded_choice(tuner, tuple(real), named)
+            if chosen is None:
+                launch_cache.launch(tuner, lambda meta: tuple(_hint(g) for g in grid(meta)), *real, **named)
+                chosen = launch_cache.recorded_choice(tuner, tuple(real), named)
+    except LookupError:
+        return None
+    if chosen is None:
+        return None
+    params = set(tuner.fn.arg_names)
+    return ({k: v for k, v in chosen.items() if k in params},
+            {k: chosen[k] for k in ("num_warps", "num_stages") if k in chosen})
 
 
 # whether the forward may read K and V through tensor descriptors (Hopper's TMA); its tuner decides
@@ -407,7 +468,7 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sc
     lse = torch.empty(B, H, n_q, dtype=torch.float32, device=q.device)
     o32 = torch.empty(q.shape if delta.keeps_o else (0,), dtype=q.dtype if delta.residual else torch.float32,
                       device=q.device)
-    if not _INLINE.get() and hopper_route.why_not(q, k, v, config, masks, interpreting()) is None:
+    if _INLINE.get() is None and hopper_route.why_not(q, k, v, config, masks, interpreting()) is None:
         hopper_route.forward(q, k, v, causal, scale, o, lse, o32)
         return o, lse, o32
     scale_u, eps_u, lo, hi, period = _units(emu, scale, config.eps, config.min_shift, config.max_shift)
@@ -481,7 +542,7 @@ def _forward_op(inline: bool):
         if inline and why_not_inline(q, k, v, config, masks) is not None:
             return attn_fwd_opaque(q, k, v, causal, scale, *config.op_args(), *masks.op_args())
         seed = draw_seed() if masks.dropout_p > 0 else 0
-        token = _INLINE.set(inline)
+        token = _INLINE.set(_InlineBody(tune_here=not masks.any) if inline else None)
         try:
             o, lse, o32 = _forward(q, k, v, causal, scale, config, masks, seed)
         finally:
@@ -641,7 +702,7 @@ def _backward_op(inline: bool):
         if inline and (interpreting() or masks.dropout_p > 0):
             return attn_bwd_opaque(do, q, k, v, o, residual, lse, causal, scale, *config.op_args(),
                                    *masks.op_args(), seed)
-        token = _INLINE.set(inline)
+        token = _INLINE.set(_InlineBody(tune_here=not masks.any) if inline else None)
         try:
             return _backward_impl(do, q, k, v, o, residual, lse, causal, scale, config, masks,
                                   int(seed[0]) if seed is not None and seed.numel() else 0)
