@@ -7,11 +7,14 @@ compute capability 9.0 here. Each forward variant is a ``KernelConfig`` (plus th
 and persistent-grid switches) turned into the kernel's switches by ``op.forward_switches``, the
 launcher's own conversion; each sets the compile-time switches one policy or option turns on
 (formats, per-head fp32, fp32 P̄, soft-capping, the fp32 copy of O, stochastic rounding, the
-"paper" emulation). Prints one line per variant with its SASS size, or the error.
-The CPU interpreter tests the arithmetic; this checks that the GPU compiler takes the code.
+"paper" emulation), and the dK/dV kernel that adds dQ into an fp32 accumulator (``op.DQPath``: by
+element-wise atomics or TMA reduces). Prints one line per variant with its cubin's size, its
+register spills (STL instructions) and the global reductions in its SASS (REDG, UTMAREDG), or the
+error. The CPU interpreter tests the arithmetic; this checks that the GPU compiler takes the code.
 """
 from __future__ import annotations
 
+import collections
 import sys
 
 import triton
@@ -21,13 +24,15 @@ from triton.compiler import ASTSource
 from stableflash.attention.triton.backward import (attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, delta_dot_kernel,
                                                    delta_pass_kernel)
 from stableflash.attention.triton.forward import attn_fwd_kernel
+from sass_count import disassemble, opcode_counts
 
-FP32_POINTERS = {"LSE", "DELTA", "O32"}
+FP32_POINTERS = {"LSE", "DELTA", "O32", "DQ_ACC"}
 FLOATS = {"scale", "beta", "eps", "lo", "hi", "period", "cap_in", "cap_out", "softcap", "mask_mul", "drop_scale"}
 # the masking switches, all off (a tree whose kernels lack them leaves them out: ``source``)
 NO_MASKS = dict(BAND=False, VARLEN=False, MASK_KIND=0, MASK_ROWS=False, DROPOUT=False)
 FWD = dict(HEAD_DIM=64, BLOCK_M=64, BLOCK_N=64, CAUSAL=True, PERSISTENT=False, TMA=False, INTERP=False, **NO_MASKS)
-BWD = dict(HEAD_DIM=64, BLOCK_M=64, BLOCK_N=64, CAUSAL=True, EMU=False, SOFTCAP=False, INTERP=False, **NO_MASKS)
+BWD = dict(HEAD_DIM=64, BLOCK_M=64, BLOCK_N=64, CAUSAL=True, EMU=False, SOFTCAP=False, INTERP=False, ATOMIC_DQ=False,
+           DQ_TMA=False, **NO_MASKS)
 BWD_VARIANTS = {"default": {}, "paper emulation": dict(EMU=True), "soft-capped": dict(SOFTCAP=True),
                 "paper, soft-capped": dict(EMU=True, SOFTCAP=True)}
 
@@ -113,11 +118,13 @@ def source(kernel, const: dict, aligned: bool = True, pointers: dict | None = No
                      attrs={(names.index(n),): [["tt.divisibility", 16]] for n in divisible})
 
 
-def compile_kernel(kernel, const: dict, warps: int = 4, stages: int = 3, pointers: dict | None = None) -> int:
-    """Compile for sm_90; the cubin's size in bytes."""
+def compile_kernel(kernel, const: dict, warps: int = 4, stages: int = 3,
+                   pointers: dict | None = None) -> tuple[int, collections.Counter]:
+    """Compile for sm_90; (the cubin's size in bytes, its SASS opcode counts)."""
     compiled = triton.compile(source(kernel, const, pointers=pointers), target=GPUTarget("cuda", 90, 128),
                               options=dict(num_warps=warps, num_stages=stages))
-    return len(compiled.asm["cubin"])
+    cubin = compiled.asm["cubin"]
+    return len(cubin), opcode_counts(disassemble(cubin))
 
 
 def key_block_jobs() -> list[tuple]:
@@ -172,6 +179,10 @@ def main() -> None:
     jobs = [(name, kernel, const, 4, 3, pointers) for name, kernel, const, pointers in jobs] + key_block_jobs()
     jobs += [(f"dK/dV: {n}", attn_bwd_dkdv_kernel, {**BWD, "BLOCK_M": 32, **v}, 4, 3, None)
              for n, v in BWD_VARIANTS.items()]
+    jobs += [(f"dK/dV adding dQ by {how}: {n}, d {d}", attn_bwd_dkdv_kernel,
+              {**BWD, "BLOCK_M": 32, "HEAD_DIM": d, "ATOMIC_DQ": True, "DQ_TMA": tma, **v}, 4, 3, None)
+             for how, tma in (("atomics", False), ("TMA reduces", True)) for d in (64, 128)
+             for n, v in BWD_VARIANTS.items() if d == 64 or n == "default"]
     jobs += [(f"dQ: {n}", attn_bwd_dq_kernel, {**BWD, **v}, 4, 3, None) for n, v in BWD_VARIANTS.items()]
     jobs += [(f"dQ with δ = rowsum(dO ∘ {n}) fused", attn_bwd_dq_kernel, {**BWD, "FUSE_DELTA": True, "HAS_R": r},
               4, 3, None) for n, r in (("O", False), ("(O + R)", True))]
@@ -182,8 +193,9 @@ def main() -> None:
     failed = 0
     for name, kernel, const, warps, stages, pointers in jobs:
         try:
-            size = compile_kernel(kernel, const, warps, stages, pointers)
-            print(f"{name:50s} ok   cubin {size:>7} bytes", flush=True)
+            size, ops = compile_kernel(kernel, const, warps, stages, pointers)
+            reductions = "".join(f", {op} {ops[op]}" for op in ("REDG", "UTMAREDG") if ops[op])
+            print(f"{name:50s} ok   cubin {size:>7} bytes, STL {ops['STL']}{reductions}", flush=True)
         except Exception as exc:                      # report every variant, then fail
             failed += 1
             print(f"{name:50s} FAIL {type(exc).__name__}: {str(exc).splitlines()[0][:200]}", flush=True)
