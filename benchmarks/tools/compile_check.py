@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import sys
+from pathlib import Path
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -24,7 +25,9 @@ from triton.compiler import ASTSource
 from stableflash.attention.triton.backward import (attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, delta_dot_kernel,
                                                    delta_pass_kernel)
 from stableflash.attention.triton.forward import attn_fwd_kernel
-from sass_count import disassemble, opcode_counts
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sass_count import disassemble, opcode_counts  # noqa: E402  (this folder's SASS reader)
 
 FP32_POINTERS = {"LSE", "DELTA", "O32", "DQ_ACC"}
 FLOATS = {"scale", "beta", "eps", "lo", "hi", "period", "cap_in", "cap_out", "softcap", "mask_mul", "drop_scale"}
