@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from stableflash.attention.triton import op
-from tests.attention.test_triton import expanded_reference, run
+from tests.attention.test_triton import expanded_reference, make, run
 from tests.conftest import DEVICE, rel_err
 
 # under the interpreter TMA_REDUCE runs ATOMIC's element-wise atomics: its own cases on a GPU alone
@@ -30,14 +30,6 @@ CASES = [  # (B, H, H_kv, n_q, n_k, d, causal, keyword arguments)
     (1, 2, 2, 40, 40, 16, True, dict(policy="paper", stabilize="none")),   # S recomputed in bf16 units
     (1, 2, 2, 40, 40, 16, False, dict(softcap=5.0)),
 ]
-
-
-def _inputs(B, H, Hk, n_q, n_k, d, seed):
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, H, n_q, d, generator=gen).to(DEVICE, torch.bfloat16)
-    k, v = (torch.randn(B, Hk, n_k, d, generator=gen).to(DEVICE, torch.bfloat16) for _ in range(2))
-    do = torch.randn(B, H, n_q, d, generator=gen).to(DEVICE, torch.bfloat16)
-    return q, k, v, do
 
 
 def _run(q, k, v, do, path, monkeypatch, **kw):
@@ -62,7 +54,7 @@ def _launched(monkeypatch) -> list:
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, [*c[:7], *c[7].values()])))
 def test_dq_inside_the_dkdv_kernel_is_as_accurate_as_its_own_kernel(case, path, monkeypatch):
     B, H, Hk, n_q, n_k, d, causal, kw = case
-    q, k, v, do = _inputs(B, H, Hk, n_q, n_k, d, n_q * d + Hk)
+    q, k, v, do = make(torch.Generator().manual_seed(n_q * d + Hk), B, H, n_q, d, n_k, Hk)
     seen = _launched(monkeypatch)
     got = _run(q, k, v, do, path, monkeypatch, causal=causal, **kw)
     assert op._dkdv_atomic_tuned in seen and op._dq_tuned not in seen      # one kernel did dK, dV and dQ
@@ -100,7 +92,7 @@ def test_keys_past_the_last_block_add_no_nan_to_dq(monkeypatch):
 def test_masked_calls_and_deterministic_mode_keep_the_dq_kernel(path, monkeypatch):
     """A window (a masking switch), and any call while torch's deterministic mode is on, run the dQ
     kernel: the same values bit for bit as with the switch off."""
-    q, k, v, do = _inputs(1, 2, 2, 40, 40, 16, 5)
+    q, k, v, do = make(torch.Generator().manual_seed(5), 1, 2, 40, 16)
     was, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
     try:
         for deterministic, kw in ((False, dict(causal=True, window=(8, 0))), (True, dict(causal=True))):

@@ -1,7 +1,7 @@
 """FlashAttention-2 backward (Algorithm 2) in Triton: δ, then dK/dV per key block and dQ per
 query block (two kernels, no atomics, deterministic); or, where no masking switch is on, dK, dV
 and dQ in one kernel per key block whose dQ goes by atomic additions into an fp32 accumulator
-(five products per tile instead of seven; the order of dQ's additions varies: ``op.ATOMIC_DQ``).
+(five products per tile instead of seven; the order of dQ's additions varies: ``op.DQ_PATH``).
 
 P is recomputed from the saved log-sum-exp, so it is the normalised softmax whatever shift the
 forward used. δ comes from one of three computations (the δ source, ``config.DeltaSource``):

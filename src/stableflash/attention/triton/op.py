@@ -133,9 +133,9 @@ _INTERP = {"BLOCK_M": 32, "BLOCK_N": 16}
 AUTOTUNE = True
 _FIXED = {_fwd_tuned: {True: _cfg(64, 64, 4, 3), False: _cfg(64, 32, 4, 2)},
           _dkdv_tuned: {True: _cfg(32, 64, 4, 3), False: _cfg(16, 64, 4, 2)},
-          _dkdv_atomic_tuned: {True: _cfg(32, 64, 4, 3), False: _cfg(16, 64, 4, 2)},
           _dq_tuned: {True: _cfg(64, 64, 4, 3), False: _cfg(64, 16, 4, 2)},
           _delta_tuned: {True: _cfg(64, 64, 4, 3), False: _cfg(64, 32, 4, 2)}}
+_FIXED[_dkdv_atomic_tuned] = _FIXED[_dkdv_tuned]      # the same kernel with dQ added: the same tile
 
 
 def key_block(head_dim: int) -> int:
@@ -685,14 +685,14 @@ def _backward_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     fuse = FUSED_DELTA and not atomic and not config.delta.extra_pass and not masks.any
     dq, dk, dv = _empty_like_layout(q), _empty_like_layout(k), _empty_like_layout(k)   # dK, dV: one set of strides
     common = (*_strides(q), *_strides(k), *_strides(v), *_strides(do))
-    dkdv_tuned, dq_acc = _dkdv_tuned, {}
+    dkdv_tuned, atomic_args = _dkdv_tuned, {}
     if atomic:
         dkdv_tuned = _dkdv_atomic_tuned
         tma = DQ_PATH is DQPath.TMA_REDUCE and _tma_capable(q.device)
         if tma:
             _ensure_allocator()
-        dq_acc = dict(DQ_ACC=torch.zeros(B, H, n_q, d, dtype=torch.float32, device=q.device), ATOMIC_DQ=True,
-                      DQ_TMA=tma)
+        atomic_args = dict(DQ_ACC=torch.zeros(B, H, n_q, d, dtype=torch.float32, device=q.device), ATOMIC_DQ=True,
+                           DQ_TMA=tma)
 
     def launch_dq(**fused):
         _launch(_dq_tuned, attn_bwd_dq_kernel, lambda meta: blocks(n_m, meta["BLOCK_M"], n_bh),
@@ -711,9 +711,9 @@ def _backward_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
                 **switches)
     _launch(dkdv_tuned, attn_bwd_dkdv_kernel, lambda meta: blocks(n_n, meta["BLOCK_N"], n_bhk),
             q, k, v, do, lse, delta, dk, dv, *common, *_strides(dk), H, group, n_q, n_k, scale, softcap, **extra,
-            HEAD_DIM=d, CAUSAL=causal, EMU=emu, **cap, **switches, **dq_acc)
+            HEAD_DIM=d, CAUSAL=causal, EMU=emu, **cap, **switches, **atomic_args)
     if atomic:                                # as the dQ kernel stores it: fp32 · scale, rounded to nearest
-        dq.copy_(dq_acc["DQ_ACC"].mul_(scale))
+        dq.copy_(atomic_args["DQ_ACC"].mul_(scale))
     elif not fuse:
         launch_dq()
     return dq, dk, dv
