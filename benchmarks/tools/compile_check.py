@@ -7,10 +7,8 @@ compute capability 9.0 here. Each forward variant is a ``KernelConfig`` (plus th
 and persistent-grid switches) turned into the kernel's switches by ``op.forward_switches``, the
 launcher's own conversion; each sets the compile-time switches one policy or option turns on
 (formats, per-head fp32, fp32 P̄, soft-capping, the fp32 copy of O, stochastic rounding, the
-"paper" emulation), and the dK/dV kernel that adds dQ into an fp32 accumulator (``op.DQPath``: by
-element-wise atomics or TMA reduces). Prints one line per variant with its cubin's size, its
-register spills (STL instructions) and the global reductions in its SASS (REDG, UTMAREDG), or the
-error. The CPU interpreter tests the arithmetic; this checks that the GPU compiler takes the code.
+"paper" emulation). Prints one line per variant with its cubin's size, its register spills (STL
+instructions) and any global reductions in its SASS (REDG, UTMAREDG), or the error. The CPU interpreter tests the arithmetic; this checks that the GPU compiler takes the code.
 """
 from __future__ import annotations
 
@@ -29,13 +27,12 @@ from stableflash.attention.triton.forward import attn_fwd_kernel
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sass_count import disassemble, opcode_counts  # noqa: E402  (this folder's SASS reader)
 
-FP32_POINTERS = {"LSE", "DELTA", "O32", "DQ_ACC"}
+FP32_POINTERS = {"LSE", "DELTA", "O32"}
 FLOATS = {"scale", "beta", "eps", "lo", "hi", "period", "cap_in", "cap_out", "softcap", "mask_mul", "drop_scale"}
 # the masking switches, all off (a tree whose kernels lack them leaves them out: ``source``)
 NO_MASKS = dict(BAND=False, VARLEN=False, MASK_KIND=0, MASK_ROWS=False, DROPOUT=False)
 FWD = dict(HEAD_DIM=64, BLOCK_M=64, BLOCK_N=64, CAUSAL=True, PERSISTENT=False, TMA=False, INTERP=False, **NO_MASKS)
-BWD = dict(HEAD_DIM=64, BLOCK_M=64, BLOCK_N=64, CAUSAL=True, EMU=False, SOFTCAP=False, INTERP=False, ATOMIC_DQ=False,
-           DQ_TMA=False, **NO_MASKS)
+BWD = dict(HEAD_DIM=64, BLOCK_M=64, BLOCK_N=64, CAUSAL=True, EMU=False, SOFTCAP=False, INTERP=False, **NO_MASKS)
 BWD_VARIANTS = {"default": {}, "paper emulation": dict(EMU=True), "soft-capped": dict(SOFTCAP=True),
                 "paper, soft-capped": dict(EMU=True, SOFTCAP=True)}
 
@@ -182,10 +179,6 @@ def main() -> None:
     jobs = [(name, kernel, const, 4, 3, pointers) for name, kernel, const, pointers in jobs] + key_block_jobs()
     jobs += [(f"dK/dV: {n}", attn_bwd_dkdv_kernel, {**BWD, "BLOCK_M": 32, **v}, 4, 3, None)
              for n, v in BWD_VARIANTS.items()]
-    jobs += [(f"dK/dV adding dQ by {how}: {n}, d {d}", attn_bwd_dkdv_kernel,
-              {**BWD, "BLOCK_M": 32, "HEAD_DIM": d, "ATOMIC_DQ": True, "DQ_TMA": tma, **v}, 4, 3, None)
-             for how, tma in (("atomics", False), ("TMA reduces", True)) for d in (64, 128)
-             for n, v in BWD_VARIANTS.items() if d == 64 or n == "default"]
     jobs += [(f"dQ: {n}", attn_bwd_dq_kernel, {**BWD, **v}, 4, 3, None) for n, v in BWD_VARIANTS.items()]
     jobs += [(f"dQ with δ = rowsum(dO ∘ {n}) fused", attn_bwd_dq_kernel, {**BWD, "FUSE_DELTA": True, "HAS_R": r},
               4, 3, None) for n, r in (("O", False), ("(O + R)", True))]

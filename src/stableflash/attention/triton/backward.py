@@ -1,7 +1,5 @@
 """FlashAttention-2 backward (Algorithm 2) in Triton: δ, then dK/dV per key block and dQ per
-query block (two kernels, no atomics, deterministic); or, where no masking switch is on, dK, dV
-and dQ in one kernel per key block whose dQ goes by atomic additions into an fp32 accumulator
-(five products per tile instead of seven; the order of dQ's additions varies: ``op.DQ_PATH``).
+query block (two kernels, no atomics, deterministic).
 
 P is recomputed from the saved log-sum-exp, so it is the normalised softmax whatever shift the
 forward used. δ comes from one of three computations (the δ source, ``config.DeltaSource``):
@@ -253,15 +251,10 @@ def _dkdv_blocks(dk, dv, k, v, Q, DO, LSE, DELTA, stride_qm, stride_dm, offs_n, 
                  EMU: tl.constexpr, SOFTCAP: tl.constexpr, INTERP: tl.constexpr,
                  n_k=0, diag=0, left=0, right=0, MP=0, stride_mm=0, stride_mn=0, drop_seed=0, drop_thr=0,
                  drop_scale=1.0, drop_bh=0, BAND: tl.constexpr = False, MASK_KIND: tl.constexpr = 0,
-                 MASK_ROWS: tl.constexpr = False, DROPOUT: tl.constexpr = False, SAFE: tl.constexpr = False,
-                 DQ_ACC=0, ATOMIC_DQ: tl.constexpr = False, DQ_TMA: tl.constexpr = False,
-                 HEAD_DIM: tl.constexpr = 0):
+                 MASK_ROWS: tl.constexpr = False, DROPOUT: tl.constexpr = False, SAFE: tl.constexpr = False):
     """Lines 10-21 of Algorithm 2 for query blocks [start, stop), transposed (keys as rows). The
     masking switches as in the forward's ``_fwd_blocks``; SAFE: rows with L = −inf get P = 0;
-    DROPOUT: dV from the dropped P (its 1/(1 − p) applied by the caller), dP dropped and rescaled.
-    ATOMIC_DQ: line 21 too — each query block's dS·K added to this head's fp32 dQ accumulator
-    ``DQ_ACC`` ((n_q, HEAD_DIM), rows contiguous): by a TMA reduce through a tensor descriptor
-    (DQ_TMA, sm_90) or by element-wise atomic adds; the order of the additions varies."""
+    DROPOUT: dV from the dropped P (its 1/(1 − p) applied by the caller), dP dropped and rescaled."""
     offs_m = tl.arange(0, BLOCK_M)
     for start_m in range(start, stop, BLOCK_M):
         rows = start_m + offs_m
@@ -298,17 +291,7 @@ def _dkdv_blocks(dk, dv, k, v, Q, DO, LSE, DELTA, stride_qm, stride_dm, offs_n, 
         dsT = pT * (dpT - delta[None, :])
         if SOFTCAP:
             dsT = dsT * slopeT
-        if ATOMIC_DQ:      # keys past n_k (loaded as zeros) add nothing to dQ, not even a NaN
-            dsT = tl.where(offs_n[:, None] < n_k, dsT, 0.0)
-        dsT = cast(dsT, qT.dtype, INTERP)
-        dk += mma(dsT, tl.trans(qT), INTERP)
-        if ATOMIC_DQ:
-            dq = mma(tl.trans(dsT), k, INTERP)
-            if DQ_TMA:
-                DQ_ACC.atomic_add([start_m, 0], dq)
-            else:
-                tl.atomic_add(DQ_ACC + rows[:, None] * HEAD_DIM + offs_d[None, :], dq, mask=rows[:, None] < n_q,
-                              sem="relaxed")
+        dk += mma(cast(dsT, qT.dtype, INTERP), tl.trans(qT), INTERP)
     return dk, dv
 
 
@@ -323,15 +306,10 @@ def attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
                          CU_Q=0, CU_K=0, MASK=0, stride_mb=0, stride_mh=0, stride_mm=0, stride_mn=0,
                          left=0, right=0, align_br=0, drop_seed=0, drop_thr=0, drop_scale=1.0,
                          BAND: tl.constexpr = False, VARLEN: tl.constexpr = False, MASK_KIND: tl.constexpr = 0,
-                         MASK_ROWS: tl.constexpr = False, DROPOUT: tl.constexpr = False,
-                         DQ_ACC=0, ATOMIC_DQ: tl.constexpr = False, DQ_TMA: tl.constexpr = False):
+                         MASK_ROWS: tl.constexpr = False, DROPOUT: tl.constexpr = False):
     """dK, dV of one key block of one (batch, kv head), over the query heads of its group. With the
     masking switches (as the forward's), the query blocks that see the key block: a masked leading
-    edge, whole unmasked blocks, a masked trailing edge (the band read from the keys' side).
-    ATOMIC_DQ (no masking switch on): dQ as well, added into ``DQ_ACC`` (fp32, contiguous
-    (B, H, n_q, HEAD_DIM), zero before the launch; the caller scales and rounds it) — five
-    products per tile for the whole backward instead of four here and three in the dQ kernel.
-    DQ_TMA: the additions go through a tensor descriptor's reduce (sm_90, not interpreted)."""
+    edge, whole unmasked blocks, a masked trailing edge (the band read from the keys' side)."""
     scale, softcap, drop_scale = fp32(scale), fp32(softcap), fp32(drop_scale)
     if BAND or VARLEN or MASK_KIND != 0 or DROPOUT:
         _dkdv_masked(Q, K, V, DO, LSE, DELTA, DK, DV, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
@@ -364,24 +342,13 @@ def attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
             do_ptr = DO + b * stride_db + h * stride_dh
             lse_ptr = LSE + (b * n_heads + h) * n_q
             delta_ptr = DELTA + (b * n_heads + h) * n_q
-            dq_acc = DQ_ACC
-            if ATOMIC_DQ:
-                dq_acc = DQ_ACC + (b * n_heads + h).to(tl.int64) * n_q * HEAD_DIM
-                if DQ_TMA:   # this head's rows alone: the ragged tail's rows beyond n_q are not written
-                    dq_acc = tl.make_tensor_descriptor(dq_acc, shape=[n_q, HEAD_DIM], strides=[HEAD_DIM, 1],
-                                                       block_shape=[BLOCK_M, HEAD_DIM])
             dk, dv = _dkdv_blocks(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, stride_qm, stride_dm,
-                                  offs_n, offs_d, start, diag_end, n_q, scale, softcap, BLOCK_M, CAUSAL, True, EMU,
-                                  SOFTCAP, INTERP, n_k=n_k, DQ_ACC=dq_acc, ATOMIC_DQ=ATOMIC_DQ, DQ_TMA=DQ_TMA,
-                                  HEAD_DIM=HEAD_DIM)
+                                  offs_n, offs_d, start, diag_end, n_q, scale, softcap, BLOCK_M, CAUSAL, True, EMU, SOFTCAP, INTERP)
             dk, dv = _dkdv_blocks(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, stride_qm, stride_dm,
-                                  offs_n, offs_d, diag_end, full, n_q, scale, softcap, BLOCK_M, CAUSAL, False, EMU,
-                                  SOFTCAP, INTERP, n_k=n_k, DQ_ACC=dq_acc, ATOMIC_DQ=ATOMIC_DQ, DQ_TMA=DQ_TMA,
-                                  HEAD_DIM=HEAD_DIM)
+                                  offs_n, offs_d, diag_end, full, n_q, scale, softcap, BLOCK_M, CAUSAL, False, EMU, SOFTCAP, INTERP)
             dk, dv = _dkdv_blocks(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, stride_qm, stride_dm,
                                   offs_n, offs_d, tl.maximum(full, diag_end), n_q, n_q, scale, softcap, BLOCK_M,
-                                  CAUSAL, True, EMU, SOFTCAP, INTERP, n_k=n_k, DQ_ACC=dq_acc, ATOMIC_DQ=ATOMIC_DQ,
-                                  DQ_TMA=DQ_TMA, HEAD_DIM=HEAD_DIM)
+                                  CAUSAL, True, EMU, SOFTCAP, INTERP)
         out = b * stride_dkb + hk * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :]
         tl.store(DK + out, cast(dk * scale, DK.dtype.element_ty, INTERP), mask=cols)
         tl.store(DV + out, cast(dv, DV.dtype.element_ty, INTERP), mask=cols)

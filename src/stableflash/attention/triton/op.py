@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
-import enum
 import functools
 import inspect
 import math
@@ -69,10 +68,8 @@ def _fits(configs, named_args, **kwargs):
 # candidates from benchmarks/tools/tune_attention.py on an H200 (benchmarks/results/tune-*.json)
 FWD_CONFIGS = [_cfg(64, 64, 4, 3), _cfg(128, 64, 8, 3), _cfg(128, 128, 8, 3), _cfg(128, 64, 4, 3),
                _cfg(64, 32, 4, 2)]
-# 32×128 with 8 warps, 1 or 2 stages: the dK/dV tiles that keep their registers at head_dim 128 on
-# sm_90; the others spill there (docs/notebook/kernel-optimisation-log.md)
 DKDV_CONFIGS = [_cfg(32, 64, 4, 3), _cfg(64, 128, 8, 3), _cfg(32, 128, 4, 3), _cfg(64, 64, 4, 3),
-                _cfg(16, 64, 4, 2), _cfg(32, 128, 8, 2), _cfg(32, 128, 8, 1)]
+                _cfg(16, 64, 4, 2)]
 DQ_CONFIGS = [_cfg(64, 64, 4, 3), _cfg(128, 64, 8, 3), _cfg(128, 64, 8, 2), _cfg(128, 32, 8, 3),
               _cfg(64, 16, 4, 2)]
 _KEY = ["n_q", "n_k", "HEAD_DIM", "CAUSAL", "BAND", "VARLEN", "MASK_KIND", "MASK_ROWS", "DROPOUT"]
@@ -95,17 +92,13 @@ _fwd_tuned = triton.autotune(FWD_CONFIGS, key=_KEY + _FWD_MODE, prune_configs_by
 _fwd_tma_tuned = triton.autotune(_with_tma(FWD_CONFIGS, [(64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3)]),
                                  key=_KEY + _FWD_MODE, prune_configs_by=_prune)(attn_fwd_kernel)
 _dkdv_tuned = triton.autotune(DKDV_CONFIGS, key=_KEY + ["EMU", "SOFTCAP"], prune_configs_by=_prune)(attn_bwd_dkdv_kernel)
-# the dK/dV kernel adding dQ into an fp32 accumulator (DQPath.ATOMIC, TMA_REDUCE): Triton's tuner runs
-# the kernel once per candidate, so the accumulator is zeroed before each run and before the chosen one
-_dkdv_atomic_tuned = triton.autotune(DKDV_CONFIGS, key=_KEY + ["EMU", "SOFTCAP", "DQ_TMA"], prune_configs_by=_prune,
-                                     reset_to_zero=["DQ_ACC"])(attn_bwd_dkdv_kernel)
 _dq_tuned = triton.autotune(DQ_CONFIGS, key=_KEY + ["EMU", "SOFTCAP", "FUSE_DELTA", "HAS_R"],
                             prune_configs_by=_prune)(attn_bwd_dq_kernel)
 # the δ pass (dP·P or an fp32 recompute) does the forward's two products per key block: the forward's tiles
 _delta_tuned = triton.autotune(FWD_CONFIGS, key=_KEY + ["EMU", "DELTA_SRC", "SOFTCAP"],
                              prune_configs_by=_prune)(delta_pass_kernel)
-TUNERS = {"fwd": _fwd_tuned, "fwd_tma": _fwd_tma_tuned, "dkdv": _dkdv_tuned, "dkdv_atomic": _dkdv_atomic_tuned,
-          "dq": _dq_tuned, "delta_pass": _delta_tuned}
+TUNERS = {"fwd": _fwd_tuned, "fwd_tma": _fwd_tma_tuned, "dkdv": _dkdv_tuned, "dq": _dq_tuned,
+          "delta_pass": _delta_tuned}
 
 
 def tuned_choices() -> dict[str, dict[str, str]]:
@@ -135,7 +128,6 @@ _FIXED = {_fwd_tuned: {True: _cfg(64, 64, 4, 3), False: _cfg(64, 32, 4, 2)},
           _dkdv_tuned: {True: _cfg(32, 64, 4, 3), False: _cfg(16, 64, 4, 2)},
           _dq_tuned: {True: _cfg(64, 64, 4, 3), False: _cfg(64, 16, 4, 2)},
           _delta_tuned: {True: _cfg(64, 64, 4, 3), False: _cfg(64, 32, 4, 2)}}
-_FIXED[_dkdv_atomic_tuned] = _FIXED[_dkdv_tuned]      # the same kernel with dQ added: the same tile
 
 
 def key_block(head_dim: int) -> int:
@@ -280,19 +272,6 @@ TMA = True
 # δ = rowsum(dO ∘ O) (or with O + R) computed inside the dQ kernel, which then runs before the dK/dV
 # kernel, instead of by a kernel of its own: where no mask, window, varlen or dropout is on.
 FUSED_DELTA = True
-
-
-class DQPath(enum.Enum):
-    """How the backward computes dQ where no mask, window, varlen or dropout is on (elsewhere, and
-    whenever ``torch.use_deterministic_algorithms`` is on: KERNEL)."""
-
-    KERNEL = "kernel"            # its own kernel per query block, after dK/dV: deterministic
-    ATOMIC = "atomic"            # inside the dK/dV kernel, added by element-wise atomics
-    TMA_REDUCE = "tma-reduce"    # inside the dK/dV kernel, added by TMA reduces (sm_90; else ATOMIC)
-
-
-# off (KERNEL) until timed on a GPU: kernel-optimisation-log.md has the A/B command
-DQ_PATH = DQPath.KERNEL
 # under torch.compile the ops whose kernels it launches from its own generated code (attn_fwd_inline,
 # attn_bwd_inline; ``why_not_inline`` names the calls that stay opaque); off: the opaque ops alone
 INLINE_OPS = True
@@ -318,15 +297,10 @@ def _address(t: torch.Tensor) -> int:
     return t.storage_offset() * t.element_size() if is_fake(t) else t.data_ptr()
 
 
-def _tma_capable(device: torch.device) -> bool:
-    """Whether kernels on ``device`` may use TMA: compute capability ≥ 9, not interpreted."""
-    return not interpreting() and torch.cuda.get_device_capability(device)[0] >= 9
-
-
 def _use_tma(*ts: torch.Tensor) -> bool:
     """TMA needs compute capability ≥ 9, 16-byte aligned head bases and row strides (otherwise the
     pointer path runs)."""
-    if not TMA or not _tma_capable(ts[0].device):
+    if not TMA or interpreting() or torch.cuda.get_device_capability(ts[0].device)[0] < 9:
         return False
     bytes_ = ts[0].element_size()
     return not any(_address(t) % 16 or any((s * bytes_) % 16 for s in t.stride()[:3]) for t in ts)
@@ -659,9 +633,7 @@ def _backward_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     fp32 O when the forward kept one, which δ = rowsum(dO ∘ O) then reads; ``residual``: R of δ
     from dO·(O+R), which the δ kernel adds to O, or an empty tensor). ``masks`` and dropout's
     ``seed``: the forward's. Kernels: δ, dK/dV, dQ; with ``FUSED_DELTA`` (no masks, δ a row sum of
-    dO ∘ O) dQ computing δ, then dK/dV; with ``DQ_PATH`` other than KERNEL (no masks, not
-    deterministic mode) δ, then dK/dV adding dQ into an fp32 accumulator, which is scaled and
-    rounded into dQ."""
+    dO ∘ O) dQ computing δ, then dK/dV."""
     emu, softcap = config.emulated, config.softcap or 0.0
     cap = dict(SOFTCAP=config.softcap is not None)
     do, q, k, v, o = (_last_dim_contiguous(t) for t in (do, q, k, v, o))
@@ -681,18 +653,9 @@ def _backward_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
         blocks = varlen_grid
     has_r = residual.numel() > 0
     r = residual.contiguous() if has_r else o  # the δ kernels' R (ignored without HAS_R)
-    atomic = DQ_PATH is not DQPath.KERNEL and not masks.any and not torch.are_deterministic_algorithms_enabled()
-    fuse = FUSED_DELTA and not atomic and not config.delta.extra_pass and not masks.any
+    fuse = FUSED_DELTA and not config.delta.extra_pass and not masks.any
     dq, dk, dv = _empty_like_layout(q), _empty_like_layout(k), _empty_like_layout(k)   # dK, dV: one set of strides
     common = (*_strides(q), *_strides(k), *_strides(v), *_strides(do))
-    dkdv_tuned, atomic_args = _dkdv_tuned, {}
-    if atomic:
-        dkdv_tuned = _dkdv_atomic_tuned
-        tma = DQ_PATH is DQPath.TMA_REDUCE and _tma_capable(q.device)
-        if tma:
-            _ensure_allocator()
-        atomic_args = dict(DQ_ACC=torch.zeros(B, H, n_q, d, dtype=torch.float32, device=q.device), ATOMIC_DQ=True,
-                           DQ_TMA=tma)
 
     def launch_dq(**fused):
         _launch(_dq_tuned, attn_bwd_dq_kernel, lambda meta: blocks(n_m, meta["BLOCK_M"], n_bh),
@@ -709,12 +672,10 @@ def _backward_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
                 q, k, v, do, lse, delta, *_strides(q), *_strides(k), *_strides(v), *_strides(do), H, group, n_q, n_k,
                 scale, softcap, **extra, HEAD_DIM=d, CAUSAL=causal, DELTA_SRC=config.delta.value, EMU=emu, **cap,
                 **switches)
-    _launch(dkdv_tuned, attn_bwd_dkdv_kernel, lambda meta: blocks(n_n, meta["BLOCK_N"], n_bhk),
+    _launch(_dkdv_tuned, attn_bwd_dkdv_kernel, lambda meta: blocks(n_n, meta["BLOCK_N"], n_bhk),
             q, k, v, do, lse, delta, dk, dv, *common, *_strides(dk), H, group, n_q, n_k, scale, softcap, **extra,
-            HEAD_DIM=d, CAUSAL=causal, EMU=emu, **cap, **switches, **atomic_args)
-    if atomic:                                # as the dQ kernel stores it: fp32 · scale, rounded to nearest
-        dq.copy_(atomic_args["DQ_ACC"].mul_(scale))
-    elif not fuse:
+            HEAD_DIM=d, CAUSAL=causal, EMU=emu, **cap, **switches)
+    if not fuse:
         launch_dq()
     return dq, dk, dv
 
