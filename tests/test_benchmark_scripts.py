@@ -216,6 +216,27 @@ def test_the_compile_tools_give_the_forward_every_switch_it_takes():
         assert set(const) | {"HEAD_DIM", "BLOCK_M", "BLOCK_N", "CAUSAL"} == wanted, name
 
 
+def test_gluon_forward_check_takes_tiles_by_name_and_names_what_it_accepts(capsys):
+    """--tiles BLOCK_MxBLOCK_NxSTAGES[p] becomes the kernel's Tiles (checked by Tiles.check); a bad
+    value stops the command line with an error naming --tiles, the value and the accepted form."""
+    pytest.importorskip("triton.experimental.gluon")
+    gfc = load("tools/gluon_forward_check")
+    from stableflash.attention.gluon.hopper_forward import Tiles, tiles_for
+    assert gfc.parse_tiles("64x128x3") == Tiles(64, 128, 3)
+    assert gfc.parse_tiles("128x128x3p") == tiles_for(64, True)
+    assert gfc.parse_tiles("64x128x2n") == Tiles(64, 128, 2, warp_specialize=False)
+    assert [gfc.tiles_name(gfc.parse_tiles(t)) for t in ("128x64x2p", "64x128x2n", "64x64x4")] == [
+        "gluon-128x64x2p", "gluon-64x128x2n", "gluon-64x64x4"]
+    for bad, said in (("64x128", "BLOCK_MxBLOCK_NxSTAGES"), ("64x100x3", "block_n 16-256 in steps of 16"),
+                      ("64x128x3p", "ping-pong takes block_m=128"), ("64x128xthree", "BLOCK_MxBLOCK_NxSTAGES"),
+                      ("64x128x3q", "BLOCK_MxBLOCK_NxSTAGES")):
+        with pytest.raises(SystemExit) as exc:
+            gfc.main(["--tiles", bad])
+        assert exc.value.code == 2
+        err = capsys.readouterr().err
+        assert f"--tiles '{bad}'" in err and said in err, err
+
+
 def test_faithful_report_tabulates_a_run_and_its_fork_and_remakes_them_from_its_record(data_dir, tmp_path, capsys):
     """A tiny run and a fork of it resumed with other arithmetic (as faithful_gpt2.sh fork makes):
     the record keeps the fork's own steps, the table gives each run's steps, losses and last

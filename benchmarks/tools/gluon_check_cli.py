@@ -35,12 +35,22 @@ def print_time(rows: list[dict], label: str, width: int) -> None:
 
 
 def main(argv, *, doc: str, kernel: str, variants_help: str, compile_rows: Callable, print_compile: Callable,
-         time_rows: Callable, time_label: str, width: int) -> int:
+         time_rows: Callable, time_label: str, width: int, tiles_type: Callable | None = None,
+         tiles_help: str = "") -> int:
     """The tool's command line: without --time ``print_compile(compile_rows(variants))``; with it
     ``time_rows(shapes, causal, variants)`` printed by ``print_time``; --json writes the rows.
-    ``kernel``: what the tool checks ("forward", "backward"), for help and errors."""
+    ``kernel``: what the tool checks ("forward", "backward"), for help and errors. ``tiles_type``
+    (one --tiles value to the tool's tiles, raising ValueError with what is accepted): a --tiles
+    option, whose values both rows functions then take as ``tiles=``."""
     ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     ap.add_argument("--variants", action="store_true", help=variants_help)
+    if tiles_type is not None:
+        def parse(text: str):
+            try:
+                return tiles_type(text)
+            except ValueError as exc:
+                raise argparse.ArgumentTypeError(f"--tiles {text!r}: {exc}") from None
+        ap.add_argument("--tiles", nargs="+", type=parse, default=[], metavar="SPEC", help=tiles_help)
     ap.add_argument("--time", action="store_true", help=f"on a GPU: accuracy against float64, then {kernel} timings")
     ap.add_argument("--non-causal", action="store_true", help="with --time: time non-causal attention")
     ap.add_argument("--shapes", nargs="+", default=["32,12,1024,64", "8,16,4096,64", "4,16,8192,128"],
@@ -52,12 +62,13 @@ def main(argv, *, doc: str, kernel: str, variants_help: str, compile_rows: Calla
     if reason is not None:
         print(f"the Gluon Hopper {kernel} is not available here: {reason}", file=sys.stderr)
         return 1
+    extra = {"tiles": args.tiles} if tiles_type is not None else {}
     if args.time:
         rows = time_rows([tuple(int(x) for x in s.split(",")) for s in args.shapes], not args.non_causal,
-                         args.variants)
+                         args.variants, **extra)
         print_time(rows, time_label, width)
     else:
-        rows = compile_rows(args.variants)
+        rows = compile_rows(args.variants, **extra)
         print_compile(rows)
     if args.json:
         args.json.write_text(json.dumps({"triton": triton.__version__, "rows": rows}, indent=1) + "\n")

@@ -1,7 +1,8 @@
 """The Gluon Hopper attention forward: its sm_90a SASS without a GPU, and (on an H100/H200) its accuracy and speed.
 
-    python benchmarks/tools/gluon_forward_check.py [--variants] [--json OUT.json]
-    python benchmarks/tools/gluon_forward_check.py --time [--non-causal] [--shapes 32,12,1024,64 ...] [--json OUT.json]
+    python benchmarks/tools/gluon_forward_check.py [--variants] [--tiles 64x128x3 ...] [--json OUT.json]
+    python benchmarks/tools/gluon_forward_check.py --time [--non-causal] [--shapes 32,12,1024,64 ...]
+        [--tiles 64x128x3 128x64x3p ...] [--json OUT.json]
 
 Without --time: compiles ``stableflash.attention.gluon``'s forward for compute capability 9.0
 (sm_90a) with the triton wheel's own ptxas, for head_dim 64 and 128, causal and not, and reads
@@ -12,7 +13,11 @@ and stores (UTMALDG, UTMASTG); local-memory spills (STL, LDL); registers per thr
 dynamic shared memory; USETMAXREG (the warp-specialised register split). Nothing runs.
 --variants adds, per configuration, the kernel with one consumer partition instead of the
 default's two ping-pong ones, that without warp specialisation, and the default without the
-scheduling fence (the switches a GPU run compares).
+scheduling fence (the switches a GPU run compares). --tiles adds tiles of one's own choosing,
+each BLOCK_MxBLOCK_NxSTAGES, then "p" for ping-pong or "n" for no warp specialisation (e.g.
+64x128x3: one consumer warpgroup of 64 rows, 128 keys per block, three ring slots; 128x128x3p: the
+head_dim-64 default), compiled beside the default or, with --time, timed as provider
+"gluon-BMxBNxS[p|n]".
 
 With --time (a CUDA device of compute capability 9.0): first each provider's O against float64 at
 (2, 4, 509, d) on fresh random inputs (‖O − O₆₄‖ / ‖O₆₄‖), then the forward's time
@@ -30,18 +35,42 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gluon_check_cli  # noqa: E402  (this folder's shared command line)
 
-def compile_rows(variants: bool) -> list[dict]:
+TILES_FORM = ("BLOCK_MxBLOCK_NxSTAGES, then p for ping-pong or n for no warp specialisation (the consumers "
+              "issue the loads), e.g. 64x128x3, 128x128x3p, 64x128x2n")
+
+
+def parse_tiles(text: str):
+    """One --tiles value (``TILES_FORM``) as a ``Tiles`` with the fence; ValueError naming what is
+    accepted."""
+    from stableflash.attention.gluon.hopper_forward import Tiles
+    suffix = text[-1:] if text[-1:] in ("p", "n") else ""
+    parts = text[:len(text) - len(suffix)].split("x")
+    if len(parts) != 3 or not all(p.isdigit() for p in parts):
+        raise ValueError(f"expected {TILES_FORM}")
+    tiles = Tiles(*(int(p) for p in parts), warp_specialize=suffix != "n", pingpong=suffix == "p")
+    tiles.check()
+    return tiles
+
+
+def tiles_name(t) -> str:
+    """The provider name of --tiles' ``t``: gluon-BMxBNxS, then p (ping-pong) or n (no warp
+    specialisation)."""
+    suffix = "p" if t.pingpong else "" if t.warp_specialize else "n"
+    return f"gluon-{t.block_m}x{t.block_n}x{t.stages}{suffix}"
+
+
+def compile_rows(variants: bool, tiles: list = ()) -> list[dict]:
     from stableflash.attention.gluon import sass
     from stableflash.attention.gluon.hopper_forward import tiles_for
     rows = []
     for d in (64, 128):
         for causal in (False, True):
             base = tiles_for(d, causal)
-            tiles = [base]
+            chosen = [base]
             if variants:               # the default is ping-pong: one consumer partition, without warp
                 single = base._replace(pingpong=False)   # specialisation (one partition), without the fence
-                tiles += [single, single._replace(warp_specialize=False), base._replace(sched_fence=False)]
-            rows += [sass.check(d, causal, t) for t in tiles]
+                chosen += [single, single._replace(warp_specialize=False), base._replace(sched_fence=False)]
+            rows += [sass.check(d, causal, t) for t in [*chosen, *tiles]]
     return rows
 
 
@@ -59,7 +88,7 @@ def print_compile(rows: list[dict]) -> None:
         print("| " + " | ".join(str(c) for c in cells) + " |")
 
 
-def _providers(d: int, causal: bool):
+def _providers(d: int, causal: bool, tiles: list = ()):
     """name → fn(q, k, v) giving O, for the timing (the Gluon variants, the Triton forward, SDPA)."""
     import torch
     import torch.nn.functional as F
@@ -91,13 +120,14 @@ def _providers(d: int, causal: bool):
         "gluon-single": gluon(base._replace(pingpong=False)),
         "gluon-no-ws": gluon(base._replace(pingpong=False, warp_specialize=False)),
         "gluon-no-fence": gluon(base._replace(sched_fence=False)),
+        **{tiles_name(t): gluon(t) for t in tiles},
         "triton-stabilized": triton_forward,
         "sdpa-cudnn": sdpa(SDPBackend.CUDNN_ATTENTION),
         "sdpa-flash": sdpa(SDPBackend.FLASH_ATTENTION),
     }
 
 
-def time_rows(shapes: list[tuple[int, ...]], causal: bool) -> list[dict]:
+def time_rows(shapes: list[tuple[int, ...]], causal: bool, tiles: list = ()) -> list[dict]:
     import torch
     from triton.testing import do_bench
 
@@ -108,13 +138,13 @@ def time_rows(shapes: list[tuple[int, ...]], causal: bool) -> list[dict]:
     for d in sorted({s[3] for s in shapes}):
         q, k, v = (torch.randn(2, 4, 509, d, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(3))
         ref = reference.attention(q, k, v, causal=causal)
-        for name, fn in _providers(d, causal).items():
+        for name, fn in _providers(d, causal, tiles).items():
             err = ((fn(q, k, v).double() - ref).norm() / ref.norm()).item()
             rows.append({"kind": "accuracy", "provider": name, "head_dim": d, "causal": causal, "rel_err_O": err})
     for B, H, N, d in shapes:
         q, k, v = (torch.randn(B, H, N, d, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(3))
         flops = 4 * B * H * N * N * d * (0.5 if causal else 1.0)
-        for name, fn in _providers(d, causal).items():
+        for name, fn in _providers(d, causal, tiles).items():
             with torch.no_grad():
                 ms = do_bench(lambda fn=fn, q=q, k=k, v=v: fn(q, k, v))
             rows.append({"kind": "time", "provider": name, "shape": [B, H, N, d], "causal": causal, "ms": ms,
@@ -127,7 +157,9 @@ def main(argv=None) -> int:
         argv, doc=__doc__, kernel="forward", compile_rows=compile_rows, print_compile=print_compile,
         variants_help="also compile with one consumer partition instead of ping-pong, that without warp "
                       "specialisation, and without the fence",
-        time_rows=lambda shapes, causal, variants: time_rows(shapes, causal), time_label="time", width=18)
+        time_rows=lambda shapes, causal, variants, tiles: time_rows(shapes, causal, tiles), time_label="time",
+        width=22, tiles_type=parse_tiles,
+        tiles_help=f"more tiles to compile or time: {TILES_FORM}")
 
 
 if __name__ == "__main__":
