@@ -276,7 +276,8 @@ FUSED_DELTA = True
 # attn_bwd_inline; ``why_not_inline`` names the calls that stay opaque); off: the opaque ops alone
 INLINE_OPS = True
 # the forward's persistent grid: this many programs per SM, each walking tiles longest first over
-# every head (0: one program per tile). Off until timed on a GPU (benchmarks/tools/tune_attention.py).
+# every head (0: one program per tile). Off: 5-44% slower than one program per tile at every shape
+# timed on an H200 (docs/notebook/kernel-optimisation-log.md, item 21).
 PERSISTENT = 0
 
 
