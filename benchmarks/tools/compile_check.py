@@ -8,7 +8,8 @@ and persistent-grid switches) turned into the kernel's switches by ``op.forward_
 launcher's own conversion; each sets the compile-time switches one policy or option turns on
 (formats, per-head fp32, fp32 P̄, soft-capping, the fp32 copy of O, stochastic rounding, the
 "paper" emulation). Prints one line per variant with its cubin's size, its register spills (STL
-instructions) and any global reductions in its SASS (REDG, UTMAREDG), or the error. The CPU interpreter tests the arithmetic; this checks that the GPU compiler takes the code.
+instructions) and any global reductions in its SASS (REDG, UTMAREDG), or the error. The CPU
+interpreter tests the arithmetic; this checks that the GPU compiler takes the code.
 """
 from __future__ import annotations
 
