@@ -217,7 +217,7 @@ def test_the_compile_tools_give_the_forward_every_switch_it_takes():
 
 
 def test_gluon_forward_check_takes_tiles_by_name_and_names_what_it_accepts(capsys):
-    """--tiles BLOCK_MxBLOCK_NxSTAGES[p] becomes the kernel's Tiles (checked by Tiles.check); a bad
+    """--tiles BLOCK_MxBLOCK_NxSTAGES[p|n] becomes the kernel's Tiles (checked by Tiles.check); a bad
     value stops the command line with an error naming --tiles, the value and the accepted form."""
     pytest.importorskip("triton.experimental.gluon")
     gfc = load("tools/gluon_forward_check")
