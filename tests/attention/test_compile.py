@@ -20,7 +20,8 @@ def every_entry(backend: str | None):
         b = scaled_dot_product_attention(q, k, v, is_causal=True, **kw)
         c = module(q, k, v, is_causal=True)
         d = sf.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True, **kw)
-        return a + b + c + d.transpose(1, 2)
+        e = sf.flash_attn_qkvpacked_func(torch.stack((q, k, v), 2).transpose(1, 3), causal=True, **kw)
+        return a + b + c + d.transpose(1, 2) + e.transpose(1, 2)
 
     return run
 
@@ -69,7 +70,7 @@ def test_fullgraph_compile_runs_forward_and_backward_as_eager():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dynamic", [False, True])
 def test_fullgraph_compile_with_inductor_on_the_gpu(dynamic):
-    """The four entries summed (4·O): output and gradients within 1.25× (+1e-4) eager's error against
+    """The five entries summed (5·O): output and gradients within 1.25× (+1e-4) eager's error against
     float64 (the compiled graph's kernels may take other tiles than eager's: not bit for bit)."""
     from tests.attention.test_triton import expanded_reference
     torch._dynamo.reset()
@@ -82,7 +83,7 @@ def test_fullgraph_compile_with_inductor_on_the_gpu(dynamic):
         leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
         out = f(*leaves)
         results.append((out, *torch.autograd.grad(out, leaves, do)))
-    ref = [4 * r for r in expanded_reference(q, k, v, do, True)]
+    ref = [5 * r for r in expanded_reference(q, k, v, do, True)]
     for name, x, x_e, r in zip(("O", "dQ", "dK", "dV"), *results, ref):
         err, err_e = (((y.double() - r).norm() / r.norm()).item() for y in (x, x_e))
         assert err <= 1.25 * err_e + 1e-4, (name, err, err_e)

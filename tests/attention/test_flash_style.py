@@ -1,4 +1,4 @@
-"""flash_attn_func and flash_attn_varlen_func: FlashAttention's layouts and conventions."""
+"""flash_attn_func, flash_attn_qkvpacked_func and flash_attn_varlen_func: FlashAttention's layouts and conventions."""
 import ast
 import inspect
 import re
@@ -9,7 +9,7 @@ import torch
 import stableflash as sf
 from stableflash.attention import reference
 from stableflash.attention.masking import Alignment, Masking
-from tests.conftest import rel_err
+from tests.conftest import DEVICE, rel_err
 
 
 def bnhd(gen, B, N, H, d, dtype=torch.float32):
@@ -42,6 +42,64 @@ def test_the_layout_is_read_as_batch_seq_heads_dim(gen):
     want = reference.attention(*(t.transpose(1, 2) for t in (q, k, v)), masking=Masking(True, Alignment.BOTTOM_RIGHT))
     assert rel_err(got, want.transpose(1, 2)) <= 1e-6
     assert got.transpose(1, 2).is_contiguous()            # a view of the backend's (B, H, N, d) result
+
+
+def _packed_and_split(gen, backend, B=2, N=37, H=2, d=16, **kw):
+    """flash_attn_qkvpacked_func on a (B, N, 3, H, d) tensor and flash_attn_func on its three slices:
+    (O, gradient of qkv) of each, the latter's gradient the three slices' stacked."""
+    qkv = torch.randn(B, N, 3, H, d, generator=gen).bfloat16().to(DEVICE)
+    do = torch.randn(B, N, H, d, generator=gen).bfloat16().to(DEVICE)
+    packed = qkv.clone().requires_grad_(True)
+    torch.manual_seed(3)
+    o = sf.flash_attn_qkvpacked_func(packed, backend=backend, **kw)
+    (grad,) = torch.autograd.grad(o, packed, do)
+    split = [t.clone().requires_grad_(True) for t in qkv.unbind(2)]
+    torch.manual_seed(3)
+    want = sf.flash_attn_func(*split, backend=backend, **kw)
+    return (o, grad), (want, torch.stack(torch.autograd.grad(want, split, do), 2))
+
+
+@pytest.mark.parametrize("kw", [dict(causal=True), dict(), dict(causal=True, window_size=(9, -1), softcap=30.0),
+                                dict(causal=True, dropout_p=0.25)], ids=["causal", "full", "window-softcap", "dropout"])
+@pytest.mark.parametrize("backend", ["triton", "emulated"])
+def test_qkvpacked_gives_flash_attn_funcs_values_on_its_slices(gen, backend, kw):
+    """The same kernels on the same numbers: O and the gradient bit for bit (the packed path only
+    writes dQ, dK and dV into one tensor); dropout with the same seed drawn."""
+    (o, grad), (want, want_grad) = _packed_and_split(gen, backend, **kw)
+    assert torch.equal(o, want) and torch.equal(grad, want_grad)
+    assert grad.is_contiguous()
+    if backend == "triton":          # the kernels write O in q's order: (B, N, H, d) here
+        assert o.is_contiguous()
+
+
+def test_qkvpacked_with_the_lse_and_against_float64(gen):
+    """Default options, causal: within bf16 rounding of float64 (relative error ≤ 2⁻⁷) for O and the
+    three gradients; the log-sum-exp that flash_attn_func returns."""
+    from tests.attention.test_triton import expanded_reference
+    qkv = torch.randn(1, 45, 3, 2, 32, generator=gen).bfloat16().to(DEVICE).requires_grad_(True)
+    do = torch.randn(1, 45, 2, 32, generator=gen).bfloat16().to(DEVICE)
+    o, lse = sf.flash_attn_qkvpacked_func(qkv, causal=True, return_lse=True)
+    o.backward(do)
+    q, k, v = (t.detach().transpose(1, 2) for t in qkv.unbind(2))
+    ref = expanded_reference(q, k, v, do.transpose(1, 2), True)
+    got = (o.transpose(1, 2), *(g.transpose(1, 2) for g in qkv.grad.unbind(2)))
+    for name, x, r in zip(("O", "dQ", "dK", "dV"), got, ref):
+        assert ((x.double() - r).norm() / r.norm()).item() <= 2.0 ** -7, name
+    _, want_lse = sf.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True,
+                                     return_lse=True)
+    assert torch.equal(lse, want_lse)
+
+
+@pytest.mark.parametrize("bad,exc,match", [
+    (lambda t: t[:, :, 0], ValueError, r"qkv must have 5 dimensions \(batch, seq, 3, heads, head_dim\); got shape \(1, 4, 2, 8\)"),
+    (lambda t: t[:, :, :2], ValueError, r"qkv must hold q, k and v along dimension 2, of size 3; got shape \(1, 4, 2, 2, 8\)"),
+    (lambda t: t.int(), TypeError, r"qkv has dtype torch.int32"),
+    (lambda t: t.tolist(), TypeError, r"qkv must be a torch.Tensor; got list"),
+])
+def test_qkvpacked_refuses_bad_input_clearly(gen, bad, exc, match):
+    qkv = torch.randn(1, 4, 3, 2, 8, generator=gen)
+    with pytest.raises(exc, match=match):
+        sf.flash_attn_qkvpacked_func(bad(qkv))
 
 
 def test_varlen_matches_each_sequence_on_its_own(gen):
@@ -109,7 +167,7 @@ def test_flash_attn_func_refuses_the_sdpa_layout_mistakes_clearly(gen):
         sf.flash_attn_func(q, q, q, align="left")
 
 
-@pytest.mark.parametrize("fn", [sf.flash_attn_func, sf.flash_attn_varlen_func])
+@pytest.mark.parametrize("fn", [sf.flash_attn_func, sf.flash_attn_qkvpacked_func, sf.flash_attn_varlen_func])
 def test_the_docstrings_state_the_semantics_then_every_argument(fn):
     doc = fn.__doc__
     for topic in ("Masks.", "Dropout.", "Log-sum-exp.", "bottom-right    top-left"):

@@ -48,6 +48,24 @@ def test_the_inline_forward_agrees_with_its_fake_and_schema():
     torch.library.opcheck(op.attn_fwd_inline, args, test_utils=("test_schema", "test_faketensor"))
 
 
+def test_the_packed_ops_agree_with_their_fakes_and_schemas():
+    """The packed forward (qkv (B, N, 3, H, d) for q, k, v) and the packed backward, whose one output is
+    the gradient of qkv, laid out as qkv contiguous."""
+    gen = torch.Generator(device=DEVICE).manual_seed(5)
+    qkv, do = (torch.randn(*shape, generator=gen, device=DEVICE).bfloat16() for shape in ((1, 40, 3, 2, 32),
+                                                                                         (1, 2, 40, 32)))
+    args = (True, 0.25, *CONFIG.op_args(), *Masks().op_args())
+    checks = ("test_schema", "test_faketensor")
+    torch.library.opcheck(op.attn_fwd_packed_inline, (qkv, *args), test_utils=checks)
+    o, lse, o32, seed = op.attn_fwd_packed(qkv, *args)
+    saved = (o, o32) if CONFIG.delta.residual else (o, o32.new_empty(0))
+    for backward in (op.attn_bwd_packed, op.attn_bwd_packed_inline):
+        torch.library.opcheck(backward, (do, qkv, *saved, lse, *args, seed), test_utils=checks)
+    dqkv = op.attn_bwd_packed(do, qkv, *saved, lse, *args, seed)
+    want = op.attn_bwd(do, *op.unpack_qkv(qkv), *saved, lse, *args, seed)
+    assert dqkv.is_contiguous() and torch.equal(torch.stack(want, 2).transpose(1, 3), dqkv)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter runs only without a GPU here")
 def test_under_the_interpreter_the_inline_ops_return_the_opaque_ops_outputs():
     q, k, v, do = _inputs((1, 2, 40, 32), 1)
@@ -79,6 +97,32 @@ def test_a_compiled_call_launches_its_kernels_without_this_packages_python(causa
     with mock.patch.object(op, "_forward", side_effect=stop), mock.patch.object(op, "_backward_impl", side_effect=stop):
         again = _run(compiled, q, k, v, do)
     for name, w, a, b in zip(("O", "dQ", "dK", "dV"), want, first, again):
+        assert torch.equal(w, a) and torch.equal(w, b), name
+
+
+@pytest.mark.gpu
+def test_a_compiled_packed_call_launches_its_kernels_without_this_packages_python(monkeypatch):
+    """flash_attn_qkvpacked_func compiled, fixed tiles: eager's O and gradient of qkv bit for bit, also
+    during a second call in which ``_forward`` and ``_backward_impl`` raise. The kernels write dQ, dK
+    and dV into the one gradient inside torch.compile's graph as in eager."""
+    monkeypatch.setattr(op, "AUTOTUNE", False)
+    torch._dynamo.reset()
+    fn = lambda qkv: sf.flash_attn_qkvpacked_func(qkv, causal=True)     # noqa: E731
+    compiled = torch.compile(fn, fullgraph=True)
+    gen = torch.Generator(device="cuda").manual_seed(8)
+    qkv, do = (torch.randn(*shape, generator=gen, device="cuda").bfloat16() for shape in ((2, 300, 3, 3, 64),
+                                                                                           (2, 300, 3, 64)))
+
+    def run(f):
+        leaf = qkv.clone().requires_grad_(True)
+        o = f(leaf)
+        return o, *torch.autograd.grad(o, leaf, do)
+
+    want, first = run(fn), run(compiled)
+    stop = AssertionError("the package's Python ran inside the compiled call")
+    with mock.patch.object(op, "_forward", side_effect=stop), mock.patch.object(op, "_backward_impl", side_effect=stop):
+        again = run(compiled)
+    for name, w, a, b in zip(("O", "dQKV"), want, first, again):
         assert torch.equal(w, a) and torch.equal(w, b), name
 
 

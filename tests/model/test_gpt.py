@@ -222,6 +222,62 @@ def test_triton_backend(gen, monkeypatch):
     assert ((g - w).norm() / w.norm()).item() < 5e-2
 
 
+@pytest.mark.parametrize("attention", ["triton", "sdpa"])
+def test_the_attention_layer_passes_its_projection_packed(gen, monkeypatch, attention):
+    """Without q/k norm or documents a layer hands its c_attn output to ``flash_attn_qkvpacked_func``
+    as one (B, T, 3, H, d) tensor: its output and every gradient equal, bit for bit, those of
+    ``flash_attention`` on the three split views (the layer written out by hand)."""
+    if attention == "triton":
+        pytest.importorskip("triton")
+    import stableflash.model.gpt as gpt_module
+    from stableflash.attention import flash_attention
+    calls = []
+    packed = gpt_module.flash_attn_qkvpacked_func
+    monkeypatch.setattr(gpt_module, "flash_attn_qkvpacked_func", lambda qkv, **kw: calls.append(qkv.shape) or packed(qkv, **kw))
+    layer = tiny(attention, dtype=torch.bfloat16, seed=4).to(DEVICE).transformer.h[0].attn
+    x = torch.randn(2, 40, layer.n_embd, generator=gen).bfloat16().to(DEVICE)
+    dy = torch.randn(2, 40, layer.n_embd, generator=gen).bfloat16().to(DEVICE)
+
+    def by_hand(x):
+        B, T, C = x.shape
+        q, k, v = (t.view(B, T, layer.n_head, -1).transpose(1, 2) for t in layer.c_attn(x).split(C, dim=2))
+        y = flash_attention(q, k, v, causal=True, **layer.choice.kwargs())
+        return layer.c_proj(y.transpose(1, 2).reshape(B, T, C))
+
+    results = []
+    for f in (layer, by_hand):
+        leaf = x.clone().requires_grad_(True)
+        out = f(leaf)
+        results.append((out, *torch.autograd.grad(out, (leaf, layer.c_attn.weight, layer.c_proj.weight), dy)))
+    assert calls == [(2, 40, 3, layer.n_head, layer.n_embd // layer.n_head)]
+    for name, a, b in zip(("y", "dx", "dW_qkv", "dW_o"), *results):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.gpu
+def test_a_compiled_bf16_step_on_the_kernels_gives_eagers_gradients(gen):
+    """torch.compile (inductor) of a bf16-autocast step of a 4-layer model on the default kernels (the
+    packed attention inline in the graph): loss and every gradient within 2⁻⁶ (norm-relative) of
+    eager's — the compiled graph may take other matrix-product and kernel tiles than eager, so not bit
+    for bit."""
+    torch._dynamo.reset()
+    model = GPT(model_config("tiny", n_layer=4, n_head=4, n_embd=256, block_size=512), "triton").cuda()
+    idx, targets = tokens(gen, 4, 512).cuda(), tokens(gen, 4, 512).cuda()
+
+    def step(net):
+        model.zero_grad()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            _, loss = net(idx, targets)
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    loss, grads = step(torch.compile(model))
+    want_loss, want = step(model)
+    assert abs(loss.item() - want_loss.item()) <= 2.0 ** -6 * abs(want_loss.item())
+    for name, w in want.items():
+        assert ((grads[name].float() - w.float()).norm() / w.float().norm()).item() <= 2.0 ** -6, name
+
+
 def test_qk_norm_bounds_the_logits_whatever_w_q(gen):
     """With qk_norm each head's q and k are LayerNormed (unit gain at init): |q·k| ≤ head_dim, so the
     scaled logits stay ≤ √head_dim even when W_Q and W_K are scaled by 1000; without it they grow."""

@@ -403,10 +403,13 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, masking: Masking, scale, stabilize, beta, eps,
            backend: str, policy, block_q, block_k, softcap, attn_mask: torch.Tensor | None, dropout_p,
-           return_lse, varlen: tuple | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+           return_lse, varlen: tuple | None = None,
+           packed: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``flash_attention`` after the tensors, masks and mask argument were checked (``attn_mask``
     expanded to (B, H, Nq, Nk)); ``varlen``: (cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-    max_seqlen_k) checked, with q, k, v (1, H, total, d)."""
+    max_seqlen_k) checked, with q, k, v (1, H, total, d). ``packed``: the (B, N, 3, H, d) tensor
+    whose views q, k and v are (``flash_attn_qkvpacked_func``): the Triton backend then returns one
+    gradient for it; the other backends reach it through the views."""
     scale, block_q, block_k = _check_options(masking.causal, scale, block_q, block_k)
     softcap = check_softcap(softcap)
     dropout_p = check_dropout(dropout_p)
@@ -435,7 +438,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, masking: Maskin
         _check_sdpa(stabilize, rule, delta_changed, resolved, softcap, varlen, return_lse)
         return _sdpa(q, k, v, masking, attn_mask, dropout_p, scale_val)
     o, lse = _attention(q, k, v, backend, masking, scale_val, rule, resolved, block_q, block_k, softcap,
-                        attn_mask, dropout_p, varlen)
+                        attn_mask, dropout_p, varlen, packed)
     if rule.kind == "paper":
         _paper_watch.observe(o, (q, k, v))
     return (o, lse) if return_lse else o
@@ -482,7 +485,7 @@ def _sdpa(q, k, v, masking: Masking, attn_mask, dropout_p: float, scale: float) 
 
 
 def _attention(q, k, v, backend, masking, scale_val, rule, resolved, block_q, block_k, softcap, attn_mask,
-               dropout_p, varlen) -> tuple[torch.Tensor, torch.Tensor | None]:
+               dropout_p, varlen, packed=None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The checked call on a backend other than SDPA: (O, LSE)."""
     cu_q, cu_k, max_q, max_k = varlen if varlen is not None else (None,) * 4
     if backend == "reference":
@@ -505,7 +508,7 @@ def _attention(q, k, v, backend, masking, scale_val, rule, resolved, block_q, bl
         return tri.triton_attention(q, k, v, masking=masking, scale=scale_val, rule=rule, policy=resolved,
                                     softcap=softcap, block_k=None if block_k == DEFAULT_BLOCK_K else block_k,
                                     attn_mask=attn_mask, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q,
-                                    max_seqlen_k=max_k, dropout_p=dropout_p)
+                                    max_seqlen_k=max_k, dropout_p=dropout_p, packed=packed)
     return emulated.emulated_attention(q, _expand_kv(q, k), _expand_kv(q, v), causal=masking.causal,
                                        scale=scale_val, policy=resolved, rule=rule, block_q=block_q, block_k=block_k,
                                        softcap=softcap, masking=masking, attn_mask=attn_mask, dropout_p=dropout_p,

@@ -1,7 +1,7 @@
-"""FlashAttention-style entries: ``flash_attn_func`` and ``flash_attn_varlen_func``.
+"""FlashAttention-style entries: ``flash_attn_func``, ``flash_attn_qkvpacked_func`` and ``flash_attn_varlen_func``.
 
-They take FlashAttention's layouts — (batch, seq, heads, head_dim), or packed (total, heads,
-head_dim) with ``cu_seqlens`` — and its argument names and conventions (bottom-right causal
+They take FlashAttention's layouts — (batch, seq, heads, head_dim), a fused QKV projection's
+(batch, seq, 3, heads, head_dim), or packed (total, heads, head_dim) with ``cu_seqlens`` — and its argument names and conventions (bottom-right causal
 alignment, ``window_size`` with −1 for unbounded, ``softcap`` 0.0 for off), and compute what
 ``flash_attention`` computes, stabilized by default. The tensors reach the backends as transposed
 views: nothing is copied to change the layout.
@@ -115,6 +115,50 @@ flash_attn_func.__doc__ = """softmax(Q·Kᵀ·scale)·V in FlashAttention's (bat
         O: (batch, seq_q, heads_q, head_dim) in q's dtype (a transposed view of the backend's
         (batch, heads, seq, head_dim) result), differentiable with respect to q, k and v. With
         ``return_lse``: (O, lse), lse (batch, heads_q, seq_q) float32.
+
+    Raises:
+        TypeError or ValueError naming the argument, the value given and what is accepted.
+    """
+
+
+def flash_attn_qkvpacked_func(qkv: torch.Tensor, dropout_p: float = 0.0, softmax_scale: float | None = None,
+                              causal: bool = False, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                              return_lse: bool = False, *, align: str | Alignment = "bottom-right",
+                              stabilize: bool | str | Stabilization = True, beta: float = 2.0, eps: float = 1e-3,
+                              backend: str = "auto",
+                              policy: PrecisionPolicy | str | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    _check_layout({"qkv": qkv}, 5, "(batch, seq, 3, heads, head_dim)")
+    if qkv.shape[2] != 3:
+        raise ValueError(f"qkv must hold q, k and v along dimension 2, of size 3; got shape {tuple(qkv.shape)}")
+    qt, kt, vt = (t.transpose(1, 2) for t in qkv.unbind(2))
+    _check_tensors(qt, kt, vt)
+    masking = check_masking(causal, align, window_size, "window_size", unbounded=(-1,))
+    res = attend(qt, kt, vt, masking=masking, scale=softmax_scale, stabilize=stabilize, beta=beta, eps=eps,
+                 backend=backend, policy=policy, block_q=None, block_k=64, softcap=_softcap(softcap), attn_mask=None,
+                 dropout_p=dropout_p, return_lse=return_lse, packed=qkv)
+    if return_lse:
+        return res[0].transpose(1, 2), res[1]
+    return res.transpose(1, 2)
+
+
+flash_attn_qkvpacked_func.__doc__ = """Self-attention on a fused QKV projection's output, (batch, seq, 3, heads, head_dim), stabilized.
+
+    ``flash_attn_qkvpacked_func(qkv, causal=True)`` takes the arguments of FlashAttention-2's
+    ``flash_attn_qkvpacked_func`` and returns what it returns: ``flash_attn_func`` on
+    ``qkv[:, :, 0]``, ``qkv[:, :, 1]`` and ``qkv[:, :, 2]``. A model whose projection gives
+    (batch, seq, 3·heads·head_dim) passes ``.view(batch, seq, 3, heads, head_dim)`` of it. On the
+    "triton" backend the gradient of qkv is one tensor, into which the backward's kernels write
+    dQ, dK and dV: with three separate inputs autograd joins three gradients into it instead, a
+    copy of the whole of it per layer.
+""" + _SEMANTICS + """
+    Arguments:
+        qkv: (batch, seq, 3, heads, head_dim), float16, bfloat16, float32 or float64; q, k and v
+            at index 0, 1 and 2 of dimension 2.
+""" + _COMMON_ARGS + """
+    Returns:
+        O: (batch, seq, heads, head_dim) in qkv's dtype (a transposed view of the backend's
+        (batch, heads, seq, head_dim) result), differentiable with respect to qkv. With
+        ``return_lse``: (O, lse), lse (batch, heads, seq) float32.
 
     Raises:
         TypeError or ValueError naming the argument, the value given and what is accepted.

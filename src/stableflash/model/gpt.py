@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from stableflash.attention import flash_attention
+from stableflash.attention import flash_attention, flash_attn_qkvpacked_func
 from stableflash.attention.api import check_softcap
 from stableflash.model.base import DecoderLM, Documents, check_attn_mask, check_tokens, document_attention
 from stableflash.model.spec import AttentionChoice, AttentionSpec, as_attention_spec
@@ -96,16 +96,20 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor, docs: Documents | None = None) -> torch.Tensor:
         """x (B, T, C); ``docs``: the documents of the rows (attention stays within each), or None."""
         B, T, C = x.shape
-        q, k, v = self.c_attn(x).split(C, dim=2)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head) for t in (q, k, v))
+        qkv = self.c_attn(x).view(B, T, 3, self.n_head, C // self.n_head)
+        q, k, v = qkv.unbind(2)
         if docs is None:
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        if self.q_norm is not None:
-            # under autocast LayerNorm returns fp32: back to v's dtype, as attention takes one dtype
-            q, k = self.q_norm(q).to(v.dtype), self.k_norm(k).to(v.dtype)
-        if docs is None:
+        kwargs = self.choice.kwargs()
+        if docs is None and self.q_norm is None and "block_k" not in kwargs:
+            # one gradient for the projection's output: the kernels write dQ, dK, dV into it
+            y = flash_attn_qkvpacked_func(qkv, causal=True, softcap=self.softcap or 0.0, **kwargs).transpose(1, 2)
+        elif docs is None:
+            if self.q_norm is not None:
+                # under autocast LayerNorm returns fp32: back to v's dtype, as attention takes one dtype
+                q, k = self.q_norm(q).to(v.dtype), self.k_norm(k).to(v.dtype)
             extra = {} if self.softcap is None else {"softcap": self.softcap}
-            y = flash_attention(q, k, v, causal=True, **self.choice.kwargs(), **extra)
+            y = flash_attention(q, k, v, causal=True, **kwargs, **extra)
         else:                           # (B, T, H, d) throughout; the observer sees (B, H, T, d) views
             y = document_attention(q, k, v, docs, self.choice.kwargs(), self.softcap)
             q, k, v, y = (t.transpose(1, 2) for t in (q, k, v, y))

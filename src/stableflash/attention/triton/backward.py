@@ -306,11 +306,17 @@ def attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
                          CU_Q=0, CU_K=0, MASK=0, stride_mb=0, stride_mh=0, stride_mm=0, stride_mn=0,
                          left=0, right=0, align_br=0, drop_seed=0, drop_thr=0, drop_scale=1.0,
                          BAND: tl.constexpr = False, VARLEN: tl.constexpr = False, MASK_KIND: tl.constexpr = 0,
-                         MASK_ROWS: tl.constexpr = False, DROPOUT: tl.constexpr = False):
+                         MASK_ROWS: tl.constexpr = False, DROPOUT: tl.constexpr = False,
+                         dk_offset=0, dv_offset=0, DV_IN_DK: tl.constexpr = False):
     """dK, dV of one key block of one (batch, kv head), over the query heads of its group. With the
     masking switches (as the forward's), the query blocks that see the key block: a masked leading
-    edge, whole unmasked blocks, a masked trailing edge (the band read from the keys' side)."""
+    edge, whole unmasked blocks, a masked trailing edge (the band read from the keys' side).
+    ``DV_IN_DK``: DK is one packed gradient of q, k and v, with dK at element ``dk_offset`` and dV
+    at ``dv_offset`` (strides ``stride_dk*`` for both); DV is not read."""
     scale, softcap, drop_scale = fp32(scale), fp32(softcap), fp32(drop_scale)
+    if DV_IN_DK:
+        DV = DK + dv_offset
+        DK = DK + dk_offset
     if BAND or VARLEN or MASK_KIND != 0 or DROPOUT:
         _dkdv_masked(Q, K, V, DO, LSE, DELTA, DK, DV, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
                      stride_vb, stride_vh, stride_vn, stride_db, stride_dh, stride_dm, stride_dkb, stride_dkh,

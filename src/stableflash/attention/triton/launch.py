@@ -208,7 +208,7 @@ def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, maski
                      block_k: int | None = None, attn_mask: torch.Tensor | None = None,
                      cu_seqlens_q: torch.Tensor | None = None, cu_seqlens_k: torch.Tensor | None = None,
                      max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
-                     dropout_p: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+                     dropout_p: float = 0.0, packed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The fused kernels: (O, LSE), O differentiable, LSE (B, H, Nq) fp32 natural log without
     gradient, −inf on rows that see no key (their O is 0). Inputs validated by the API and
     ``check_inputs``; q, k, v (B, H, N, d) views whose last dimension is contiguous. ``masking``:
@@ -219,7 +219,9 @@ def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, maski
     positions (and the alignment) counted within each sequence. ``dropout_p``: attention dropout
     (``masking.dropout_keep``; the seed drawn per call from torch's default generator and kept
     for the backward). ``block_k``: the forward's key block under the "paper" emulation
-    (``kernel_config``)."""
+    (``kernel_config``). ``packed``: the (B, N, 3, H, d) tensor q, k and v are views of
+    (``op.unpack_qkv``), or None; given, O is differentiable with respect to it and its gradient is
+    written as one tensor (no join of dQ, dK and dV)."""
     varlen = cu_seqlens_q is not None
     if varlen != (cu_seqlens_k is not None) or (varlen and (max_seqlen_q is None or max_seqlen_k is None)):
         raise ValueError("packed sequences need cu_seqlens_q, cu_seqlens_k, max_seqlen_q and max_seqlen_k together; "
@@ -239,5 +241,5 @@ def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, maski
         key_block_config(config.block_k, q.shape[-1])     # the key block's tile holds this head_dim
     causal, masks = _masks(masking, q.shape[2], k.shape[2], attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                            max_seqlen_k, dropout_p)
-    o, lse = attention(q, k, v, causal, scale, config, masks)
+    o, lse = attention(q, k, v, causal, scale, config, masks, packed)
     return o, lse.detach()

@@ -196,6 +196,9 @@ class _InlineBody:
 
 _INLINE: contextvars.ContextVar[Optional[_InlineBody]] = contextvars.ContextVar("stableflash_inline_body",
                                                                                 default=None)
+# the gradient of qkv a packed backward op's body has the kernels write dQ, dK and dV into; None: new tensors
+_GRADS: contextvars.ContextVar[Optional[torch.Tensor]] = contextvars.ContextVar("stableflash_packed_grad",
+                                                                              default=None)
 
 
 def _with_defaults(entry, n_args: int, kwargs: dict) -> dict:
@@ -580,7 +583,7 @@ def _seed_output(seed: int, dropout_p: float, q: torch.Tensor) -> torch.Tensor:
 
 
 @attn_fwd.register_fake
-def _(q, k, v, causal, scale, *args, **kwargs):
+def _attn_fwd_fake(q, k, v, causal, scale, *args, **kwargs):
     delta = _config_of(args[:len(OP_FIELDS)]).delta
     o32 = q.new_empty(q.shape if delta.keeps_o else (0,), dtype=q.dtype if delta.residual else torch.float32)
     mask_args = args[len(OP_FIELDS):]
@@ -655,12 +658,22 @@ def _backward_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     has_r = residual.numel() > 0
     r = residual.contiguous() if has_r else o  # the δ kernels' R (ignored without HAS_R)
     fuse = FUSED_DELTA and not config.delta.extra_pass and not masks.any
-    dq, dk, dv = _empty_like_layout(q), _empty_like_layout(k), _empty_like_layout(k)   # dK, dV: one set of strides
+    packed = _GRADS.get()                      # a packed op's gradient of qkv, (B, N, 3, H, d) contiguous
+    if packed is None:
+        dq, dk, dv = _empty_like_layout(q), _empty_like_layout(k), _empty_like_layout(k)   # dK, dV: one set of strides
+        dq_out, dk_out, dv_out, dkv_at = dq, dk, dv, {}
+    else:
+        # the kernels get the whole tensor, with the views' strides and dK, dV at offsets into it: a
+        # traced call's writes into a view are functionalized into writes to a copy, whose layout
+        # the view's strides would not describe
+        dq, dk, dv = unpack_qkv(packed)
+        dq_out, dk_out, dv_out = packed, packed, do         # dv_out: not read (DV_IN_DK)
+        dkv_at = dict(dk_offset=packed.stride(2), dv_offset=2 * packed.stride(2), DV_IN_DK=True)
     common = (*_strides(q), *_strides(k), *_strides(v), *_strides(do))
 
     def launch_dq(**fused):
         _launch(_dq_tuned, attn_bwd_dq_kernel, lambda meta: blocks(n_m, meta["BLOCK_M"], n_bh),
-                q, k, v, do, lse, delta, dq, *common, *_strides(dq), H, group, n_q, n_k, scale, softcap, **extra,
+                q, k, v, do, lse, delta, dq_out, *common, *_strides(dq), H, group, n_q, n_k, scale, softcap, **extra,
                 HEAD_DIM=d, CAUSAL=causal, EMU=emu, **cap, **switches, **fused)
 
     if fuse:                                  # the dQ kernel computes δ and stores it for dK/dV
@@ -674,8 +687,8 @@ def _backward_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
                 scale, softcap, **extra, HEAD_DIM=d, CAUSAL=causal, DELTA_SRC=config.delta.value, EMU=emu, **cap,
                 **switches)
     _launch(_dkdv_tuned, attn_bwd_dkdv_kernel, lambda meta: blocks(n_n, meta["BLOCK_N"], n_bhk),
-            q, k, v, do, lse, delta, dk, dv, *common, *_strides(dk), H, group, n_q, n_k, scale, softcap, **extra,
-            HEAD_DIM=d, CAUSAL=causal, EMU=emu, **cap, **switches)
+            q, k, v, do, lse, delta, dk_out, dv_out, *common, *_strides(dk), H, group, n_q, n_k, scale, softcap,
+            **extra, HEAD_DIM=d, CAUSAL=causal, EMU=emu, **cap, **switches, **dkv_at)
     if not fuse:
         launch_dq()
     return dq, dk, dv
@@ -757,6 +770,101 @@ attn_fwd.register_autograd(_backward_of(attn_bwd), setup_context=_setup_context)
 attn_fwd_inline.register_autograd(_backward_of(attn_bwd_inline), setup_context=_setup_context)
 
 
+def unpack_qkv(qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v as (B, H, N, d) views of a packed (B, N, 3, H, d) tensor, a fused QKV projection's output."""
+    q, k, v = qkv.unbind(2)
+    return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+
+def _packed_signature(fn, returns: str | None) -> inspect.Signature:
+    """``fn``'s signature with its parameters q, k, v replaced by one ``qkv`` (and, if given, the
+    return annotation ``returns``)."""
+    sig = inspect.signature(fn)
+    params = list(sig.parameters.values())
+    at = [p.name for p in params].index("q")
+    assert [p.name for p in params[at:at + 3]] == ["q", "k", "v"]
+    params[at:at + 3] = [params[at].replace(name="qkv")]
+    return sig.replace(parameters=params, return_annotation=returns or sig.return_annotation)
+
+
+class _PackedBody:
+    """An op's body with (q, k, v) given as one packed ``qkv`` (B, N, 3, H, d): ``fn`` (an unpacked
+    op's body) runs on ``unpack_qkv``'s views. ``grads``: the backward's, which allocates one
+    gradient of qkv laid out as qkv contiguous, has the kernels write dQ, dK and dV into it
+    (``_GRADS``) and returns it: the gradient of a fused QKV projection without a join of three
+    tensors. ``opaque``: for an inline backward, the opaque op it hands a call to where its body
+    would (the interpreter, dropout)."""
+
+    def __init__(self, fn, name: str, grads: bool, opaque=None):
+        self._fn, self._grads, self._opaque = fn, grads, opaque
+        self.__name__, self.__globals__ = name, fn.__globals__
+        self.__signature__ = _packed_signature(fn, "torch.Tensor" if grads else None)
+
+    def __call__(self, *args, **kwargs):
+        bound = self.__signature__.bind(*args, **kwargs)
+        bound.apply_defaults()
+        named = dict(bound.arguments)
+        qkv = named.pop("qkv")
+        if not self._grads:
+            return self._fn(*unpack_qkv(qkv), **named)      # after the views: causal, scale, ... by name
+        if self._opaque is not None and (interpreting() or named["dropout_p"] > 0):
+            return self._opaque(*args, **kwargs)
+        dqkv = torch.empty(qkv.shape, dtype=qkv.dtype, device=qkv.device)
+        token = _GRADS.set(dqkv)
+        try:
+            self._fn(named.pop("do"), *unpack_qkv(qkv), **named)
+        finally:
+            _GRADS.reset(token)
+        return dqkv
+
+
+attn_bwd_packed = torch.library.custom_op("stableflash::attn_bwd_packed", mutates_args=())(
+    _PackedBody(_backward_op(False), "attn_bwd_packed", grads=True))
+
+
+@attn_bwd_packed.register_fake
+def _(do, qkv, *args, **kwargs):
+    return torch.empty(qkv.shape, dtype=qkv.dtype, device=qkv.device)
+
+
+attn_bwd_packed_inline = _triton_op(
+    "stableflash::attn_bwd_packed_inline",
+    _PackedBody(_backward_op(True), "attn_bwd_packed_inline", grads=True, opaque=attn_bwd_packed),
+    (attn_bwd_dq_kernel, attn_bwd_dkdv_kernel, delta_dot_kernel, delta_pass_kernel))
+
+attn_fwd_packed = torch.library.custom_op("stableflash::attn_fwd_packed", mutates_args=())(
+    _PackedBody(_forward_op(False), "attn_fwd_packed", grads=False))
+
+
+@attn_fwd_packed.register_fake
+def _(qkv, causal, scale, *args, **kwargs):
+    return _attn_fwd_fake(*unpack_qkv(qkv), causal, scale, *args, **kwargs)
+
+
+attn_fwd_packed_inline = _triton_op("stableflash::attn_fwd_packed_inline",
+                                    _PackedBody(_forward_op(True), "attn_fwd_packed_inline", grads=False),
+                                    (attn_fwd_kernel,))
+
+
+def _setup_packed_context(ctx, inputs, output):
+    qkv, causal, scale, *rest = inputs
+    _setup_context(ctx, (qkv, None, None, causal, scale, *rest), output)
+
+
+def _packed_backward_of(op):
+    def backward(ctx, do, _dlse, _do32, _dseed):
+        qkv, _, _, lse, o, residual, seed = ctx.saved_tensors
+        dqkv = op(do, qkv, o, residual, lse, *ctx.args, *ctx.mask_args, seed)
+        return dqkv, *[None] * (2 + len(OP_FIELDS) + N_MASK_ARGS)
+
+    return backward
+
+
+attn_fwd_packed.register_autograd(_packed_backward_of(attn_bwd_packed), setup_context=_setup_packed_context)
+attn_fwd_packed_inline.register_autograd(_packed_backward_of(attn_bwd_packed_inline),
+                                         setup_context=_setup_packed_context)
+
+
 class _EagerAttention(torch.autograd.Function):
     """The same kernels without the custom-op dispatch, for eager mode."""
 
@@ -776,12 +884,46 @@ class _EagerAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None
 
 
+class _EagerPackedAttention(torch.autograd.Function):
+    """``_EagerAttention`` with q, k, v given as one packed qkv: its gradient is one tensor, into whose
+    views the backward's kernels write dQ, dK and dV."""
+
+    @staticmethod
+    def forward(ctx, qkv, causal, scale, config, masks):
+        seed = draw_seed() if masks.dropout_p > 0 else 0
+        o, lse, o32 = _forward(*unpack_qkv(qkv), causal, scale, config, masks, seed)
+        ctx.save_for_backward(qkv, lse, *_for_delta(o, o32, config))
+        ctx.args = (causal, scale, config, masks, seed)
+        ctx.mark_non_differentiable(lse)
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, _dlse):
+        qkv, lse, o, residual = ctx.saved_tensors
+        dqkv = torch.empty(qkv.shape, dtype=qkv.dtype, device=qkv.device)
+        token = _GRADS.set(dqkv)
+        try:
+            _backward_impl(do, *unpack_qkv(qkv), o, residual, lse, *ctx.args)
+        finally:
+            _GRADS.reset(token)
+        return dqkv, None, None, None, None
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
-              config: KernelConfig, masks: Masks = Masks()) -> tuple[torch.Tensor, torch.Tensor]:
+              config: KernelConfig, masks: Masks = Masks(),
+              packed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(O, LSE): O differentiable, LSE (B, H, Nq) fp32 without gradient — the inline forward op
     under torch.compile (the opaque one with ``INLINE_OPS`` off; ``config`` as its ``op_args``),
     the autograd.Function in eager mode. ``config``: what ``launch.kernel_config`` built;
-    ``masks``: what the call masks beyond CAUSAL."""
+    ``masks``: what the call masks beyond CAUSAL. ``packed``: the (B, N, 3, H, d) tensor whose
+    ``unpack_qkv`` views q, k and v are; then O is differentiable with respect to it, and the
+    backward writes dQ, dK and dV into one gradient laid out as it (the packed ops)."""
+    if packed is not None:
+        if torch.compiler.is_compiling():
+            op = attn_fwd_packed_inline if INLINE_OPS else attn_fwd_packed
+            o, lse, _, _ = op(packed, causal, scale, *config.op_args(), *masks.op_args())
+            return o, lse
+        return _EagerPackedAttention.apply(packed, causal, scale, config, masks)
     if torch.compiler.is_compiling():
         op = attn_fwd_inline if INLINE_OPS else attn_fwd
         o, lse, _, _ = op(q, k, v, causal, scale, *config.op_args(), *masks.op_args())
