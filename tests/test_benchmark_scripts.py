@@ -381,3 +381,17 @@ def test_train_profile_sums_the_gpus_idle_time_by_the_kernel_it_waited_for():
     assert by["attn_fwd_kernel"]["gaps_per_step"] == 1.0 and by["attn_fwd_kernel"]["group"] == "attention"
     assert by["gemm"]["ms_per_step"] == pytest.approx(10 / 1e3 / 2)
     assert [r["kernel"] for r in got["idle_before"]] == ["attn_fwd_kernel", "gemm"]
+
+
+def test_train_tuner_picks_prints_each_tuners_picks_and_timings_as_json(monkeypatch, capsys):
+    """After the CLI call it wraps (stubbed here: no GPU), one CHOICES and one TIMINGS line, each JSON
+    with an entry per tuner it names."""
+    import json
+    tool = load("tools/train_tuner_picks")
+    seen = []
+    monkeypatch.setattr(tool, "cli_main", lambda argv: seen.append(argv) or 3)
+    assert tool.main(["bench", "train", "--steps", "2"]) == 3
+    assert seen == [["bench", "train", "--steps", "2"]]
+    lines = {line.split(" ", 1)[0]: json.loads(line.split(" ", 1)[1]) for line in capsys.readouterr().out.splitlines()}
+    assert set(lines["CHOICES"]) == {"fwd", "fwd_tma", "dkdv", "dq", "delta_pass"}
+    assert set(lines["TIMINGS"]) == {"fwd", "fwd_tma", "dkdv", "dq"}
