@@ -111,7 +111,7 @@ class CausalSelfAttention(nn.Module):
             extra = {} if self.softcap is None else {"softcap": self.softcap}
             y = flash_attention(q, k, v, causal=True, **kwargs, **extra)
         else:                           # (B, T, H, d) throughout; the observer sees (B, H, T, d) views
-            y = document_attention(q, k, v, docs, self.choice.kwargs(), self.softcap)
+            y = document_attention(q, k, v, docs, kwargs, self.softcap)
             q, k, v, y = (t.transpose(1, 2) for t in (q, k, v, y))
         if self.observer is not None:
             self.observer(self, x, q, k, v, y)

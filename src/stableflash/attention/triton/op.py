@@ -734,8 +734,9 @@ def _(do, q, k, v, o, residual, lse, causal, scale, *args, **kwargs):
     return _empty_like_layout(q), _empty_like_layout(k), _empty_like_layout(k)
 
 
-attn_bwd_inline = _triton_op("stableflash::attn_bwd_inline", _backward_op(True),
-                             (attn_bwd_dq_kernel, attn_bwd_dkdv_kernel, delta_dot_kernel, delta_pass_kernel))
+# the kernels a backward op may launch (torch.compile's cache key reads their source)
+_BACKWARD_KERNELS = (attn_bwd_dq_kernel, attn_bwd_dkdv_kernel, delta_dot_kernel, delta_pass_kernel)
+attn_bwd_inline = _triton_op("stableflash::attn_bwd_inline", _backward_op(True), _BACKWARD_KERNELS)
 
 
 def _for_delta(o: torch.Tensor, o32: torch.Tensor, config: KernelConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -776,6 +777,19 @@ def unpack_qkv(qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
 
+def _into_packed_grad(backward, do: torch.Tensor, qkv: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """``backward(do, q, k, v, *args, **kwargs)`` on ``unpack_qkv``'s views of ``qkv``, its kernels
+    writing dQ, dK and dV into one new gradient of qkv, laid out as qkv contiguous (``_GRADS``),
+    which is returned."""
+    dqkv = torch.empty(qkv.shape, dtype=qkv.dtype, device=qkv.device)
+    token = _GRADS.set(dqkv)
+    try:
+        backward(do, *unpack_qkv(qkv), *args, **kwargs)
+    finally:
+        _GRADS.reset(token)
+    return dqkv
+
+
 def _packed_signature(fn, returns: str | None) -> inspect.Signature:
     """``fn``'s signature with its parameters q, k, v replaced by one ``qkv`` (and, if given, the
     return annotation ``returns``)."""
@@ -809,13 +823,7 @@ class _PackedBody:
             return self._fn(*unpack_qkv(qkv), **named)      # after the views: causal, scale, ... by name
         if self._opaque is not None and (interpreting() or named["dropout_p"] > 0):
             return self._opaque(*args, **kwargs)
-        dqkv = torch.empty(qkv.shape, dtype=qkv.dtype, device=qkv.device)
-        token = _GRADS.set(dqkv)
-        try:
-            self._fn(named.pop("do"), *unpack_qkv(qkv), **named)
-        finally:
-            _GRADS.reset(token)
-        return dqkv
+        return _into_packed_grad(self._fn, named.pop("do"), qkv, **named)
 
 
 attn_bwd_packed = torch.library.custom_op("stableflash::attn_bwd_packed", mutates_args=())(
@@ -829,8 +837,7 @@ def _(do, qkv, *args, **kwargs):
 
 attn_bwd_packed_inline = _triton_op(
     "stableflash::attn_bwd_packed_inline",
-    _PackedBody(_backward_op(True), "attn_bwd_packed_inline", grads=True, opaque=attn_bwd_packed),
-    (attn_bwd_dq_kernel, attn_bwd_dkdv_kernel, delta_dot_kernel, delta_pass_kernel))
+    _PackedBody(_backward_op(True), "attn_bwd_packed_inline", grads=True, opaque=attn_bwd_packed), _BACKWARD_KERNELS)
 
 attn_fwd_packed = torch.library.custom_op("stableflash::attn_fwd_packed", mutates_args=())(
     _PackedBody(_forward_op(False), "attn_fwd_packed", grads=False))
@@ -900,13 +907,7 @@ class _EagerPackedAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, _dlse):
         qkv, lse, o, residual = ctx.saved_tensors
-        dqkv = torch.empty(qkv.shape, dtype=qkv.dtype, device=qkv.device)
-        token = _GRADS.set(dqkv)
-        try:
-            _backward_impl(do, *unpack_qkv(qkv), o, residual, lse, *ctx.args)
-        finally:
-            _GRADS.reset(token)
-        return dqkv, None, None, None, None
+        return _into_packed_grad(_backward_impl, do, qkv, o, residual, lse, *ctx.args), None, None, None, None
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
