@@ -395,3 +395,37 @@ def test_train_tuner_picks_prints_each_tuners_picks_and_timings_as_json(monkeypa
     lines = {line.split(" ", 1)[0]: json.loads(line.split(" ", 1)[1]) for line in capsys.readouterr().out.splitlines()}
     assert set(lines["CHOICES"]) == {"fwd", "fwd_tma", "dkdv", "dq", "delta_pass"}
     assert set(lines["TIMINGS"]) == {"fwd", "fwd_tma", "dkdv", "dq"}
+
+
+def test_ncu_attention_table_reads_a_raw_export_and_names_what_it_lacks(tmp_path, capsys):
+    ncu = load("tools/ncu_attention")
+    head = ["ID", "Kernel Name", "gpu__time_duration.sum", "smsp__inst_executed.sum",
+            "smsp__issue_active.avg.pct_of_peak_sustained_active", "sm__warps_active.avg.pct_of_peak_sustained_active",
+            "launch__registers_per_thread", "launch__occupancy_limit_registers", "launch__occupancy_limit_shared_mem",
+            "launch__block_size", "launch__grid_size", "sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active",
+            "sm__inst_executed_pipe_alu.avg.pct_of_peak_sustained_active",
+            "smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio",
+            "smsp__average_warps_issue_stalled_wait_per_issue_active.ratio"]
+    units = ["", "", "ms", "inst", "%", "%", "register/thread", "block", "block", "", "", "%", "%", "", ""]
+    rows = [["0", "attn_fwd_kernel", "0.675296", "354,447,360", "59.7", "24.5", "128", "4", "5", "128", "8,192",
+             "50.0", "31.0", "0.74", "1.20"],
+            ["1", "void at::elementwise_kernel<128>", "0.01", "1", "1", "1", "16", "32", "32", "128", "1", "1", "1",
+             "0", "0"],
+            ["2", "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16", "1.66", "617,891,940", "40.9", "15.6",
+             "168", "1", "1", "384", "132", "18.0", "24.0", "1.28", "0.89"]]
+    path = tmp_path / "raw.csv"
+    path.write_text("\n".join(",".join(f'"{x}"' for x in r) for r in [head, units, *rows]) + "\n")
+    got = ncu.summarize(str(path))
+    assert [k["kernel"] for k in got] == ["ours fwd", "cuDNN bprop"]
+    fwd = got[0]
+    assert fwd["us"] == pytest.approx(675.296) and fwd["warp_instructions_M"] == pytest.approx(354.44736)
+    assert fwd["programs_per_sm"] == 4 and fwd["grid"] == 8192
+    assert fwd["pipes_pct"] == {"xu": 50.0, "alu": 31.0}
+    assert list(fwd["stalls_per_issue"]) == ["wait", "barrier"]
+    ncu.table([str(path)])
+    out = capsys.readouterr().out
+    assert "ours fwd" in out and "cuDNN bprop" in out and "elementwise" not in out
+    bad = tmp_path / "details.csv"
+    bad.write_text('"ID","Kernel Name","Metric Name"\n"","",""\n"0","attn_fwd_kernel","x"\n')
+    with pytest.raises(ValueError, match="gpu__time_duration.sum"):
+        ncu.summarize(str(bad))

@@ -23,7 +23,16 @@ def _scores(q, kT, lse, scale, softcap, EMU: tl.constexpr, SOFTCAP: tl.constexpr
     with SOFTCAP, S = softcap·tanh(QKᵀ·scale/softcap) (rounded as the forward rounds it) and slope
     = dS/d(QKᵀ·scale) = 1 − (S/softcap)², which dS carries; otherwise slope = 1. MASK_KIND: the
     attn_mask tile ``mv`` added to S after the cap (ADD, in bf16 under EMU as the forward), or
-    where it is False, P = 0 (BOOL)."""
+    where it is False, P = 0 (BOOL).
+
+    Scores in fp32 with nothing between the product and the exponential (no EMU, cap or additive
+    mask) take log2 e into the scale and into L, which is per row: P = exp2(QKᵀ·(scale·log2 e) −
+    L·log2 e), one FMA per score before the exponential instead of an FMA and a multiply."""
+    if not EMU and not SOFTCAP and MASK_KIND != MASK_ADD:
+        p = tl.exp2(mma(q, kT, INTERP) * (scale * 1.4426950408889634) - lse * 1.4426950408889634)
+        if MASK_KIND == MASK_BOOL:
+            p = tl.where(mv, p, 0.0)
+        return p, 1.0
     s = mma(q, kT, INTERP) * scale
     if EMU:
         s = to_bf16(s, INTERP)

@@ -54,8 +54,11 @@ def interpreting() -> bool:
     return _INTERPRETING
 
 
-def _cfg(bm: int, bn: int, warps: int, stages: int, **extra) -> triton.Config:
-    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, **extra}, num_warps=warps, num_stages=stages)
+def _cfg(bm: int, bn: int, warps: int, stages: int, maxnreg: int | None = None, **extra) -> triton.Config:
+    """A tile; ``maxnreg`` caps the registers per thread (ptxas spills above it), which lets more
+    programs share a multiprocessor."""
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, **extra}, num_warps=warps, num_stages=stages,
+                         maxnreg=maxnreg)
 
 
 def _fits(configs, named_args, **kwargs):
@@ -68,8 +71,10 @@ def _fits(configs, named_args, **kwargs):
 # candidates from benchmarks/tools/tune_attention.py on an H200 (benchmarks/results/tune-*.json)
 FWD_CONFIGS = [_cfg(64, 64, 4, 3), _cfg(128, 64, 8, 3), _cfg(128, 128, 8, 3), _cfg(128, 64, 4, 3),
                _cfg(64, 32, 4, 2)]
-DKDV_CONFIGS = [_cfg(32, 64, 4, 3), _cfg(64, 128, 8, 3), _cfg(32, 128, 4, 3), _cfg(64, 64, 4, 3),
-                _cfg(16, 64, 4, 2)]
+# the dK/dV tile 32×64 twice: as compiled (three programs a multiprocessor on sm_90) and capped at 128
+# registers (four; the tuner times both: docs/kernels.md, "Register caps")
+DKDV_CONFIGS = [_cfg(32, 64, 4, 3), _cfg(32, 64, 4, 3, maxnreg=128), _cfg(64, 128, 8, 3), _cfg(32, 128, 4, 3),
+                _cfg(64, 64, 4, 3), _cfg(16, 64, 4, 2)]
 DQ_CONFIGS = [_cfg(64, 64, 4, 3), _cfg(128, 64, 8, 3), _cfg(128, 64, 8, 2), _cfg(128, 32, 8, 3),
               _cfg(64, 16, 4, 2)]
 _KEY = ["n_q", "n_k", "HEAD_DIM", "CAUSAL", "BAND", "VARLEN", "MASK_KIND", "MASK_ROWS", "DROPOUT"]

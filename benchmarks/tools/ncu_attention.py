@@ -1,0 +1,159 @@
+"""Hardware counters of the attention kernels: ours (the packed call the GPT model makes, `stabilize=True`)
+and cuDNN's (torch's default SDPA on Hopper), one causal forward + backward each, read by Nsight Compute.
+
+    ncu --profile-from-start off --clock-control none --set full -o REPORT \
+        python benchmarks/tools/ncu_attention.py run [--shape 16,12,1024,64] [--fwd-tile 64,64,4,3]
+    ncu --import REPORT.ncu-rep --page raw --csv > RAW.csv
+    python benchmarks/tools/ncu_attention.py table RAW.csv [RAW2.csv ...]
+
+``run`` warms both calls up (the Triton tuners pick their tiles there, and print them as
+``CHOICES``), then profiles exactly one call of each between ``cudaProfilerStart`` and
+``cudaProfilerStop``; ``--fwd-tile BLOCK_M,BLOCK_N,WARPS,STAGES`` gives the forward's tuner that one
+tile (pointer loads) instead of its list. ``table`` prints, per attention kernel of a raw CSV
+export: time, warp instructions issued, issue-slot and warp occupancy, registers and the programs
+a multiprocessor holds, the busiest pipes and the largest stall reasons per issued instruction.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import re
+import sys
+
+KERNELS = (("attn_fwd_kernel", "ours fwd"), ("attn_bwd_dkdv_kernel", "ours dK/dV"), ("attn_bwd_dq_kernel", "ours dQ"),
+           ("delta", "ours δ"), ("flash_fprop", "cuDNN fprop"), ("flash_bprop", "cuDNN bprop"),
+           ("dot_do_o", "cuDNN δ"), ("convert_dq", "cuDNN dQ convert"))
+PIPES = ("tensor_op_gmma", "tensor_op_hmma", "alu", "fma", "xu", "lsu", "uniform", "adu")
+TIME_UNITS = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3, "s": 1e6, "second": 1e6}
+STALL = re.compile(r"smsp__average_warps?_issue_stalled_(\w+)_per_issue_active\.ratio$")
+
+
+def label(name: str) -> str | None:
+    """The short name of an attention kernel (``KERNELS``), None for any other kernel."""
+    for key, short in KERNELS:
+        if key in name:
+            return short
+    return None
+
+
+def _num(value: str) -> float:
+    try:
+        return float(value.replace(",", ""))
+    except ValueError:
+        return float("nan")
+
+
+def summarize(path: str) -> list[dict]:
+    """One dict per attention kernel in a raw CSV export (header row, units row, one row per kernel)."""
+    rows = list(csv.reader(open(path, newline="")))
+    if len(rows) < 3:
+        raise ValueError(f"{path}: no kernel rows (expected an `ncu --page raw --csv` export)")
+    head, data = rows[0], rows[2:]
+    at = {h: i for i, h in enumerate(head)}
+    missing = [m for m in ("Kernel Name", "gpu__time_duration.sum", "smsp__inst_executed.sum") if m not in at]
+    if missing:
+        raise ValueError(f"{path}: columns {missing} missing (export with --page raw --set full)")
+    unit = rows[1][at["gpu__time_duration.sum"]].strip()
+    if unit not in TIME_UNITS:
+        raise ValueError(f"{path}: gpu__time_duration.sum in {unit!r}; accepted: {', '.join(TIME_UNITS)}")
+    to_us = TIME_UNITS[unit]
+    out = []
+    for r in data:
+        short = label(r[at["Kernel Name"]])
+        if short is None:
+            continue
+
+        def get(metric):
+            return _num(r[at[metric]]) if metric in at else float("nan")
+        pipes = {p: get(f"sm__inst_executed_pipe_{p}.avg.pct_of_peak_sustained_active") for p in PIPES}
+        stalls = {m.group(1): _num(r[i]) for h, i in at.items() if (m := STALL.match(h))}
+        out.append({
+            "kernel": short, "us": get("gpu__time_duration.sum") * to_us,
+            "warp_instructions_M": get("smsp__inst_executed.sum") / 1e6,
+            "issue_active_pct": get("smsp__issue_active.avg.pct_of_peak_sustained_active"),
+            "warps_active_pct": get("sm__warps_active.avg.pct_of_peak_sustained_active"),
+            "registers": get("launch__registers_per_thread"),
+            "programs_per_sm": min(get("launch__occupancy_limit_registers"), get("launch__occupancy_limit_shared_mem")),
+            "threads": get("launch__block_size"), "grid": get("launch__grid_size"),
+            "pipes_pct": {p: v for p, v in pipes.items() if v == v},
+            "stalls_per_issue": dict(sorted(((k, v) for k, v in stalls.items() if v == v),
+                                            key=lambda kv: -kv[1])[:5]),
+        })
+    return out
+
+
+def table(paths: list[str]) -> None:
+    for path in paths:
+        print(f"== {path}")
+        print(f"{'kernel':18s} {'µs':>8s} {'Minst':>7s} {'issue%':>6s} {'warps%':>6s} {'regs':>4s} "
+              f"{'prog/SM':>7s} {'thr':>4s} {'grid':>6s}  busiest pipes (% of peak) | stalls per issue")
+        for k in summarize(path):
+            pipes = ", ".join(f"{p} {v:.0f}" for p, v in sorted(k["pipes_pct"].items(), key=lambda kv: -kv[1])[:4])
+            stalls = ", ".join(f"{s} {v:.2f}" for s, v in k["stalls_per_issue"].items())
+            print(f"{k['kernel']:18s} {k['us']:8.1f} {k['warp_instructions_M']:7.1f} {k['issue_active_pct']:6.1f} "
+                  f"{k['warps_active_pct']:6.1f} {k['registers']:4.0f} {k['programs_per_sm']:7.0f} {k['threads']:4.0f} "
+                  f"{k['grid']:6.0f}  {pipes} | {stalls}")
+
+
+def run(shape: tuple[int, int, int, int], fwd_tile: tuple[int, int, int, int] | None) -> None:
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import stableflash as sf
+    from stableflash.attention.triton import op
+    if fwd_tile:
+        op.TUNERS["fwd"].configs = [op._cfg(*fwd_tile)]
+        op.TUNERS["fwd_tma"].configs = [op._cfg(*fwd_tile, TMA=False)]
+    B, H, N, D = shape
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    qkv = torch.randn(B, N, 3, H, D, device="cuda", generator=gen).bfloat16().requires_grad_()
+    do = torch.randn(B, N, H, D, device="cuda", generator=gen).bfloat16()
+
+    def ours():
+        sf.flash_attn_qkvpacked_func(qkv, causal=True).backward(do)
+
+    def cudnn():
+        q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(do.transpose(1, 2))
+    for _ in range(5):
+        ours()
+        cudnn()
+    torch.cuda.synchronize()
+    print("CHOICES", json.dumps(op.tuned_choices()))
+    torch.cuda.cudart().cudaProfilerStart()
+    ours()
+    cudnn()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
+
+
+def _ints(text: str, n: int, name: str) -> tuple[int, ...]:
+    parts = text.split(",")
+    if len(parts) != n or not all(p.strip().isdigit() for p in parts):
+        raise argparse.ArgumentTypeError(f"{name} {text!r}: expected {n} positive integers separated by commas")
+    return tuple(int(p) for p in parts)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="the profiled program (start it under ncu)")
+    r.add_argument("--shape", type=lambda s: _ints(s, 4, "--shape"), default=(16, 12, 1024, 64),
+                   help="B,H,N,head_dim (default 16,12,1024,64: GPT-2 small at batch 16)")
+    r.add_argument("--fwd-tile", type=lambda s: _ints(s, 4, "--fwd-tile"), default=None,
+                   help="BLOCK_M,BLOCK_N,WARPS,STAGES: the forward's only tile")
+    t = sub.add_parser("table", help="summarize `ncu --page raw --csv` exports")
+    t.add_argument("csv", nargs="+")
+    args = ap.parse_args(argv)
+    if args.cmd == "run":
+        run(args.shape, args.fwd_tile)
+    else:
+        table(args.csv)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
