@@ -429,3 +429,29 @@ def test_ncu_attention_table_reads_a_raw_export_and_names_what_it_lacks(tmp_path
     bad.write_text('"ID","Kernel Name","Metric Name"\n"","",""\n"0","attn_fwd_kernel","x"\n')
     with pytest.raises(ValueError, match="gpu__time_duration.sum"):
         ncu.summarize(str(bad))
+
+
+def test_train_tuner_picks_adds_candidate_tiles_and_names_a_bad_one(monkeypatch, capsys):
+    """``--add`` appends a tile (with a register cap) to the named tuner's list before the command runs; a
+    forward tile goes into both forward tuners; a malformed value stops with a message naming it."""
+    tool = load("tools/train_tuner_picks")
+    from stableflash.attention.triton import op
+    before = {k: list(op.TUNERS[k].configs) for k in ("fwd", "fwd_tma", "dkdv", "dq")}
+    try:
+        seen = []
+        monkeypatch.setattr(tool, "cli_main", lambda argv: seen.append([len(c) for c in
+                                                                       (op.TUNERS[k].configs for k in before)]) or 0)
+        assert tool.main(["--add", "dkdv=32x64x4x3r128", "--add", "fwd=64x64x4x2r96", "bench", "attention"]) == 0
+        assert seen == [[len(before["fwd"]) + 1, len(before["fwd_tma"]) + 1, len(before["dkdv"]) + 1,
+                         len(before["dq"])]]
+        added = op.TUNERS["dkdv"].configs[-1]
+        assert (added.kwargs, added.num_warps, added.num_stages, added.maxnreg) == (
+            {"BLOCK_M": 32, "BLOCK_N": 64}, 4, 3, 128)
+        assert op.TUNERS["fwd_tma"].configs[-1].kwargs == {"BLOCK_M": 64, "BLOCK_N": 64, "TMA": False}
+        assert op.TUNERS["fwd"].configs[-1].maxnreg == 96
+        with pytest.raises(SystemExit, match=r"'dq=64x64x4': expected KERNEL=BMxBNxWARPSxSTAGES\[rREGS\]"):
+            tool.main(["--add", "dq=64x64x4", "bench", "attention"])
+    finally:
+        for k, configs in before.items():
+            op.TUNERS[k].configs[:] = configs
+    capsys.readouterr()
