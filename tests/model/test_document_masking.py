@@ -106,3 +106,23 @@ def test_rows_without_an_end_of_text_token_train_as_before(family, gen):
 def test_invalid_model_settings_are_named(cls, kwargs, match):
     with pytest.raises(ValueError, match=match):
         cls(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=V, **kwargs)
+
+
+@torch.no_grad()
+def test_packed_documents_keep_the_q_and_k_norm(gen):
+    """With qk_norm, the document path normalizes q and k as the dense path does: the first document's
+    logits equal its logits alone under plain causal attention (the norm's weights made unequal to 1,
+    so that leaving it out would show)."""
+    cfg = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=V, attn_mask_type="block_causal",
+                    eot_token=EOT, qk_norm=True)
+    torch.manual_seed(0)
+    docs = GPT(cfg, "reference").eval()
+    for block in docs.transformer.h:
+        for norm in (block.attn.q_norm, block.attn.k_norm):
+            norm.weight.uniform_(2.0, 4.0)
+    dense = GPT(dataclasses.replace(cfg, attn_mask_type="causal", eot_token=None), "reference").eval()
+    dense.load_state_dict(docs.state_dict())
+    first, second = _doc(gen, 9, end=True), _doc(gen, 7, end=False)
+    logits, _ = docs(torch.cat([first, second])[None])
+    alone, _ = dense(first[None])
+    torch.testing.assert_close(logits[0, :9], alone[0], atol=TOL, rtol=TOL)

@@ -100,14 +100,14 @@ class CausalSelfAttention(nn.Module):
         q, k, v = qkv.unbind(2)
         if docs is None:
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        if self.q_norm is not None:
+            # under autocast LayerNorm returns fp32: back to v's dtype, as attention takes one dtype
+            q, k = self.q_norm(q).to(v.dtype), self.k_norm(k).to(v.dtype)
         kwargs = self.choice.kwargs()
         if docs is None and self.q_norm is None and "block_k" not in kwargs:
             # one gradient for the projection's output: the kernels write dQ, dK, dV into it
             y = flash_attn_qkvpacked_func(qkv, causal=True, softcap=self.softcap or 0.0, **kwargs).transpose(1, 2)
         elif docs is None:
-            if self.q_norm is not None:
-                # under autocast LayerNorm returns fp32: back to v's dtype, as attention takes one dtype
-                q, k = self.q_norm(q).to(v.dtype), self.k_norm(k).to(v.dtype)
             extra = {} if self.softcap is None else {"softcap": self.softcap}
             y = flash_attention(q, k, v, causal=True, **kwargs, **extra)
         else:                           # (B, T, H, d) throughout; the observer sees (B, H, T, d) views
