@@ -429,6 +429,8 @@ def test_ncu_attention_table_reads_a_raw_export_and_names_what_it_lacks(tmp_path
     bad.write_text('"ID","Kernel Name","Metric Name"\n"","",""\n"0","attn_fwd_kernel","x"\n')
     with pytest.raises(ValueError, match="gpu__time_duration.sum"):
         ncu.summarize(str(bad))
+    with pytest.raises(ValueError, match="missing.csv: cannot be read"):
+        ncu.summarize(str(tmp_path / "missing.csv"))
 
 
 def test_train_tuner_picks_adds_candidate_tiles_and_names_a_bad_one(monkeypatch, capsys):

@@ -46,7 +46,10 @@ def _num(value: str) -> float:
 
 def summarize(path: str) -> list[dict]:
     """One dict per attention kernel in a raw CSV export (header row, units row, one row per kernel)."""
-    rows = list(csv.reader(open(path, newline="")))
+    try:
+        rows = list(csv.reader(open(path, newline="")))
+    except OSError as e:
+        raise ValueError(f"{path}: cannot be read ({e.strerror}); expected an `ncu --page raw --csv` export") from None
     if len(rows) < 3:
         raise ValueError(f"{path}: no kernel rows (expected an `ncu --page raw --csv` export)")
     head, data = rows[0], rows[2:]
@@ -103,6 +106,8 @@ def run(shape: tuple[int, int, int, int], fwd_tile: tuple[int, int, int, int] | 
 
     import stableflash as sf
     from stableflash.attention.triton import op
+    if not torch.cuda.is_available():
+        raise ValueError("run needs a CUDA GPU (it profiles the kernels there); none is visible")
     if fwd_tile:
         op.TUNERS["fwd"].configs = [op._cfg(*fwd_tile)]
         op.TUNERS["fwd_tma"].configs = [op._cfg(*fwd_tile, TMA=False)]
@@ -148,10 +153,13 @@ def main(argv=None) -> int:
     t = sub.add_parser("table", help="summarize `ncu --page raw --csv` exports")
     t.add_argument("csv", nargs="+")
     args = ap.parse_args(argv)
-    if args.cmd == "run":
-        run(args.shape, args.fwd_tile)
-    else:
-        table(args.csv)
+    try:
+        if args.cmd == "run":
+            run(args.shape, args.fwd_tile)
+        else:
+            table(args.csv)
+    except ValueError as e:
+        ap.error(str(e))
     return 0
 
 
