@@ -433,6 +433,39 @@ def test_ncu_attention_table_reads_a_raw_export_and_names_what_it_lacks(tmp_path
         ncu.summarize(str(tmp_path / "missing.csv"))
 
 
+def test_ncu_attention_source_reads_a_per_instruction_export(tmp_path, capsys):
+    """``source``: opcodes weighted by executions, the hot loop's samples apart from the rest's, the most
+    sampled instructions; a file that is not a source export is named with what is expected."""
+    ncu = load("tools/ncu_attention")
+    head = ["Address", "Source", "Warp Stall Sampling (All Samples)", "Warp Stall Sampling (Not-issued Samples)",
+            "# Samples", "Instructions Executed", "stall_barrier", "stall_wait", "stall_barrier (Not Issued)"]
+    body = [["0x0", "      LDC R1, c[0x0][0x28]", "5", "5", "5", "100", "0", "5", "0"],
+            ["0x10", "      FMNMX R2, R3, R4, !PT", "30", "20", "30", "1000", "0", "30", "0"],
+            ["0x20", "@!P1  PRMT R5, R6, 0x5432, R6", "10", "10", "10", "1000", "0", "10", "0"],
+            ["0x30", "      NOP", "55", "55", "55", "100", "55", "0", "55"]]
+    rows = [["Kernel Name", "attn_fwd_hopper_kernel"], head, *body]
+    path = tmp_path / "src.csv"
+    path.write_text("\n".join(",".join(f'"{x}"' for x in r) for r in rows) + "\n")
+    (k,) = ncu.source_kernels(str(path))
+    assert k["kernel"] == "attn_fwd_hopper_kernel"
+    assert k["opcodes"] == {"LDC": 100, "FMNMX": 1000, "PRMT": 1000, "NOP": 100}
+    assert [x["samples"] for x in k["instructions"]] == [5, 30, 10, 55]
+    assert k["instructions"][3]["stalls"] == {"barrier": 55, "wait": 0}
+    ncu.source_table([str(path)], top=3)
+    out = capsys.readouterr().out
+    assert "0.0 M warp instructions executed; by opcode: FMNMX 45.5%, PRMT 45.5%" in out
+    assert "hot loops: 2 instructions, 0.0 M executed, 40.0% of samples; wait 100%" in out
+    assert "rest: 2 instructions, 0.0 M executed, 60.0% of samples; barrier 92%, wait 8%" in out
+    assert out.index("#3") < out.index("#1") < out.index("#2")
+    bad = tmp_path / "raw.csv"
+    bad.write_text('"ID","Kernel Name"\n"","ms"\n')
+    with pytest.raises(ValueError, match="no 'Kernel Name' row"):
+        ncu.source_kernels(str(bad))
+    with pytest.raises(SystemExit):
+        ncu.main(["forward", "--provider", "flash"])
+    assert "--provider 'flash': accepted: triton, cudnn, gluon-TILES" in capsys.readouterr().err
+
+
 def test_train_tuner_picks_adds_candidate_tiles_and_names_a_bad_one(monkeypatch, capsys):
     """``--add`` appends a tile (with a register cap) to the named tuner's list before the command runs; a
     forward tile goes into both forward tuners; a malformed value stops with a message naming it."""

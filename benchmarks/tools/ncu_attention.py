@@ -6,22 +6,39 @@ and cuDNN's (torch's default SDPA on Hopper), one causal forward + backward each
     ncu --import REPORT.ncu-rep --page raw --csv > RAW.csv
     python benchmarks/tools/ncu_attention.py table RAW.csv [RAW2.csv ...]
 
+    ncu --profile-from-start off --clock-control none --set full --import-source yes -o REPORT \
+        python benchmarks/tools/ncu_attention.py forward --provider triton|cudnn|gluon-TILES [--shape ...]
+    ncu --import REPORT.ncu-rep --page source --csv --print-source sass > SOURCE.csv
+    python benchmarks/tools/ncu_attention.py source SOURCE.csv [--top 12]
+
 ``run`` warms both calls up (the Triton tuners pick their tiles there, and print them as
 ``CHOICES``), then profiles exactly one call of each between ``cudaProfilerStart`` and
 ``cudaProfilerStop``; ``--fwd-tile BLOCK_M,BLOCK_N,WARPS,STAGES`` gives the forward's tuner that one
 tile (pointer loads) instead of its list. ``table`` prints, per attention kernel of a raw CSV
 export: time, warp instructions issued, issue-slot and warp occupancy, registers and the programs
 a multiprocessor holds, the busiest pipes and the largest stall reasons per issued instruction.
+
+``forward`` profiles one causal forward of one provider after five warm-up calls: the Triton forward as
+``stabilize=True`` runs it ("triton"), cuDNN's ("cudnn"), or the Gluon Hopper forward at tiles named as
+``benchmarks/tools/gluon_forward_check.py --tiles`` names them ("gluon-128x128x3p", "gluon-64x64x3n").
+``source`` reads a per-instruction export (``--page source --print-source sass``) and prints, per
+kernel: the executed warp instructions by opcode; the stall samples of the hot loops (instructions
+executed at least half as often as the most executed one) and of the rest, by reason; and the
+instructions with the most samples. Warps that only wait at a barrier (a warp-specialised kernel's
+idle producer warps) show up under "rest" as barrier samples without costing the computing warps
+issue slots.
 """
 from __future__ import annotations
 
 import argparse
+import collections
 import csv
 import json
 import re
 import sys
+from pathlib import Path
 
-KERNELS = (("attn_fwd_kernel", "ours fwd"), ("attn_bwd_dkdv_kernel", "ours dK/dV"), ("attn_bwd_dq_kernel", "ours dQ"),
+KERNELS = (("attn_fwd_kernel", "ours fwd"), ("attn_fwd_hopper_kernel", "Gluon fwd"), ("attn_bwd_dkdv_kernel", "ours dK/dV"), ("attn_bwd_dq_kernel", "ours dQ"),
            ("delta", "ours δ"), ("flash_fprop", "cuDNN fprop"), ("flash_bprop", "cuDNN bprop"),
            ("dot_do_o", "cuDNN δ"), ("convert_dq", "cuDNN dQ convert"))
 PIPES = ("tensor_op_gmma", "tensor_op_hmma", "alu", "fma", "xu", "lsu", "uniform", "adu")
@@ -135,6 +152,110 @@ def run(shape: tuple[int, int, int, int], fwd_tile: tuple[int, int, int, int] | 
     torch.cuda.cudart().cudaProfilerStop()
 
 
+def source_kernels(path: str) -> list[dict]:
+    """Per kernel of a ``--page source --csv --print-source sass`` export: name, opcode → executed warp
+    instructions, and per instruction (source text, executions, stall samples by reason)."""
+    try:
+        rows = list(csv.reader(open(path, newline="")))
+    except OSError as e:
+        raise ValueError(f"{path}: cannot be read ({e.strerror}); expected an `ncu --page source --csv "
+                         f"--print-source sass` export") from None
+    starts = [i for i, r in enumerate(rows) if r[:1] == ["Kernel Name"]]
+    if not starts:
+        raise ValueError(f"{path}: no 'Kernel Name' row (expected an `ncu --page source --csv --print-source sass` "
+                         f"export)")
+    out = []
+    for n, i in enumerate(starts):
+        head, body = rows[i + 1], rows[i + 2:starts[n + 1] if n + 1 < len(starts) else len(rows)]
+        at = {h: k for k, h in enumerate(head)}
+        need = ("Source", "Instructions Executed", "Warp Stall Sampling (All Samples)")
+        if any(m not in at for m in need):
+            raise ValueError(f"{path}: columns {[m for m in need if m not in at]} missing for kernel {rows[i][1]!r}")
+        reasons = [h for h in head if h.startswith("stall_") and "Not Issued" not in h]
+        instructions, ops = [], collections.Counter()
+        for r in body:
+            if len(r) != len(head):
+                continue
+            text = r[at["Source"]].strip()
+            executed = int(_num(r[at["Instructions Executed"]]) or 0)
+            op = re.sub(r"^@!?U?P\w+\s+", "", text).split(" ")[0].split(".")[0] or "?"
+            ops[op] += executed
+            instructions.append({"index": len(instructions), "text": text, "executed": executed,
+                                 "samples": int(_num(r[at["Warp Stall Sampling (All Samples)"]]) or 0),
+                                 "stalls": {h[len("stall_"):]: int(_num(r[at[h]]) or 0) for h in reasons}})
+        out.append({"kernel": rows[i][1], "opcodes": ops, "instructions": instructions})
+    return out
+
+
+def source_table(paths: list[str], top: int = 12) -> None:
+    for path in paths:
+        for k in source_kernels(path):
+            ins = k["instructions"]
+            total = sum(k["opcodes"].values())
+            samples = sum(x["samples"] for x in ins) or 1
+            hot = max((x["executed"] for x in ins), default=0) / 2
+            print(f"== {Path(path).name}: {k['kernel'][:70]}")
+            print(f"   {total / 1e6:.1f} M warp instructions executed; by opcode: " + ", ".join(
+                f"{op} {n / total * 100:.1f}%" for op, n in k["opcodes"].most_common(top)))
+            for part, sel in (("hot loops", lambda x: x["executed"] >= hot), ("rest", lambda x: x["executed"] < hot)):
+                chosen = [x for x in ins if sel(x)]
+                got = sum(x["samples"] for x in chosen) or 1
+                why = collections.Counter()
+                for x in chosen:
+                    why.update(x["stalls"])
+                print(f"   {part}: {len(chosen)} instructions, {sum(x['executed'] for x in chosen) / 1e6:.1f} M executed, "
+                      f"{got / samples * 100:.1f}% of samples; " + ", ".join(
+                          f"{r} {v / got * 100:.0f}%" for r, v in why.most_common(6)))
+            print("   most sampled instructions (index, executions, % of samples, top reasons):")
+            for x in sorted(ins, key=lambda x: -x["samples"])[:top]:
+                why = ", ".join(f"{r} {v}" for r, v in sorted(x["stalls"].items(), key=lambda kv: -kv[1])[:2] if v)
+                print(f"   #{x['index']:<5d} {x['executed']:>9d} {x['samples'] / samples * 100:5.1f}%  "
+                      f"{x['text'][:58]:58s} {why}")
+
+
+def forward(provider: str, shape: tuple[int, int, int, int]) -> None:
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    if provider not in ("triton", "cudnn") and not provider.startswith("gluon-"):
+        raise ValueError(f"--provider {provider!r}: accepted: triton, cudnn, gluon-TILES (e.g. gluon-128x128x3p)")
+    if not torch.cuda.is_available():
+        raise ValueError("forward needs a CUDA GPU (it profiles the kernel there); none is visible")
+    B, H, N, D = shape
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(B, H, N, D, device="cuda", generator=gen).bfloat16() for _ in range(3))
+    if provider == "triton":
+        from stableflash.attention.gluon.route import triton_only
+        from stableflash.attention.triton.launch import stabilized_config
+        from stableflash.attention.triton.op import _forward
+        config = stabilized_config(torch.bfloat16)
+
+        def fn():
+            with triton_only():
+                _forward(q, k, v, True, D ** -0.5, config)
+    elif provider == "cudnn":
+        def fn():
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    else:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from gluon_forward_check import parse_tiles
+
+        from stableflash.attention.gluon import flash_forward_hopper
+        tiles = parse_tiles(provider[len("gluon-"):])
+
+        def fn():
+            flash_forward_hopper(q, k, v, True, tiles=tiles)
+    with torch.no_grad():
+        for _ in range(5):
+            fn()
+        torch.cuda.synchronize()
+        torch.cuda.cudart().cudaProfilerStart()
+        fn()
+        torch.cuda.synchronize()
+        torch.cuda.cudart().cudaProfilerStop()
+
+
 def _ints(text: str, n: int, name: str) -> tuple[int, ...]:
     parts = text.split(",")
     if len(parts) != n or not all(p.strip().isdigit() for p in parts):
@@ -152,10 +273,21 @@ def main(argv=None) -> int:
                    help="BLOCK_M,BLOCK_N,WARPS,STAGES: the forward's only tile")
     t = sub.add_parser("table", help="summarize `ncu --page raw --csv` exports")
     t.add_argument("csv", nargs="+")
+    f = sub.add_parser("forward", help="the profiled program for one provider's causal forward (start it under ncu)")
+    f.add_argument("--provider", required=True, help="triton, cudnn or gluon-TILES (e.g. gluon-128x128x3p)")
+    f.add_argument("--shape", type=lambda s: _ints(s, 4, "--shape"), default=(16, 12, 1024, 64),
+                   help="B,H,N,head_dim (default 16,12,1024,64)")
+    so = sub.add_parser("source", help="summarize `ncu --page source --csv --print-source sass` exports")
+    so.add_argument("csv", nargs="+")
+    so.add_argument("--top", type=int, default=12, help="opcodes and instructions listed per kernel (default 12)")
     args = ap.parse_args(argv)
     try:
         if args.cmd == "run":
             run(args.shape, args.fwd_tile)
+        elif args.cmd == "forward":
+            forward(args.provider, args.shape)
+        elif args.cmd == "source":
+            source_table(args.csv, args.top)
         else:
             table(args.csv)
     except ValueError as e:

@@ -103,7 +103,10 @@ def test_compiles_for_sm90_without_a_gpu(offline, variant):
     """head_dim 64, causal, the default tiles (ping-pong consumers) and one consumer partition: HGMMA at the three S
     sites (d/16 each) and the three P̄V sites (BLOCK_N/16 each) of each consumer partition; a wait
     that leaves a product in flight, with the softmax's exponentials placed before the next wait;
-    TMA loads and stores; the producer/consumer register split; no local-memory spills."""
+    TMA loads and stores; the producer/consumer register split; no local-memory spills; P̄ packed to bf16 in
+    the order the P̄V product reads it (no half-swapping PRMT: carried packed across the loop's back edge, each of
+    its registers was swapped before every product); no NANOSLEEP (the scheduling fence synchronises the warp
+    instead of yielding it)."""
     t, r = offline[variant]
     consumers = 2 if t.pingpong else 1
     assert r["target"] == "sm_90a" and t.warp_specialize
@@ -112,6 +115,7 @@ def test_compiles_for_sm90_without_a_gpu(offline, variant):
     assert r["ex2_in_flight"] >= consumers * t.block_n, r    # the softmax of both loops between the waits
     assert r["tma_loads"] > 0 and r["tma_stores"] == 2 * consumers, r
     assert r["stl"] == 0 and r["ldl"] == 0, r
+    assert r["half_swaps"] == 0 and r["sleeps"] == 0, r
     assert 24 in r["setmaxnreg"] and 240 in r["setmaxnreg"], r
 
 

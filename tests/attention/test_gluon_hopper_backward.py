@@ -117,6 +117,7 @@ def _check_dkdv(r, t, d, causal):
     assert r["wait_depths"] == {0: consumers * loops, 1: 2 * consumers * loops}, r
     assert r["ex2"] == consumers * loops * t.block_m // 2 and r["ex2_in_flight"] == r["ex2"], r
     assert r["tma_loads"] > 0 and r["tma_stores"] == 2 * consumers, r
+    assert r["half_swaps"] == 0, r
     if d == 64 or not causal:
         assert r["stl"] == 0 and r["ldl"] == 0, r
     else:
@@ -127,12 +128,14 @@ def _check_dkdv(r, t, d, causal):
 def _check_dq(r, t, d):
     """Two consumer warpgroups as partitions: key block 0 (S_0, dP_0), the loops over whole and
     masked key blocks (S_j, dP_j: d/16 HGMMA each; dQ += dS̄_{j−1}·K_{j−1}: block_n/16) and the last
-    dQ product; per step the wait for S_j leaves two products in flight and the wait for dP_j one."""
+    dQ product; per step the wait for S_j leaves two products in flight and the wait for dP_j one; dS̄ packed to
+    bf16 in the order the dQ product reads it (no half-swapping PRMT)."""
     consumers = t.dq_block_m // 64
     assert r["hgmma"] == consumers * (3 * 2 * d // 16 + 3 * t.dq_block_n // 16), r
     assert r["wait_depths"].get(2, 0) == 2 * consumers and r["wait_depths"].get(1, 0) == 3 * consumers, r
     assert r["tma_loads"] > 0 and r["tma_stores"] == consumers, r
     assert r["stl"] == 0 and r["ldl"] == 0, r
+    assert r["half_swaps"] == 0, r
     assert 24 in r["setmaxnreg"] and 240 in r["setmaxnreg"], r
 
 

@@ -327,6 +327,9 @@ def _dq_step(q, do, k_smem, v_smem, k_ready, v_ready, k_free, v_free, ds_prev, d
     V_j and K_{j−1}. MASKED (compile time): block j holds the causal diagonal or keys past N_k."""
     slot = j % STAGES
     prev = (j - 1) % STAGES
+    # dS̄_{j−1} is packed to bf16 here, in the block of the product that reads it: carried packed across
+    # the loop's back edge, each of its registers had its 16-bit halves swapped (a PRMT) before that product
+    ds_prev = gl.convert_layout(ds_prev.to(gl.bfloat16), gl.DotOperandLayout(operand_index=0, parent=mma_q, k_width=2))
     mbarrier.wait(k_ready.index(slot), (j // STAGES) & 1)
     mbarrier.wait(v_ready.index(slot), (j // STAGES) & 1)
     s_tok = warpgroup_mma(q, k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), zero_s,
@@ -343,9 +346,7 @@ def _dq_step(q, do, k_smem, v_smem, k_ready, v_ready, k_free, v_free, ds_prev, d
     ds = p * (dp - delta[:, None])
     dq, ds_prev = warpgroup_mma_wait(0, deps=[dq_tok, ds_prev])
     mbarrier.arrive(k_free.index(prev), count=1)
-    # dS̄_j is packed to bf16 only now: dS̄_{j−1}'s registers were the in-flight product's operand
-    ds_prev = gl.convert_layout(ds.to(gl.bfloat16), gl.DotOperandLayout(operand_index=0, parent=mma_q, k_width=2))
-    return ds_prev, dq
+    return ds, dq
 
 
 @gluon.jit
@@ -382,7 +383,7 @@ def _dq_consumer(dq_desc, lse_ptr, delta_ptr, q_smem, do_smem, k_smem, v_smem, q
     p = _mask(gl.exp2(s * qk_scale - lse2[:, None]), start_m, 0, n_k, 64, BLOCK_N, CAUSAL, mma_s, 0.0)
     dp = warpgroup_mma_wait(0, deps=[dp_tok])
     mbarrier.arrive(v_free.index(0), count=1)
-    ds_prev = gl.convert_layout((p * (dp - delta[:, None])).to(gl.bfloat16), op_a)
+    ds_prev = p * (dp - delta[:, None])                     # fp32: packed to bf16 by the step that reads it
     # whole key blocks first, then the masked ones: no branch between a product's issue and its wait
     n_full = gl.maximum(full // BLOCK_N, 1)
     for j in range(1, n_full):
@@ -394,7 +395,8 @@ def _dq_consumer(dq_desc, lse_ptr, delta_ptr, q_smem, do_smem, k_smem, v_smem, q
                                delta, start_m, j, n_k, qk_scale, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, True, mma_s,
                                mma_q)
     last = (n_blocks - 1) % STAGES
-    dq = warpgroup_mma(ds_prev, k_smem.index(last).reshape([BLOCK_N, HEAD_DIM]), dq)
+    dq = warpgroup_mma(gl.convert_layout(ds_prev.to(gl.bfloat16), op_a), k_smem.index(last).reshape([BLOCK_N, HEAD_DIM]),
+                       dq)
 
     q.store((dq * scale).to(gl.bfloat16))                   # every product reading Q is complete
     fence_async_shared()

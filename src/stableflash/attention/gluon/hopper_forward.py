@@ -31,8 +31,9 @@ How (one program per BLOCK_M query rows of one batch·head, the last query block
   their own (64 rows each, their own Q, O and R tiles) and take turns to issue their products
   through a pair of mbarriers, so that one's softmax runs while the other's products do
   (FlashAttention-3's ping-pong); each frees its K tile as soon as its S is done.
-- SCHED_FENCE: a 0 ns NANOSLEEP between the softmax and the wait for P̄V (``_schedule_fence``),
-  without which ptxas schedules that wait above the softmax and nothing overlaps.
+- SCHED_FENCE: a warp synchronisation on the warp's active mask between the softmax and the wait for
+  P̄V (``_schedule_fence``), without which ptxas schedules that wait above the softmax and nothing
+  overlaps.
 - Epilogue: O and R go through shared memory (Q's tile, and one more) and TMA stores; L through
   ordinary stores.
 
@@ -211,13 +212,15 @@ def _invalidate_kv_ring(k_ready, v_ready, k_free, v_free, STAGES: gl.constexpr):
 
 @gluon.jit
 def _schedule_fence(x):
-    """x unchanged, after a NANOSLEEP of 0 ns that ptxas does not move instructions across. Applied
-    to ℓ (which sums every exponential of the block) just before the wait for the P̄V product: without
-    it ptxas's scheduler places that wait above the softmax's exponentials (0-2 of the loops' 132
-    MUFU.EX2 stay between the waits, ``sass.check``), and the softmax no longer overlaps the
-    product. With it all 132 do."""
-    return gl.inline_asm_elementwise("nanosleep.u32 0;\n\tmov.b32 $0, $1;", "=r,r", [x], dtype=gl.float32,
-                                     is_pure=False, pack=1)
+    """x unchanged, after ``bar.warp.sync`` on the warp's active mask, which ptxas does not move
+    instructions across and which costs one VOTE in SASS. Applied to ℓ (which sums every exponential
+    of the block) just before the wait for the P̄V product: without it ptxas's scheduler places that
+    wait above the softmax's exponentials (0-2 of the loops' 132 MUFU.EX2 stay between the waits,
+    ``sass.check``), and the softmax no longer overlaps the product. With it all 132 do. A 0 ns
+    NANOSLEEP holds the schedule as well but yields the warp, a cost the stall samples showed in the
+    consumer loop; ``bar.warp.sync -1`` (a constant mask) holds it only with ping-pong partitions."""
+    return gl.inline_asm_elementwise("{ .reg .b32 m; activemask.b32 m; bar.warp.sync m; }\n\tmov.b32 $0, $1;", "=r,r",
+                                     [x], dtype=gl.float32, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -274,6 +277,10 @@ def _step(q, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_free, v_free, s
     partition). MASKED (compile time): block j holds the causal diagonal or the ragged tail."""
     slot = j % STAGES
     prev = (j - 1) % STAGES
+    # P̄_{j−1} is packed to bf16 here, in the block of the product that reads it: carried across the
+    # loop's back edge as bf16 halves, ptxas packed them in the other order and swapped every register
+    # back (a PRMT per pair) before the product
+    p = gl.convert_layout(p.to(gl.bfloat16), gl.DotOperandLayout(operand_index=0, parent=mma_o, k_width=2))
     mbarrier.wait(k_ready.index(slot), (j // STAGES) & 1)
     mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
     _take_turn(sched_mine, j, PINGPONG)
@@ -290,9 +297,6 @@ def _step(q, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_free, v_free, s
     if SCHED_FENCE:
         l_i = _schedule_fence(l_i)
     acc, p = warpgroup_mma_wait(0, deps=[o_tok, p])
-    # P̄_j is packed to bf16 only now: its registers are the in-flight product's A operand, which
-    # ptxas would otherwise wait for before the softmax
-    p_new = gl.convert_layout(p_new.to(gl.bfloat16), gl.DotOperandLayout(operand_index=0, parent=mma_o, k_width=2))
     cta_barrier()                                           # every warp of this partition is done with slot prev
     if WARP_SPECIALIZE:
         if not PINGPONG:
@@ -360,7 +364,6 @@ def _consumer(k_desc, v_desc, o_desc, r_desc, lse_ptr, q_smem, k_smem, v_smem, r
     if full <= 0:
         s = _mask(s, start_m, 0, n_k, ROWS, BLOCK_N, CAUSAL, mma_s)
     p, m_i, l_i, _ = _softmax(s, m_i, l_i, qk_scale)
-    p = gl.convert_layout(p.to(gl.bfloat16), p_op)
     # whole key blocks first, then the masked ones (the causal diagonal, the ragged tail): two loops,
     # so that no branch separates a product's issue from its wait (ptxas waits for every product
     # in flight where control flow joins)
@@ -378,7 +381,8 @@ def _consumer(k_desc, v_desc, o_desc, r_desc, lse_ptr, q_smem, k_smem, v_smem, r
     last = (n_blocks - 1) % STAGES
     mbarrier.wait(v_ready.index(last), ((n_blocks - 1) // STAGES) & 1)
     _take_turn(sched_mine, n_blocks, PINGPONG)
-    acc = warpgroup_mma(p, v_smem.index(last).reshape([BLOCK_N, HEAD_DIM]), acc)
+    acc = warpgroup_mma(gl.convert_layout(p.to(gl.bfloat16), p_op), v_smem.index(last).reshape([BLOCK_N, HEAD_DIM]),
+                        acc)
     _pass_turn(sched_other, PINGPONG)
 
     # epilogue: O = Ō/ℓ (bf16), its store's residual R (bf16), L = (m + log2 ℓ)·ln 2

@@ -15,7 +15,10 @@ shows whether the sm90 features came through:
 - ``registers`` (the kernel's, cuobjdump), ``shared_bytes`` (dynamic), ``setmaxnreg``: the register
   counts USETMAXREG sets (the warp-specialised partitions' split, e.g. 240 for the consumers and 24
   for the producer; ``registers`` is then the count every warp starts with);
-- ``bar_sync``: CTA or named barriers (BAR.SYNC), most of them inserted by the compiler.
+- ``bar_sync``: CTA or named barriers (BAR.SYNC), most of them inserted by the compiler;
+- ``sleeps``: NANOSLEEP (a warp yielding the scheduler);
+- ``half_swaps``: PRMT with selector 0x5432, which swaps a register's two 16-bit halves — what ptxas
+  emits when bf16 pairs are packed in one order and read as a product's operand in the other.
 
 ``compile_through_runtime`` compiles the launcher's own arguments (``launch.launch_args``: host
 TMA descriptors, grid, compile-time arguments) through triton's runtime (``warmup``, nothing
@@ -116,6 +119,7 @@ def sass_summary(kernel) -> dict:
             "arrives": ops(r"WARPGROUP\.ARRIVE"), "ex2_in_flight": _ex2_in_flight(sass),
             "ex2": ops(r"MUFU\.EX2"), "tma_loads": ops(r"\bUTMALDG\b"), "tma_stores": ops(r"\bUTMASTG\b"),
             "stl": ops(r"\bSTL(\.|\s)"), "ldl": ops(r"\bLDL(\.|\s)"), "bar_sync": ops(r"\bBAR\.SYNC"),
+            "half_swaps": ops(r"\bPRMT\s+R\d+,\s*R\d+,\s*0x5432,"), "sleeps": ops(r"\bNANOSLEEP\b"),
             "setmaxnreg": sorted({int(n, 16) for n in re.findall(r"USETMAXREG\.\S+\s+(?:UP\d+,\s*)?0x([0-9a-f]+)",
                                                                  sass)}),
             "registers": int(regs.group(1)) if regs else None, "shared_bytes": kernel.metadata.shared}
