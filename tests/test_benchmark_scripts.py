@@ -464,6 +464,10 @@ def test_ncu_attention_source_reads_a_per_instruction_export(tmp_path, capsys):
     with pytest.raises(SystemExit):
         ncu.main(["forward", "--provider", "flash"])
     assert "--provider 'flash': accepted: triton, cudnn, gluon-TILES" in capsys.readouterr().err
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    with pytest.raises(SystemExit):
+        ncu.main(["forward", "--provider", "gluon-12x3"])
+    assert "--provider 'gluon-12x3': gluon-TILES with TILES expected BLOCK_MxBLOCK_NxSTAGES" in capsys.readouterr().err
 
 
 def test_train_tuner_picks_adds_candidate_tiles_and_names_a_bad_one(monkeypatch, capsys):

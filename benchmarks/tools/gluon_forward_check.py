@@ -88,7 +88,7 @@ def print_compile(rows: list[dict]) -> None:
         print("| " + " | ".join(str(c) for c in cells) + " |")
 
 
-def _providers(d: int, causal: bool, tiles: list = ()):
+def providers(d: int, causal: bool, tiles: list = ()):
     """name → fn(q, k, v) giving O, for the timing (the Gluon variants, the Triton forward, SDPA)."""
     import torch
     import torch.nn.functional as F
@@ -138,13 +138,13 @@ def time_rows(shapes: list[tuple[int, ...]], causal: bool, tiles: list = ()) -> 
     for d in sorted({s[3] for s in shapes}):
         q, k, v = (torch.randn(2, 4, 509, d, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(3))
         ref = reference.attention(q, k, v, causal=causal)
-        for name, fn in _providers(d, causal, tiles).items():
+        for name, fn in providers(d, causal, tiles).items():
             err = ((fn(q, k, v).double() - ref).norm() / ref.norm()).item()
             rows.append({"kind": "accuracy", "provider": name, "head_dim": d, "causal": causal, "rel_err_O": err})
     for B, H, N, d in shapes:
         q, k, v = (torch.randn(B, H, N, d, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(3))
         flops = 4 * B * H * N * N * d * (0.5 if causal else 1.0)
-        for name, fn in _providers(d, causal, tiles).items():
+        for name, fn in providers(d, causal, tiles).items():
             with torch.no_grad():
                 ms = do_bench(lambda fn=fn, q=q, k=k, v=v: fn(q, k, v))
             rows.append({"kind": "time", "provider": name, "shape": [B, H, N, d], "causal": causal, "ms": ms,

@@ -38,9 +38,10 @@ import re
 import sys
 from pathlib import Path
 
-KERNELS = (("attn_fwd_kernel", "ours fwd"), ("attn_fwd_hopper_kernel", "Gluon fwd"), ("attn_bwd_dkdv_kernel", "ours dK/dV"), ("attn_bwd_dq_kernel", "ours dQ"),
-           ("delta", "ours δ"), ("flash_fprop", "cuDNN fprop"), ("flash_bprop", "cuDNN bprop"),
-           ("dot_do_o", "cuDNN δ"), ("convert_dq", "cuDNN dQ convert"))
+KERNELS = (("attn_fwd_kernel", "ours fwd"), ("attn_fwd_hopper_kernel", "Gluon fwd"),
+           ("attn_bwd_dkdv_kernel", "ours dK/dV"), ("attn_bwd_dq_kernel", "ours dQ"), ("delta", "ours δ"),
+           ("flash_fprop", "cuDNN fprop"), ("flash_bprop", "cuDNN bprop"), ("dot_do_o", "cuDNN δ"),
+           ("convert_dq", "cuDNN dQ convert"))
 PIPES = ("tensor_op_gmma", "tensor_op_hmma", "alu", "fma", "xu", "lsu", "uniform", "adu")
 TIME_UNITS = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3, "s": 1e6, "second": 1e6}
 STALL = re.compile(r"smsp__average_warps?_issue_stalled_(\w+)_per_issue_active\.ratio$")
@@ -140,14 +141,22 @@ def run(shape: tuple[int, int, int, int], fwd_tile: tuple[int, int, int, int] | 
         q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(do.transpose(1, 2))
+    _profile_once(ours, cudnn, before=lambda: print("CHOICES", json.dumps(op.tuned_choices())))
+
+
+def _profile_once(*calls, before=None) -> None:
+    """Each call five times (the tuners pick their tiles there), then ``before``, then exactly one call of
+    each between ``cudaProfilerStart`` and ``cudaProfilerStop`` (what ``--profile-from-start off`` records)."""
+    import torch
     for _ in range(5):
-        ours()
-        cudnn()
+        for call in calls:
+            call()
     torch.cuda.synchronize()
-    print("CHOICES", json.dumps(op.tuned_choices()))
+    if before is not None:
+        before()
     torch.cuda.cudart().cudaProfilerStart()
-    ours()
-    cudnn()
+    for call in calls:
+        call()
     torch.cuda.synchronize()
     torch.cuda.cudart().cudaProfilerStop()
 
@@ -213,47 +222,30 @@ def source_table(paths: list[str], top: int = 12) -> None:
                       f"{x['text'][:58]:58s} {why}")
 
 
+# --provider → the name gluon_forward_check.providers gives it
+FORWARD_PROVIDERS = {"triton": "triton-stabilized", "cudnn": "sdpa-cudnn"}
+
+
 def forward(provider: str, shape: tuple[int, int, int, int]) -> None:
-    import torch
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    if provider not in ("triton", "cudnn") and not provider.startswith("gluon-"):
+    """One causal forward of ``provider``, built by ``gluon_forward_check.providers`` (the Triton forward
+    as ``stabilize=True`` runs it, cuDNN's, or the Gluon forward at the named tiles), profiled once."""
+    if provider not in FORWARD_PROVIDERS and not provider.startswith("gluon-"):
         raise ValueError(f"--provider {provider!r}: accepted: triton, cudnn, gluon-TILES (e.g. gluon-128x128x3p)")
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import gluon_forward_check as check
+    import torch
+    try:
+        tiles = [check.parse_tiles(provider[len("gluon-"):])] if provider.startswith("gluon-") else []
+    except ValueError as e:
+        raise ValueError(f"--provider {provider!r}: gluon-TILES with TILES {e}") from None
     if not torch.cuda.is_available():
         raise ValueError("forward needs a CUDA GPU (it profiles the kernel there); none is visible")
     B, H, N, D = shape
+    fn = check.providers(D, True, tiles)[FORWARD_PROVIDERS.get(provider) or check.tiles_name(*tiles)]
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(B, H, N, D, device="cuda", generator=gen).bfloat16() for _ in range(3))
-    if provider == "triton":
-        from stableflash.attention.gluon.route import triton_only
-        from stableflash.attention.triton.launch import stabilized_config
-        from stableflash.attention.triton.op import _forward
-        config = stabilized_config(torch.bfloat16)
-
-        def fn():
-            with triton_only():
-                _forward(q, k, v, True, D ** -0.5, config)
-    elif provider == "cudnn":
-        def fn():
-            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    else:
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        from gluon_forward_check import parse_tiles
-
-        from stableflash.attention.gluon import flash_forward_hopper
-        tiles = parse_tiles(provider[len("gluon-"):])
-
-        def fn():
-            flash_forward_hopper(q, k, v, True, tiles=tiles)
     with torch.no_grad():
-        for _ in range(5):
-            fn()
-        torch.cuda.synchronize()
-        torch.cuda.cudart().cudaProfilerStart()
-        fn()
-        torch.cuda.synchronize()
-        torch.cuda.cudart().cudaProfilerStop()
+        _profile_once(lambda: fn(q, k, v))
 
 
 def _ints(text: str, n: int, name: str) -> tuple[int, ...]:

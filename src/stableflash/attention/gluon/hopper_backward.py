@@ -66,9 +66,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from stableflash.attention.gluon.hopper_forward import (_init_kv_ring, _invalidate_kv_ring, _mask, _producer,
-                                                        _query_program, _store_tile_pair, cta_barrier, tma_load,
-                                                        tma_store)
+from stableflash.attention.gluon.hopper_forward import (_a_operand, _init_kv_ring, _invalidate_kv_ring, _mask,
+                                                        _producer, _query_program, _store_tile_pair, cta_barrier,
+                                                        tma_load, tma_store)
 
 LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
 
@@ -160,7 +160,6 @@ def _dkdv_step(k, v, q_smem, do_smem, lse_ptr, delta_ptr, q_ready, do_ready, fre
     entries of Pᵀ (and so of dSᵀ) are set to zero."""
     slot = t % STAGES
     phase = (t // STAGES) & 1
-    op_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_d, k_width=2)
     col_t: gl.constexpr = gl.SliceLayout(0, mma_t)
     q = q_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
     do = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
@@ -183,7 +182,7 @@ def _dkdv_step(k, v, q_smem, do_smem, lse_ptr, delta_ptr, q_ready, do_ready, fre
             rows = start_n + gl.arange(0, 64, layout=gl.SliceLayout(1, mma_t))
             keep = keep & (rows[:, None] <= cols[None, :])
         p = gl.where(keep, p, 0.0)
-    p_bar = gl.convert_layout(p.to(gl.bfloat16), op_a)
+    p_bar = _a_operand(p, mma_d)
     dv_tok = warpgroup_mma(p_bar, do, dv, is_async=True)
     if MASKED:
         delta = gl.load(delta_ptr + row + offs, mask=cols < n_q, other=0.0)
@@ -191,7 +190,7 @@ def _dkdv_step(k, v, q_smem, do_smem, lse_ptr, delta_ptr, q_ready, do_ready, fre
         delta = gl.load(delta_ptr + row + offs)
     dp = warpgroup_mma_wait(1, deps=[dp_tok])               # dPᵀ done, P̄ᵀ·dO still in flight
     ds = p * (dp - delta[None, :])
-    ds_bar = gl.convert_layout(ds.to(gl.bfloat16), op_a)
+    ds_bar = _a_operand(ds, mma_d)
     dk_tok = warpgroup_mma(ds_bar, q, dk, is_async=True)
     dv, dk, p_bar, ds_bar = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, p_bar, ds_bar])
     mbarrier.arrive(free.index(slot), count=1)
@@ -329,7 +328,7 @@ def _dq_step(q, do, k_smem, v_smem, k_ready, v_ready, k_free, v_free, ds_prev, d
     prev = (j - 1) % STAGES
     # dS̄_{j−1} is packed to bf16 here, in the block of the product that reads it: carried packed across
     # the loop's back edge, each of its registers had its 16-bit halves swapped (a PRMT) before that product
-    ds_prev = gl.convert_layout(ds_prev.to(gl.bfloat16), gl.DotOperandLayout(operand_index=0, parent=mma_q, k_width=2))
+    ds_prev = _a_operand(ds_prev, mma_q)
     mbarrier.wait(k_ready.index(slot), (j // STAGES) & 1)
     mbarrier.wait(v_ready.index(slot), (j // STAGES) & 1)
     s_tok = warpgroup_mma(q, k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), zero_s,
@@ -360,7 +359,6 @@ def _dq_consumer(dq_desc, lse_ptr, delta_ptr, q_smem, do_smem, k_smem, v_smem, q
                                                     instr_shape=[16, BLOCK_N, 16])
     mma_q: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                     instr_shape=[16, HEAD_DIM, 16])
-    op_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_q, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, mma_s)
     q = q_smem.reshape([64, HEAD_DIM])
     do = do_smem.reshape([64, HEAD_DIM])
@@ -395,8 +393,7 @@ def _dq_consumer(dq_desc, lse_ptr, delta_ptr, q_smem, do_smem, k_smem, v_smem, q
                                delta, start_m, j, n_k, qk_scale, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, True, mma_s,
                                mma_q)
     last = (n_blocks - 1) % STAGES
-    dq = warpgroup_mma(gl.convert_layout(ds_prev.to(gl.bfloat16), op_a), k_smem.index(last).reshape([BLOCK_N, HEAD_DIM]),
-                       dq)
+    dq = warpgroup_mma(_a_operand(ds_prev, mma_q), k_smem.index(last).reshape([BLOCK_N, HEAD_DIM]), dq)
 
     q.store((dq * scale).to(gl.bfloat16))                   # every product reading Q is complete
     fence_async_shared()

@@ -211,6 +211,13 @@ def _invalidate_kv_ring(k_ready, v_ready, k_free, v_free, STAGES: gl.constexpr):
 
 
 @gluon.jit
+def _a_operand(x, mma: gl.constexpr):
+    """x (fp32 in the accumulator layout ``mma``) rounded to bf16 and laid out as the register A operand of
+    a warpgroup product whose accumulator layout is ``mma`` (P̄ for P̄V; the backward's P̄ᵀ and dS̄)."""
+    return gl.convert_layout(x.to(gl.bfloat16), gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2))
+
+
+@gluon.jit
 def _schedule_fence(x):
     """x unchanged, after ``bar.warp.sync`` on the warp's active mask, which ptxas does not move
     instructions across and which costs one VOTE in SASS. Applied to ℓ (which sums every exponential
@@ -280,7 +287,7 @@ def _step(q, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_free, v_free, s
     # P̄_{j−1} is packed to bf16 here, in the block of the product that reads it: carried across the
     # loop's back edge as bf16 halves, ptxas packed them in the other order and swapped every register
     # back (a PRMT per pair) before the product
-    p = gl.convert_layout(p.to(gl.bfloat16), gl.DotOperandLayout(operand_index=0, parent=mma_o, k_width=2))
+    p = _a_operand(p, mma_o)
     mbarrier.wait(k_ready.index(slot), (j // STAGES) & 1)
     mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
     _take_turn(sched_mine, j, PINGPONG)
@@ -341,7 +348,6 @@ def _consumer(k_desc, v_desc, o_desc, r_desc, lse_ptr, q_smem, k_smem, v_smem, r
                                                     instr_shape=[16, BLOCK_N, 16])
     mma_o: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                     instr_shape=[16, HEAD_DIM, 16])
-    p_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_o, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, mma_s)
     row_o: gl.constexpr = gl.SliceLayout(1, mma_o)
 
@@ -381,8 +387,7 @@ def _consumer(k_desc, v_desc, o_desc, r_desc, lse_ptr, q_smem, k_smem, v_smem, r
     last = (n_blocks - 1) % STAGES
     mbarrier.wait(v_ready.index(last), ((n_blocks - 1) // STAGES) & 1)
     _take_turn(sched_mine, n_blocks, PINGPONG)
-    acc = warpgroup_mma(gl.convert_layout(p.to(gl.bfloat16), p_op), v_smem.index(last).reshape([BLOCK_N, HEAD_DIM]),
-                        acc)
+    acc = warpgroup_mma(_a_operand(p, mma_o), v_smem.index(last).reshape([BLOCK_N, HEAD_DIM]), acc)
     _pass_turn(sched_other, PINGPONG)
 
     # epilogue: O = Ō/ℓ (bf16), its store's residual R (bf16), L = (m + log2 ℓ)·ln 2
