@@ -32,7 +32,8 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gluon_check_cli  # noqa: E402  (this folder's shared command line)
 
-VARIANTS = {64: [(128, 64, 2, 128, 64, 2), (128, 64, 3, 128, 128, 2), (128, 128, 2, 128, 128, 2)],
+VARIANTS = {64: [(128, 64, 2, 128, 64, 2), (128, 64, 3, 128, 128, 2), (128, 128, 2, 128, 128, 2),
+                 (128, 64, 2, 128, 128, 2, True), (128, 64, 3, 128, 128, 2, True)],
             128: [(128, 64, 2, 128, 64, 2), (128, 32, 4, 128, 64, 2), (128, 32, 3, 128, 32, 3)]}
 
 
@@ -53,6 +54,8 @@ def compile_rows(variants: bool) -> list[dict]:
 
 
 def _fmt_tiles(r: dict) -> str:
+    if r.get("atomic_dq"):
+        return f"dkdv {r['block_n']}×{r['block_m']}×{r['stages']}, dq atomic"
     return (f"dkdv {r['block_n']}×{r['block_m']}×{r['stages']}, dq {r['dq_block_m']}×{r['dq_block_n']}×"
             f"{r['dq_stages']}")
 
@@ -112,7 +115,9 @@ def _providers(d: int, causal: bool, variants: bool):
     tiles = _tiles(d, causal, variants)
     out = {"gluon": gluon(tiles[0])}
     for t in tiles[1:]:
-        out[f"gluon {t.block_n}×{t.block_m}×{t.stages}/{t.dq_block_m}×{t.dq_block_n}×{t.dq_stages}"] = gluon(t)
+        name = (f"gluon {t.block_n}×{t.block_m}×{t.stages} atomic dQ" if t.atomic_dq else
+                f"gluon {t.block_n}×{t.block_m}×{t.stages}/{t.dq_block_m}×{t.dq_block_n}×{t.dq_stages}")
+        out[name] = gluon(t)
     out.update({"triton-stabilized": triton_setup, "sdpa-cudnn": sdpa(SDPBackend.CUDNN_ATTENTION),
                 "sdpa-flash": sdpa(SDPBackend.FLASH_ATTENTION)})
     return out

@@ -90,6 +90,37 @@ def test_tiles_the_kernels_have_no_schedule_for_are_refused():
 CONFIGS = [(64, True), (64, False), (128, True), (128, False)]
 
 
+def test_atomic_dq_tiles():
+    """The route's tiles for the backward adding dQ up by TMA reduce-adds, head_dim 64 alone; a
+    streamed block under 64 rows (a warpgroup product's) is refused with it."""
+    from stableflash.attention.gluon.hopper_backward import BackwardTiles, atomic_backward_tiles
+    t = atomic_backward_tiles(64)
+    t.check()
+    assert t.atomic_dq and (t.block_n, t.block_m, t.stages) == (128, 64, 3)
+    with pytest.raises(ValueError, match="head_dim 128 is invalid for the backward with atomic dQ; accepted: 64"):
+        atomic_backward_tiles(128)
+    with pytest.raises(ValueError, match="block_m 64 or 128 with atomic_dq"):
+        BackwardTiles(128, 32, 3, 128, 128, 2, atomic_dq=True).check()
+
+
+def test_dq_scaling_kernel_writes_strided_bf16():
+    """``scale_dq_kernel`` (Triton; the interpreter runs it without a GPU): dQ = bf16(sums · scale), rounded as
+    torch rounds, into a (B, N, H, d) buffer seen as (B, H, N, d), the rows beside it untouched."""
+    from stableflash.attention.gluon.launch_backward import scale_dq_kernel
+    from stableflash.attention.triton.op import interpreting
+    device = "cpu" if interpreting() else "cuda"
+    gen = torch.Generator().manual_seed(0)
+    B, H, N, d = 2, 3, 37, 64
+    sums = torch.randn(B, H, N, d, generator=gen).to(device)
+    out = torch.full((B, N + 1, H, d), 7.0, dtype=torch.bfloat16, device=device)
+    dq = out[:, :N].transpose(1, 2)
+    rows = B * H * N
+    scale_dq_kernel[(math.ceil(rows / 64),)](sums, dq, rows, H, N, *dq.stride()[:3], 0.125, HEAD_DIM=d, BLOCK_R=64,
+                                             INTERP=interpreting())
+    assert torch.equal(dq, (sums * 0.125).to(torch.bfloat16))
+    assert (out[:, N] == 7.0).all()
+
+
 @pytest.fixture(scope="module")
 def offline():
     """The sm_90a compile checks of both kernels at head_dim 64 and 128, causal and not, with the
@@ -99,7 +130,9 @@ def offline():
     from stableflash.attention.gluon import sass
     if not sass.tools_present():
         pytest.skip("this triton wheel ships no nvdisasm / cuobjdump")
-    result = sass.offline_backward_checks([(d, causal, None) for d, causal in CONFIGS], runtime=True)
+    from stableflash.attention.gluon.hopper_backward import atomic_backward_tiles
+    configs = [(d, causal, None) for d, causal in CONFIGS] + [(64, True, atomic_backward_tiles(64))]
+    result = sass.offline_backward_checks(configs, runtime=True)
     return {(r["head_dim"], r["causal"], r["kernel"]): r for r in result["rows"]}, result["runtime"]
 
 
@@ -139,6 +172,22 @@ def _check_dq(r, t, d):
     assert 24 in r["setmaxnreg"] and 240 in r["setmaxnreg"], r
 
 
+def _check_fused(r, t, d):
+    """The kernel adding dQ up by TMA reduce-adds, causal: per consumer partition and loop (the masked
+    diagonal, whole and masked tail blocks) Sᵀ and dPᵀ (d/16 HGMMA each), the previous block's dQ
+    share (64 keys: 4), dV and dK (block_m/16 each), then the last dQ share; the wait for Sᵀ
+    leaves dPᵀ and the dQ share in flight, the wait for both leaves P̄ᵀ·dO, one waits for all, and
+    the last share is waited for alone; a reduce-add per loop and one for the last share. Loop
+    bounds and addresses spill a few registers (at most 32 stores)."""
+    consumers, loops = 2, 3
+    assert r["hgmma"] == consumers * (loops * (2 * d // 16 + 64 // 16 + 2 * t.block_m // 16) + 64 // 16), r
+    assert r["wait_depths"] == {0: consumers * (loops + 1), 1: consumers * loops, 2: consumers * loops}, r
+    assert r["ex2"] == consumers * loops * t.block_m // 2 and r["ex2_in_flight"] == r["ex2"], r
+    assert r["tma_reduces"] == consumers * (loops + 1) and r["tma_stores"] == 2 * consumers, r
+    assert r["half_swaps"] == 0 and r["stl"] <= 32 and r["ldl"] <= 48, r
+    assert 24 in r["setmaxnreg"] and 240 in r["setmaxnreg"], r
+
+
 @needs_gluon
 def test_both_kernels_and_the_launcher_compile_for_sm90_without_a_gpu(offline):
     """head_dim 64 and 128, causal and not, default tiles: the dK/dV kernel's SASS as
@@ -146,7 +195,7 @@ def test_both_kernels_and_the_launcher_compile_for_sm90_without_a_gpu(offline):
     rank-4 TMA descriptors over (B, H, N, d) tensors in a (B, N, H, d) buffer, grouped-query heads,
     N not a multiple of a block — bound to both kernels' signatures and compiled by triton's
     runtime for sm_90a with a stand-in for the CUDA driver: the launch path up to the driver call."""
-    from stableflash.attention.gluon.hopper_backward import backward_tiles_for
+    from stableflash.attention.gluon.hopper_backward import atomic_backward_tiles, backward_tiles_for
     rows, r = offline
     for d, causal in CONFIGS:
         t = backward_tiles_for(d, causal)
@@ -156,6 +205,9 @@ def test_both_kernels_and_the_launcher_compile_for_sm90_without_a_gpu(offline):
     assert r["dq"]["grid"] == [2, 8], r                     # (query blocks, B·H)
     assert all(r[k]["wgmma"] and r[k]["tma"] for k in r), r
     assert r["dkdv"]["num_warps"] == r["dq"]["num_warps"] == 12, r          # 2 consumer warpgroups, the producer's
+    t = atomic_backward_tiles(64)
+    _check_fused(rows[(64, True, "fused")], t, 64)
+    assert r["fused"]["grid"] == [2, 4] and r["fused"]["wgmma"] and r["fused"]["tma"], r
 
 
 # --- on a Hopper GPU -----------------------------------------------------------------------------
@@ -189,20 +241,25 @@ def _triton_backward(do, q, k, v, o, r, lse, causal, scale):
 def test_backward_against_float64(case, d, causal, tied, fixed_triton_tiles):
     """B×H×H_kv×N_q×N_k cases: none a multiple of the blocks but the second, grouped-query heads in
     the second, more keys than queries in the third (causal: keys past the last query get no
-    gradient) and fewer in the last."""
+    gradient) and fewer in the last. At head_dim 64 also the backward with atomic dQ."""
     B, H, Hk, n_q, n_k = case
     gen = torch.Generator(device="cuda").manual_seed(1000 * CASES.index(case) + 10 * d + 2 * causal + tied)
     q, k, v, do = _inputs(B, H, Hk, n_q, n_k, d, tied, gen)
     scale = 1.0 / math.sqrt(d)
     o, lse, r = sg.flash_forward_hopper(q, k, v, causal)
-    got = sg.flash_backward_hopper(do, q, k, v, o, r, lse, causal)
+    runs = [sg.flash_backward_hopper(do, q, k, v, o, r, lse, causal)]
+    if d == 64:                                         # and the one kernel adding dQ up by reduce-adds
+        from stableflash.attention.gluon.hopper_backward import atomic_backward_tiles
+        runs.append(sg.flash_backward_hopper(do, q, k, v, o, r, lse, causal, tiles=atomic_backward_tiles(d)))
     triton_got = _triton_backward(do, q, k, v, o, r, lse, causal, scale)
-    for x, like in zip(got, (q, k, v)):
-        assert x.shape == like.shape and x.dtype == torch.bfloat16 and x.stride() == like.stride()
-    for name, x, x_t, ref in zip(("dQ", "dK", "dV"), got, triton_got, expanded_reference(q, k, v, do, causal)[1:]):
-        assert torch.isfinite(x).all(), name
-        err, err_t = (((y.double() - ref).norm() / ref.norm()).item() for y in (x, x_t))
-        assert err <= 1.25 * err_t + 1e-4, (name, err, err_t)
+    refs = expanded_reference(q, k, v, do, causal)[1:]
+    for got in runs:
+        for x, like in zip(got, (q, k, v)):
+            assert x.shape == like.shape and x.dtype == torch.bfloat16 and x.stride() == like.stride()
+        for name, x, x_t, ref in zip(("dQ", "dK", "dV"), got, triton_got, refs):
+            assert torch.isfinite(x).all(), name
+            err, err_t = (((y.double() - ref).norm() / ref.norm()).item() for y in (x, x_t))
+            assert err <= 1.25 * err_t + 1e-4, (name, err, err_t)
 
 
 @pytest.mark.gpu

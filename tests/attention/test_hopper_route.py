@@ -1,4 +1,4 @@
-"""Which forwards of the Triton backend run on the Gluon Hopper kernel (``gluon.route``).
+"""Which forwards and backwards of the Triton backend run on the Gluon Hopper kernels (``gluon.route``).
 
 Without a GPU: ``why_not`` names each thing that keeps a call on the Triton kernels (the switch, the
 interpreter, a configuration other than the bf16 default, the dtype, the head_dim, masks, TMA
@@ -11,6 +11,14 @@ runs the Gluon forward (counted) and the Triton backward on its outputs, and its
 within 1.25× (+1e-4) the Triton kernels' error against float64 on fresh inputs and on tied maxima — causal and not, ragged
 lengths, grouped-query heads, (B, N, H, d) buffers; through ``torch.compile`` the same kernels give
 the same values bit for bit; head_dim 64 and a window stay on the Triton kernels.
+
+The backward (``why_not_backward``): without a GPU each reason that keeps it on the Triton kernels
+is named (head_dim, fewer keys than ``BACKWARD_MIN_KEYS``, deterministic algorithms, the
+configuration, masks, dO's alignment). On an H100/H200: a head_dim-64 call from that many keys on
+runs the Gluon backward with atomic dQ (counted), within 1.25× (+1e-4) the Triton backward's error
+against float64 — (B, N, H, d) buffers, grouped-query heads, tied maxima, causal or not, and
+``flash_attn_qkvpacked_func``'s one gradient of qkv, eager and compiled; with
+``torch.use_deterministic_algorithms`` the Triton backward runs, bit for bit the portable path's.
 """
 import pytest
 import torch
@@ -83,18 +91,59 @@ def test_each_unsupported_feature_is_named(change, words):
     assert reason is not None and words in reason, reason
 
 
+def _backward_call(d=64, n=route.BACKWARD_MIN_KEYS, device="cpu"):
+    q, k, v = _bf16(1, 2, n, d, device=device), _bf16(1, 2, n, d, device=device), _bf16(1, 2, n, d, device=device)
+    return _bf16(1, 2, n, d, device=device), q, k, v
+
+
+def test_backward_switch_and_interpreter_keep_calls_on_triton():
+    do, q, k, v = _backward_call()
+    with route.triton_only():
+        assert "switched off" in route.why_not_backward(do, q, k, v, CONFIG, Masks())
+    assert "interpreter" in route.why_not_backward(do, q, k, v, CONFIG, Masks(), interpreting=True)
+
+
+@needs_gluon
+def test_a_qualifying_backward_is_refused_for_its_device_alone():
+    do, q, k, v = _backward_call()
+    assert route.why_not_backward(do, q, k, v, CONFIG, Masks()) == "the tensors are on cpu, not CUDA"
+
+
+@needs_gluon
+@pytest.mark.parametrize("change, words", [
+    (dict(d=128), "head_dim 128 (routed backward: (64,))"),
+    (dict(n=route.BACKWARD_MIN_KEYS - 1), f"the backward is routed from {route.BACKWARD_MIN_KEYS} on"),
+    (dict(deterministic=True), "use_deterministic_algorithms is on"),
+    (dict(config=stabilized_config(torch.float16)), "not flash_attention's default for bf16"),
+    (dict(masks=Masks(band=(8, 0, False))), "window, attn_mask, varlen batch or dropout"),
+    (dict(offset=True), "do with strides"),
+], ids=["d128", "short", "deterministic", "fp16-config", "window", "misaligned-do"])
+def test_each_backward_it_does_not_take_is_named(change, words):
+    do, q, k, v = _backward_call(change.get("d", 64), change.get("n", route.BACKWARD_MIN_KEYS))
+    if change.get("offset"):
+        do = _bf16(do.numel() + 1)[1:].view(do.shape)                # base 2 bytes past alignment
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(change.get("deterministic", was))
+    try:
+        reason = route.why_not_backward(do, q, k, v, change.get("config", CONFIG), change.get("masks", Masks()))
+    finally:
+        torch.use_deterministic_algorithms(was)
+    assert reason is not None and words in reason, reason
+
+
 # --- on a Hopper GPU -----------------------------------------------------------------------------
 
 @pytest.fixture
 def counted(monkeypatch):
-    """{"forward": n}: the Gluon forwards launched through the route."""
-    calls = {"forward": 0}
-    real = route.forward
+    """{"forward": n, "backward": n}: the Gluon forwards and backwards launched through the route."""
+    calls = {"forward": 0, "backward": 0}
+    for name in calls:
+        real = getattr(route, name)
 
-    def counting(*args, **kwargs):
-        calls["forward"] += 1
-        return real(*args, **kwargs)
-    monkeypatch.setattr(route, "forward", counting)
+        def counting(*args, _real=real, _name=name, **kwargs):
+            calls[_name] += 1
+            return _real(*args, **kwargs)
+        monkeypatch.setattr(route, name, counting)
     return calls
 
 
@@ -131,15 +180,11 @@ def test_flash_attention_runs_the_hopper_kernels_at_head_dim_128(case, causal, c
     gen = torch.Generator(device="cuda").manual_seed(n + causal)
     q, k, v, do = _inputs(B, H, Hk, n, 128, tied, gen, layout)
     got = _run(q, k, v, do, causal=causal)
-    assert counted == {"forward": 1}
+    assert counted == {"forward": 1, "backward": 0}
     with route.triton_only():
         portable = _run(q, k, v, do, causal=causal)
-    assert counted == {"forward": 1}
-    ref = expanded_reference(q, k, v, do, causal)
-    for name, x, x_t, r, like in zip(("O", "dQ", "dK", "dV"), got, portable, ref, (q, q, k, v)):
-        assert x.shape == like.shape and x.dtype == torch.bfloat16 and torch.isfinite(x).all(), name
-        err, err_t = (((y.double() - r).norm() / r.norm()).item() for y in (x, x_t))
-        assert err <= 1.25 * err_t + 1e-4, (name, err, err_t)
+    assert counted == {"forward": 1, "backward": 0}
+    _within_portable_error(got, portable, expanded_reference(q, k, v, do, causal), (q, q, k, v))
 
 
 @pytest.mark.gpu
@@ -155,7 +200,7 @@ def test_compiled_calls_take_the_same_kernels(counted, monkeypatch):
     qc, kc, vc = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
     o = compiled(qc, kc, vc)
     got = (o, *torch.autograd.grad(o, (qc, kc, vc), do))
-    assert counted == {"forward": 2}
+    assert counted == {"forward": 2, "backward": 0}
     for a, b in zip(eager, got):
         assert torch.equal(a, b)
 
@@ -170,6 +215,74 @@ def test_unsupported_calls_stay_on_the_triton_kernels(kw, counted):
     got = _run(q, k, v, do, causal=True, **kw)
     with route.triton_only():
         portable = _run(q, k, v, do, causal=True, **kw)
-    assert counted == {"forward": 0}
+    assert counted == {"forward": 0, "backward": 0}
     for a, b in zip(got, portable):
         assert torch.equal(a, b)
+
+
+def _within_portable_error(got, portable, ref, likes):
+    for name, x, x_t, r, like in zip(("O", "dQ", "dK", "dV"), got, portable, ref, likes):
+        assert x.shape == like.shape and x.dtype == torch.bfloat16 and torch.isfinite(x).all(), name
+        err, err_t = (((y.double() - r).norm() / r.norm()).item() for y in (x, x_t))
+        assert err <= 1.25 * err_t + 1e-4, (name, err, err_t)
+
+
+@pytest.mark.gpu
+@on_hopper
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_long_head_dim_64_backwards_run_the_hopper_backward(causal, counted):
+    """head_dim 64 from BACKWARD_MIN_KEYS keys on, as a user calls it — (B, N, H, d) buffers,
+    grouped-query heads, keys repeating every 16 positions (tied maxima), N not a multiple of a
+    block: the Triton forward, the Gluon backward with atomic dQ, within 1.25× (+1e-4) the Triton
+    backward's error against float64; with torch.use_deterministic_algorithms the Triton backward,
+    bit for bit what the switched-off route gives."""
+    n = route.BACKWARD_MIN_KEYS + 37
+    gen = torch.Generator(device="cuda").manual_seed(64 + causal)
+    q, k, v, do = _inputs(1, 4, 2, n, 64, True, gen, "bnhd")
+    got = _run(q, k, v, do, causal=causal)
+    assert counted == {"forward": 0, "backward": 1}
+    with route.triton_only():
+        portable = _run(q, k, v, do, causal=causal)
+    _within_portable_error(got, portable, expanded_reference(q, k, v, do, causal), (q, q, k, v))
+    torch.use_deterministic_algorithms(True)
+    try:
+        repeatable = _run(q, k, v, do, causal=causal)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert counted == {"forward": 0, "backward": 1}
+    for a, b in zip(repeatable, portable):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@on_hopper
+def test_packed_qkv_backward_on_the_hopper_route_eager_and_compiled(counted, monkeypatch):
+    """``flash_attn_qkvpacked_func`` (the GPT model's call): the gradient of qkv, dQ, dK and dV written
+    by the Gluon backward into one tensor laid out as qkv, in eager mode and through torch.compile
+    (the inline backward op hands the call to the opaque one), each within 1.25× (+1e-4) the
+    Triton backward's error against float64."""
+    from stableflash.attention import flash_attn_qkvpacked_func
+    monkeypatch.setattr(triton_op, "AUTOTUNE", False)
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    B, n, H, d = 1, route.BACKWARD_MIN_KEYS, 2, 64
+    qkv = torch.randn(B, n, 3, H, d, generator=gen, device="cuda").to(torch.bfloat16)
+    do = torch.randn(B, n, H, d, generator=gen, device="cuda").to(torch.bfloat16)
+
+    def run(fn):
+        x = qkv.detach().clone().requires_grad_(True)
+        o = fn(x)
+        return o, torch.autograd.grad(o, x, do)[0]
+    call = lambda x: flash_attn_qkvpacked_func(x, causal=True)  # noqa: E731
+    eager = run(call)
+    compiled = run(torch.compile(call, fullgraph=True))
+    assert counted == {"forward": 0, "backward": 2}
+    with route.triton_only():
+        portable = run(call)
+    q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
+    o, dq, dk, dv = expanded_reference(q, k, v, do.transpose(1, 2), True)
+    ref = (o.transpose(1, 2), torch.stack([t.transpose(1, 2) for t in (dq, dk, dv)], 2))
+    for got in (eager, compiled):
+        assert got[1].shape == qkv.shape and got[1].stride() == qkv.stride()
+        for name, x, x_t, r in zip(("O", "dqkv"), got, portable, ref):
+            err, err_t = (((y.double() - r).norm() / r.norm()).item() for y in (x, x_t))
+            assert err <= 1.25 * err_t + 1e-4, (name, err, err_t)

@@ -180,6 +180,12 @@ def _flex(shape, causal, device) -> Callable:
     return fn
 
 
+def provider_context(name: str):
+    """The context a provider's forward and backward both run in: the Triton kernels alone
+    (``triton_only``) for a variant that may not take the Gluon Hopper kernels, else nothing."""
+    return triton_only() if name in VARIANTS and not VARIANTS[name].hopper else contextlib.nullcontext()
+
+
 def provider_fn(name: str, shape, causal: bool, device) -> Callable:
     from torch.nn.attention import SDPBackend
 
@@ -192,9 +198,8 @@ def provider_fn(name: str, shape, causal: bool, device) -> Callable:
                 low = "fp16" if q.dtype == torch.float16 else "bf16"
                 policy = resolve_policy(variant.preset, q.dtype).replace(
                     **{f: val.format(low=low) for f, val in variant.changes.items()})
-            with contextlib.nullcontext() if variant.hopper else triton_only():
-                return flash_attention(q, k, v, causal=causal, stabilize=variant.stabilize, backend="triton",
-                                       policy=policy, **variant.extra)
+            return flash_attention(q, k, v, causal=causal, stabilize=variant.stabilize, backend="triton",
+                                   policy=policy, **variant.extra)
         return stableflash
     if name == "flex":
         return _flex(shape, causal, device)
@@ -259,8 +264,9 @@ def check(name: str, causal: bool, dtype, device, gen) -> dict:
     for suffix, make in (("", _inputs), (" tied", tied_inputs)):
         q, k, v, do = make(shape, dtype, device, gen)
         leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
-        o = fn(*leaves, causal)
-        grads = torch.autograd.grad(o, leaves, do)
+        with provider_context(name):
+            o = fn(*leaves, causal)
+            grads = torch.autograd.grad(o, leaves, do)
         want = reference.forward_backward(q, k, v, do, causal=causal)
         for key, got, ref in zip(("O", "dQ", "dK", "dV"), (o, *grads), want):
             errs[key + suffix] = ((got.double() - ref).norm() / ref.norm()).item()
@@ -274,14 +280,15 @@ def time_one(name: str, shape, mode: str, cfg: BenchConfig, dtype, device, gen) 
     fn = provider_fn(name, shape, cfg.causal, device)
     if mode == "fwd":
         def call():
-            with torch.no_grad():
+            with torch.no_grad(), provider_context(name):
                 fn(q, k, v, cfg.causal)
     else:
         leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]     # views keep their strides
 
         def call():
-            o = fn(*leaves, cfg.causal)
-            torch.autograd.grad(o, leaves, do)
+            with provider_context(name):
+                o = fn(*leaves, cfg.causal)
+                torch.autograd.grad(o, leaves, do)
     if cfg.timing == "graph":
         return triton.testing.do_bench_cudagraph(call, rep=cfg.rep_ms, return_mode="median")
     return triton.testing.do_bench(call, warmup=cfg.warmup_ms, rep=cfg.rep_ms, return_mode="median")

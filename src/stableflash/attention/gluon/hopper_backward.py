@@ -45,9 +45,24 @@ of the time the last wait too) above P_j's exponentials: within a warpgroup they
 products less than in the dK/dV kernel (``sass.check_backward``'s "ex2_in_flight"), and the
 overlap comes from the other warpgroup. L and δ of the program's rows are loaded once.
 
+dK, dV and dQ in one kernel (``attn_bwd_hopper_kernel``, tiles with ``atomic_dq``: what the route
+runs at head_dim 64 from 4096 keys on): the dK/dV kernel above, each consumer warpgroup also
+adding its 64 keys' share of dQ, dS̄·K, to an fp32 (B, H, N_q, d) buffer that starts at zero, by a
+TMA reduce-add (``cp.reduce.async.bulk.tensor``, UTMAREDG) from an fp32 tile in shared memory: 5
+products per block pair instead of 7, and a pass afterwards scaling the sums into bf16 dQ
+(``launch_backward.scale_dq_kernel``). The additions come in no fixed order, so dQ may differ in
+its last bits from run to run (``torch.use_deterministic_algorithms`` keeps the route off). Per
+step the previous block's share is issued beside Sᵀ and dPᵀ, A being the dS̄ᵀ that block left in
+shared memory (read transposed), B the resident K; the wait for dPᵀ also completes it, its fp32
+tile is staged while dV computes, this block's dS̄ᵀ replaces the previous one under the same
+fence, and the reduce-add is issued while dK computes — every product still waited for within the
+step. Issued after dK and waited for at once, the share cost 0.8 ms of the kernel's 2.0 at
+8×16×4096×64, most of it the serial fp32 staging (docs/kernels.md). Head_dim 64 only: at 128 the
+share's fp32 registers spill and its tiles do not fit in shared memory beside K, V and the ring.
+
 The TMA and CTA-barrier spellings of the triton release at hand are those bound in
-``hopper_forward`` (``tma_load``, ``tma_store``, ``cta_barrier``), whose K/V producer the dQ kernel
-shares.
+``hopper_forward`` (``tma_load``, ``tma_store``, ``tma_atomic_add``, ``cta_barrier``), whose K/V
+producer the dQ kernel shares.
 
 Warp specialisation (both kernels): each consumer warpgroup is a partition of its own (the first
 the default partition, launched with num_warps = 4; the second a worker of 4 warps, both raised to
@@ -68,7 +83,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from stableflash.attention.gluon.hopper_forward import (_a_operand, _init_kv_ring, _invalidate_kv_ring, _mask,
                                                         _producer, _query_program, _store_tile_pair, cta_barrier,
-                                                        tma_load, tma_store)
+                                                        tma_atomic_add, tma_load, tma_store)
 
 LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
 
@@ -77,13 +92,16 @@ class BackwardTiles(NamedTuple):
     """A backward launch's tiles. dK/dV kernel: ``block_n`` keys per program (64 per consumer
     warpgroup: 64 or 128), ``block_m`` query rows per streamed block, ``stages`` ring slots for Q
     and dO. dQ kernel: ``dq_block_m`` query rows per program (64 per consumer warpgroup: 64 or
-    128), ``dq_block_n`` keys per streamed block, ``dq_stages`` ring slots for K and V."""
+    128), ``dq_block_n`` keys per streamed block, ``dq_stages`` ring slots for K and V.
+    ``atomic_dq``: dQ added up by the dK/dV kernel instead (``attn_bwd_hopper_kernel``: TMA
+    reduce-adds into an fp32 buffer, 5 products instead of 7; the dq_* fields unused)."""
     block_n: int
     block_m: int
     stages: int
     dq_block_m: int
     dq_block_n: int
     dq_stages: int
+    atomic_dq: bool = False
 
     def dkdv_constexprs(self, head_dim: int, causal: bool) -> dict:
         """The dK/dV kernel's compile-time arguments: what the launcher passes and the sm_90a compile
@@ -108,9 +126,10 @@ class BackwardTiles(NamedTuple):
         """ValueError for tiles the kernels have no schedule for."""
         if (self.block_n not in (64, 128) or self.dq_block_m not in (64, 128) or self.block_m not in (16, 32, 64, 128)
                 or self.dq_block_n not in (16, 32, 64, 128) or not 2 <= self.stages <= 4
-                or not 2 <= self.dq_stages <= 4):
+                or not 2 <= self.dq_stages <= 4 or (self.atomic_dq and self.block_m not in (64, 128))):
             raise ValueError(f"{self} is invalid; accepted: block_n and dq_block_m 64 or 128 (one or two consumer "
-                             "warpgroups), block_m and dq_block_n 16, 32, 64 or 128, 2-4 stages each")
+                             "warpgroups), block_m and dq_block_n 16, 32, 64 or 128 (block_m 64 or 128 with "
+                             "atomic_dq: a warpgroup product's rows), 2-4 stages each")
 
 
 def backward_tiles_for(head_dim: int, causal: bool) -> BackwardTiles:
@@ -124,6 +143,16 @@ def backward_tiles_for(head_dim: int, causal: bool) -> BackwardTiles:
     if head_dim <= 64:
         return BackwardTiles(128, 64, 2, 128, 128, 2)
     return BackwardTiles(128, 32, 3, 128, 32, 3)
+
+
+def atomic_backward_tiles(head_dim: int) -> BackwardTiles:
+    """The tiles of the backward that adds dQ up by TMA reduce-adds (what the route runs): 128 keys per
+    program (two consumer warpgroups), query blocks of 64 rows in three slots. Head_dim 64 only:
+    at 128 the dQ share's 64 more fp32 registers a thread spill, and the fp32 staging tiles do not
+    fit in shared memory beside K, V and the ring."""
+    if head_dim != 64:
+        raise ValueError(f"head_dim {head_dim} is invalid for the backward with atomic dQ; accepted: 64")
+    return BackwardTiles(128, 64, 3, 128, 128, 2, atomic_dq=True)
 
 
 # --- dK, dV ---------------------------------------------------------------------------------------
@@ -149,15 +178,21 @@ def _qdo_producer(q_desc, do_desc, q_smem, do_smem, q_ready, do_ready, free, b, 
 
 @gluon.jit
 def _dkdv_step(k, v, q_smem, do_smem, lse_ptr, delta_ptr, q_ready, do_ready, free, dk, dv, zero_t, t,
-               start_n, start_m, row0, n_q, qk_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-               STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASKED: gl.constexpr, mma_t: gl.constexpr,
-               mma_d: gl.constexpr):
-    """The t-th streamed block (query rows start_m …, slot t % STAGES) of a consumer's loop: L of its
-    rows (entries row0 + start_m …) loaded before the wait for Q, Sᵀ and dPᵀ issued back to back,
-    Pᵀ while dPᵀ computes, dV += P̄ᵀ·dO issued, δ loaded and dSᵀ formed while it computes,
+               start_n, start_m, row0, n_q, qk_scale, dq_desc, ds_smem, dq_smem, dq_slot0, zero_q, b, h, prev_h,
+               prev_m, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+               MASKED: gl.constexpr, ATOMIC_DQ: gl.constexpr, mma_t: gl.constexpr, mma_d: gl.constexpr):
+    """The t-th streamed block (query rows start_m … of head h, slot t % STAGES) of a consumer's loop:
+    L of its rows (entries row0 + start_m …) loaded before the wait for Q, Sᵀ and dPᵀ issued back to
+    back, Pᵀ while dPᵀ computes, dV += P̄ᵀ·dO issued, δ loaded and dSᵀ formed while it computes,
     dK += dS̄ᵀ·Q, then the slot released (this warpgroup's products that read it are complete).
     MASKED (compile time): the block holds the causal diagonal or query rows past N_q, whose
-    entries of Pᵀ (and so of dSᵀ) are set to zero."""
+    entries of Pᵀ (and so of dSᵀ) are set to zero.
+
+    ATOMIC_DQ: the previous block's share of dQ (rows prev_m … of head prev_h), dS̄·K from the dS̄ᵀ
+    that block left in ``ds_smem``, is issued after dPᵀ; once it is complete (while dV and dK
+    compute) it goes to shared memory in fp32 and a TMA reduce-add, and this block's dS̄ᵀ takes
+    its place in ``ds_smem``. Every product is waited for within the step (ptxas waits at the
+    loop's back edge anyway). Returns (dK, dV, h, start_m)."""
     slot = t % STAGES
     phase = (t // STAGES) & 1
     col_t: gl.constexpr = gl.SliceLayout(0, mma_t)
@@ -174,7 +209,11 @@ def _dkdv_step(k, v, q_smem, do_smem, lse_ptr, delta_ptr, q_ready, do_ready, fre
     s_tok = warpgroup_mma(k, q.permute((1, 0)), zero_t, use_acc=False, is_async=True)
     mbarrier.wait(do_ready.index(slot), phase)
     dp_tok = warpgroup_mma(v, do.permute((1, 0)), zero_t, use_acc=False, is_async=True)
-    s = warpgroup_mma_wait(1, deps=[s_tok])                 # Sᵀ done, dPᵀ still in flight
+    if ATOMIC_DQ:
+        dq_tok = warpgroup_mma(ds_smem.permute((1, 0)), k, zero_q, use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(2, deps=[s_tok])             # Sᵀ done; dPᵀ, the previous dQ share in flight
+    else:
+        s = warpgroup_mma_wait(1, deps=[s_tok])             # Sᵀ done, dPᵀ still in flight
     p = gl.exp2(s * qk_scale - lse2[None, :])
     if MASKED:
         keep = cols[None, :] < n_q
@@ -188,20 +227,46 @@ def _dkdv_step(k, v, q_smem, do_smem, lse_ptr, delta_ptr, q_ready, do_ready, fre
         delta = gl.load(delta_ptr + row + offs, mask=cols < n_q, other=0.0)
     else:
         delta = gl.load(delta_ptr + row + offs)
-    dp = warpgroup_mma_wait(1, deps=[dp_tok])               # dPᵀ done, P̄ᵀ·dO still in flight
-    ds = p * (dp - delta[None, :])
-    ds_bar = _a_operand(ds, mma_d)
+    if ATOMIC_DQ:
+        dp, dq = warpgroup_mma_wait(1, deps=[dp_tok, dq_tok])   # dPᵀ and the dQ share done, P̄ᵀ·dO in flight
+        buf = dq_smem.index(dq_slot0 + t % 2)
+        _stage_dq_share(dq, buf, BLOCK_M, HEAD_DIM)
+    else:
+        dp = warpgroup_mma_wait(1, deps=[dp_tok])           # dPᵀ done, P̄ᵀ·dO still in flight
+    ds = (p * (dp - delta[None, :])).to(gl.bfloat16)
+    ds_bar = gl.convert_layout(ds, gl.DotOperandLayout(operand_index=0, parent=mma_d, k_width=2))
     dk_tok = warpgroup_mma(ds_bar, q, dk, is_async=True)
+    if ATOMIC_DQ:
+        ds_smem.store(ds)                                   # the product that read the previous dS̄ᵀ is done
+        _add_dq_share(dq_desc, buf, b, prev_h, prev_m)
     dv, dk, p_bar, ds_bar = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, p_bar, ds_bar])
     mbarrier.arrive(free.index(slot), count=1)
-    return dk, dv
+    return dk, dv, h, start_m
 
 
 @gluon.jit
-def _dkdv_consumer(dk_desc, dv_desc, lse_ptr, delta_ptr, k_smem, v_smem, q_smem, do_smem, kv_bar, q_ready,
-                   do_ready, free, b, hk, start_n, group, n_heads, n_q, m_lo, diag_end, full_end, per_head,
-                   qk_scale, scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-                   CAUSAL: gl.constexpr):
+def _stage_dq_share(dq, buf, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """A dQ share (fp32 registers) written to ``buf``, once the reduce-add issued from it two shares
+    ago has read it."""
+    tma.store_wait(1)
+    cta_barrier()                                           # every warp past the wait before buf is written
+    buf.reshape([BLOCK_M, HEAD_DIM]).store(dq)
+
+
+@gluon.jit
+def _add_dq_share(dq_desc, buf, b, h, m):
+    """The TMA reduce-add of the share in ``buf`` into rows m … of head h of the fp32 dQ buffer, after
+    a fence and a barrier that also publish any other shared-memory writes of the partition."""
+    fence_async_shared()
+    cta_barrier()
+    tma_atomic_add(dq_desc, [b, h, m, 0], buf)
+
+
+@gluon.jit
+def _dkdv_consumer(dk_desc, dv_desc, dq_desc, lse_ptr, delta_ptr, k_smem, v_smem, q_smem, do_smem, ds_smem,
+                   dq_smem, dq_slot0, kv_bar, q_ready, do_ready, free, b, hk, start_n, group, n_heads, n_q, m_lo,
+                   diag_end, full_end, per_head, qk_scale, scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                   STAGES: gl.constexpr, CAUSAL: gl.constexpr, ATOMIC_DQ: gl.constexpr):
     """One consumer warpgroup: keys [start_n, start_n + 64) (its K and V tiles ``k_smem``,
     ``v_smem``). Per query head of the group: the masked diagonal blocks [m_lo, diag_end), the whole
     blocks [diag_end, full_end), the ragged tail [full_end, m_lo + per_head); then dK·scale and dV
@@ -215,23 +280,45 @@ def _dkdv_consumer(dk_desc, dv_desc, lse_ptr, delta_ptr, k_smem, v_smem, q_smem,
     zero_t = gl.zeros([64, BLOCK_M], gl.float32, layout=mma_t)
     dk = gl.zeros([64, HEAD_DIM], gl.float32, layout=mma_d)
     dv = gl.zeros([64, HEAD_DIM], gl.float32, layout=mma_d)
+    prev_h = hk * group                                     # the dQ share before the first: zeros
+    prev_m = m_lo * BLOCK_M
+    if ATOMIC_DQ:
+        zero_q = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=mma_d)
+        ds_smem.store(gl.zeros([64, BLOCK_M], gl.bfloat16, layout=mma_t))
+        fence_async_shared()
+        cta_barrier()
+    else:
+        zero_q = dv
     mbarrier.wait(kv_bar, 0)
     for g in range(group):
         base = g * per_head - m_lo                          # block m of head g is streamed block base + m
-        row0 = (b * n_heads + hk * group + g) * n_q         # L and δ of head hk·group + g
+        h = hk * group + g
+        row0 = (b * n_heads + h) * n_q                      # L and δ of head h
         if CAUSAL:
             for m in range(m_lo, diag_end):
-                dk, dv = _dkdv_step(k, v, q_smem, do_smem, lse_ptr, delta_ptr, q_ready, do_ready, free, dk, dv,
-                                    zero_t, base + m, start_n, m * BLOCK_M, row0, n_q, qk_scale, HEAD_DIM, BLOCK_M,
-                                    STAGES, CAUSAL, True, mma_t, mma_d)
+                dk, dv, prev_h, prev_m = _dkdv_step(
+                    k, v, q_smem, do_smem, lse_ptr, delta_ptr, q_ready, do_ready, free, dk, dv, zero_t, base + m,
+                    start_n, m * BLOCK_M, row0, n_q, qk_scale, dq_desc, ds_smem, dq_smem, dq_slot0, zero_q, b, h,
+                    prev_h, prev_m, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, True, ATOMIC_DQ, mma_t,
+                                    mma_d)
         for m in range(diag_end, full_end):
-            dk, dv = _dkdv_step(k, v, q_smem, do_smem, lse_ptr, delta_ptr, q_ready, do_ready, free, dk, dv,
-                                zero_t, base + m, start_n, m * BLOCK_M, row0, n_q, qk_scale, HEAD_DIM, BLOCK_M,
-                                STAGES, CAUSAL, False, mma_t, mma_d)
+            dk, dv, prev_h, prev_m = _dkdv_step(
+                k, v, q_smem, do_smem, lse_ptr, delta_ptr, q_ready, do_ready, free, dk, dv, zero_t, base + m,
+                start_n, m * BLOCK_M, row0, n_q, qk_scale, dq_desc, ds_smem, dq_smem, dq_slot0, zero_q, b, h,
+                prev_h, prev_m, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, False, ATOMIC_DQ, mma_t,
+                                mma_d)
         for m in range(full_end, m_lo + per_head):
-            dk, dv = _dkdv_step(k, v, q_smem, do_smem, lse_ptr, delta_ptr, q_ready, do_ready, free, dk, dv,
-                                zero_t, base + m, start_n, m * BLOCK_M, row0, n_q, qk_scale, HEAD_DIM, BLOCK_M,
-                                STAGES, CAUSAL, True, mma_t, mma_d)
+            dk, dv, prev_h, prev_m = _dkdv_step(
+                k, v, q_smem, do_smem, lse_ptr, delta_ptr, q_ready, do_ready, free, dk, dv, zero_t, base + m,
+                start_n, m * BLOCK_M, row0, n_q, qk_scale, dq_desc, ds_smem, dq_smem, dq_slot0, zero_q, b, h,
+                prev_h, prev_m, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, True, ATOMIC_DQ, mma_t,
+                                mma_d)
+    if ATOMIC_DQ:                                           # the last block's dQ share
+        dq = warpgroup_mma(ds_smem.permute((1, 0)), k, zero_q, use_acc=False)
+        buf = dq_smem.index(dq_slot0 + (group * per_head) % 2)
+        _stage_dq_share(dq, buf, BLOCK_M, HEAD_DIM)
+        _add_dq_share(dq_desc, buf, b, prev_h, prev_m)
+        tma.store_wait(0)
     k.store((dk * scale).to(gl.bfloat16))                   # every product reading K and V is complete
     v.store(dv.to(gl.bfloat16))
     _store_tile_pair(dk_desc, k_smem, dv_desc, v_smem, b, hk, start_n)
@@ -250,6 +337,29 @@ def attn_bwd_dkdv_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
     ``qk_scale``: scale·log2 e; ``scale``: the softmax scale (dK's factor). Launch with
     num_warps = 4: the first consumer warpgroup; the second (BLOCK_N = 128) and the producer warp
     are worker partitions."""
+    _key_program(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dk_desc, lse_ptr, delta_ptr, n_q, n_k, n_heads,
+                 group, qk_scale, scale, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, False)
+
+
+@gluon.jit
+def attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse_ptr, delta_ptr,
+                           n_q, n_k, n_heads, group, qk_scale, scale,
+                           HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                           STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+    """``attn_bwd_dkdv_hopper_kernel`` that also adds each block pair's share of dQ, dS̄·K unscaled, to
+    an fp32 (B, H, N_q, d) buffer that starts at zero: ``dq_desc``, a rank-4 descriptor of fp32
+    (1, 1, BLOCK_M, d) blocks, through TMA reduce-adds (one per consumer warpgroup and streamed
+    block; the order of the additions is not fixed)."""
+    _key_program(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse_ptr, delta_ptr, n_q, n_k, n_heads,
+                 group, qk_scale, scale, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, True)
+
+
+@gluon.jit
+def _key_program(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse_ptr, delta_ptr,
+                 n_q, n_k, n_heads, group, qk_scale, scale,
+                 HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                 STAGES: gl.constexpr, CAUSAL: gl.constexpr, ATOMIC_DQ: gl.constexpr):
+    """The program of both kernels above: shared memory, barriers, the partitions."""
     CONSUMERS: gl.constexpr = BLOCK_N // 64
     start_n = gl.program_id(0) * BLOCK_N
     bhk = gl.program_id(1)
@@ -277,6 +387,13 @@ def attn_bwd_dkdv_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
     q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    if ATOMIC_DQ:
+        ds_smem = gl.allocate_shared_memory(gl.bfloat16, [CONSUMERS, 64, BLOCK_M],
+                                            gl.NVMMASharedLayout.get_default_for([64, BLOCK_M], gl.bfloat16))
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2 * CONSUMERS, 1, 1, BLOCK_M, HEAD_DIM], dq_desc.layout)
+    else:
+        ds_smem = k_smem
+        dq_smem = k_smem
     mbarrier.init(kv_bar, count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(q_ready.index(i), count=1)
@@ -288,22 +405,26 @@ def attn_bwd_dkdv_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
     for i in gl.static_range(CONSUMERS):
         tma_load(k_desc, [b, hk, start_n + i * 64, 0], kv_bar, k_smem.index(i))
         tma_load(v_desc, [b, hk, start_n + i * 64, 0], kv_bar, v_smem.index(i))
+    # (Gluon's frontend takes no starred arguments: each partition's list is written out)
     if CONSUMERS == 2:
         gl.warp_specialize([
-            (_dkdv_consumer, (dk_desc, dv_desc, lse_ptr, delta_ptr, k_smem.index(0), v_smem.index(0), q_smem,
-                              do_smem, kv_bar, q_ready, do_ready, free, b, hk, start_n, group, n_heads, n_q, m_lo,
-                              diag_end, full_end, per_head, qk_scale, scale, HEAD_DIM, BLOCK_M, STAGES, CAUSAL)),
-            (_dkdv_consumer, (dk_desc, dv_desc, lse_ptr, delta_ptr, k_smem.index(1), v_smem.index(1), q_smem,
-                              do_smem, kv_bar, q_ready, do_ready, free, b, hk, start_n + 64, group, n_heads, n_q, m_lo,
-                              diag_end, full_end, per_head, qk_scale, scale, HEAD_DIM, BLOCK_M, STAGES, CAUSAL)),
+            (_dkdv_consumer, (dk_desc, dv_desc, dq_desc, lse_ptr, delta_ptr, k_smem.index(0), v_smem.index(0),
+                              q_smem, do_smem, ds_smem.index(0), dq_smem, 0, kv_bar, q_ready, do_ready, free, b, hk,
+                              start_n, group, n_heads, n_q, m_lo, diag_end, full_end, per_head, qk_scale, scale,
+                              HEAD_DIM, BLOCK_M, STAGES, CAUSAL, ATOMIC_DQ)),
+            (_dkdv_consumer, (dk_desc, dv_desc, dq_desc, lse_ptr, delta_ptr, k_smem.index(1), v_smem.index(1),
+                              q_smem, do_smem, ds_smem.index(1), dq_smem, 2, kv_bar, q_ready, do_ready, free, b, hk,
+                              start_n + 64, group, n_heads, n_q, m_lo, diag_end, full_end, per_head, qk_scale, scale,
+                              HEAD_DIM, BLOCK_M, STAGES, CAUSAL, ATOMIC_DQ)),
             (_qdo_producer, (q_desc, do_desc, q_smem, do_smem, q_ready, do_ready, free, b, hk, group, m_lo, per_head,
                              BLOCK_M, HEAD_DIM, STAGES)),
         ], [4, 1], [240, 24])
     else:
         gl.warp_specialize([
-            (_dkdv_consumer, (dk_desc, dv_desc, lse_ptr, delta_ptr, k_smem.index(0), v_smem.index(0), q_smem,
-                              do_smem, kv_bar, q_ready, do_ready, free, b, hk, start_n, group, n_heads, n_q, m_lo,
-                              diag_end, full_end, per_head, qk_scale, scale, HEAD_DIM, BLOCK_M, STAGES, CAUSAL)),
+            (_dkdv_consumer, (dk_desc, dv_desc, dq_desc, lse_ptr, delta_ptr, k_smem.index(0), v_smem.index(0),
+                              q_smem, do_smem, ds_smem.index(0), dq_smem, 0, kv_bar, q_ready, do_ready, free, b, hk,
+                              start_n, group, n_heads, n_q, m_lo, diag_end, full_end, per_head, qk_scale, scale,
+                              HEAD_DIM, BLOCK_M, STAGES, CAUSAL, ATOMIC_DQ)),
             (_qdo_producer, (q_desc, do_desc, q_smem, do_smem, q_ready, do_ready, free, b, hk, group, m_lo, per_head,
                              BLOCK_M, HEAD_DIM, STAGES)),
         ], [1], [24])

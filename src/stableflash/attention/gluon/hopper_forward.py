@@ -61,6 +61,22 @@ else:
     tma_store = tma.async_copy_shared_to_global
 cta_barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
 
+if hasattr(tma, "async_atomic_add"):
+    tma_atomic_add = tma.async_atomic_add
+else:
+    # 3.6 has the operation (a TMA reduce-add from shared memory, ``cp.reduce.async.bulk.tensor``) in its
+    # IR builder but no Gluon function for it: the same call as the later releases' async_atomic_add
+    from triton._C.libtriton import ir as _ir
+    from triton.experimental.gluon.language._core import builtin as _builtin
+
+    @_builtin
+    def tma_atomic_add(tensor_desc, coord, src, _semantic=None):
+        """Add the shared-memory tile ``src`` element-wise into the global tile of ``tensor_desc`` at
+        ``coord`` (TMA reduce-add; rows outside the tensor are skipped)."""
+        coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+        _semantic.builder.create_async_tma_reduce(_ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
+                                                  src.handle)
+
 
 class Tiles(NamedTuple):
     """A launch's tiles and schedule: BLOCK_M query rows (64 per consumer warpgroup), BLOCK_N keys per

@@ -5,10 +5,15 @@ import math
 
 import torch
 import triton
+import triton.language as tl
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from stableflash.attention.gluon.hopper_backward import (BackwardTiles, attn_bwd_dkdv_hopper_kernel,
-                                                         attn_bwd_dq_hopper_kernel, backward_tiles_for)
+                                                         atomic_backward_tiles, attn_bwd_dq_hopper_kernel,
+                                                         attn_bwd_hopper_kernel, backward_tiles_for)
 from stableflash.attention.gluon.launch import LOG2E, _descriptor, check_inputs
+from stableflash.attention.triton.common import cast
 from stableflash.attention.triton.op import delta_dot
 
 
@@ -60,6 +65,30 @@ def check_backward_inputs(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
             raise ValueError(f"{name} on {t.device} is invalid; accepted: q's device {q.device}")
 
 
+def dq_buffer_layout(rows: int, head_dim: int):
+    """The shared-memory layout of a (1, 1, rows, head_dim) fp32 TMA block of the dQ buffer."""
+    return gl.NVMMASharedLayout.get_default_for([1, 1, rows, head_dim], gl.float32)
+
+
+def _dq_buffer_descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
+    return TensorDescriptor(base=t, shape=list(t.shape), strides=list(t.stride()), block_shape=[1, 1, rows, t.shape[3]],
+                            layout=dq_buffer_layout(rows, t.shape[3]))
+
+
+@triton.jit
+def scale_dq_kernel(src, dst, n_rows, H, N, stride_b, stride_h, stride_n, scale, HEAD_DIM: tl.constexpr,
+                    BLOCK_R: tl.constexpr, INTERP: tl.constexpr = False):
+    """dQ = bf16(src · scale), rounded to nearest: ``src`` the fp32 sums (B, H, N, d) contiguous, ``dst``
+    (B, H, N, d) bf16 with the given strides (the last 1); BLOCK_R of the n_rows = B·H·N rows per
+    program. INTERP: under Triton's interpreter (whose cast truncates; ``triton.common.cast``)."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, HEAD_DIM)
+    keep = (rows < n_rows)[:, None]
+    x = tl.load(src + rows[:, None] * HEAD_DIM + cols[None, :], mask=keep)
+    at = (rows // (H * N)) * stride_b + (rows // N % H) * stride_h + (rows % N) * stride_n
+    tl.store(dst + at[:, None] + cols[None, :], cast(x * scale, tl.bfloat16, INTERP), mask=keep)
+
+
 def launch_args_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dq: torch.Tensor,
                          dk: torch.Tensor, dv: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor, causal: bool,
                          scale: float | None, tiles: BackwardTiles | None = None) -> dict:
@@ -76,6 +105,13 @@ def launch_args_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
             (_descriptor(q, t.block_m), _descriptor(k, 64), _descriptor(v, 64), _descriptor(do, t.block_m),
              _descriptor(dk, 64), _descriptor(dv, 64), lse, delta, *scalars),
             {**t.dkdv_constexprs(d, causal), **t.options})
+    if t.atomic_dq:
+        fused = ((triton.cdiv(n_k, t.block_n), B * Hk),
+                 (_descriptor(q, t.block_m), _descriptor(k, 64), _descriptor(v, 64), _descriptor(do, t.block_m),
+                  _descriptor(dk, 64), _descriptor(dv, 64), _dq_buffer_descriptor(dq, t.block_m), lse, delta,
+                  *scalars),
+                 {**t.dkdv_constexprs(d, causal), **t.options})
+        return {"fused": fused}
     dq_ = ((triton.cdiv(n_q, t.dq_block_m), B * H),
            (_descriptor(q, 64), _descriptor(k, t.dq_block_n), _descriptor(v, t.dq_block_n), _descriptor(do, 64),
             _descriptor(dq, 64), lse, delta, *scalars),
@@ -95,17 +131,54 @@ def flash_backward_hopper(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     for δ = rowsum(dO ∘ (O + R)), or None / an empty tensor for δ = rowsum(dO ∘ O). causal top-left
     aligned; scale None for 1/sqrt(d). δ comes from the Triton backward's δ kernel
     (``triton.op.delta_dot``), then the Gluon dK/dV and dQ kernels
-    (``hopper_backward``) run. Returns dq like q, dk and dv like k (bf16; with grouped-query heads
-    dK and dV summed over each group). ``tiles``: a ``BackwardTiles`` other than
-    ``backward_tiles_for(d, causal)``."""
+    (``hopper_backward``) run — or, with tiles whose ``atomic_dq`` is set (head_dim 64,
+    ``atomic_backward_tiles``), the one kernel adding dQ up by TMA reduce-adds and dQ's scaling.
+    Returns dq like q, dk and dv like k (bf16; with grouped-query heads dK and dV summed over each
+    group). ``tiles``: a ``BackwardTiles`` other than ``backward_tiles_for(d, causal)``."""
     check_backward_inputs(do, q, k, v, o, residual, lse, causal, scale)
     B, H, n_q, d = q.shape
+    t = tiles or backward_tiles_for(d, causal)
+    t.check()
+    if t.atomic_dq and d != 64:
+        raise ValueError(f"tiles {t} with head_dim {d} are invalid; accepted: atomic_dq at head_dim 64 only")
     delta = torch.empty(B, H, n_q, dtype=torch.float32, device=q.device)
     has_r = residual is not None and residual.numel() > 0
     delta_dot(o, residual.contiguous() if has_r else o, do, delta, has_r)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    launches = launch_args_backward(do, q, k, v, dq, dk, dv, lse.contiguous(), delta, causal, scale, tiles)
+    if t.atomic_dq:
+        _atomic_backward(do, q, k, v, lse.contiguous(), delta, causal, scale, dq, dk, dv, t)
+        return dq, dk, dv
+    launches = launch_args_backward(do, q, k, v, dq, dk, dv, lse.contiguous(), delta, causal, scale, t)
     for kernel, (grid, args, meta) in ((attn_bwd_dkdv_hopper_kernel, launches["dkdv"]),
                                        (attn_bwd_dq_hopper_kernel, launches["dq"])):
         kernel[grid](*args, **meta)
     return dq, dk, dv
+
+
+def _atomic_backward(do, q, k, v, lse, delta, causal: bool, scale: float | None, dq, dk, dv,
+                     tiles: BackwardTiles) -> None:
+    """The kernel adding dQ up by TMA reduce-adds (``attn_bwd_hopper_kernel``) into a zeroed fp32
+    buffer, dK and dV written into ``dk``, ``dv``; then dQ·scale into ``dq`` in bf16."""
+    B, H, n_q, d = q.shape
+    dq_sum = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    (grid, args, meta), = launch_args_backward(do, q, k, v, dq_sum, dk, dv, lse, delta, causal, scale,
+                                               tiles).values()
+    attn_bwd_hopper_kernel[grid](*args, **meta)
+    rows = B * H * n_q
+    scale_dq_kernel[(triton.cdiv(rows, 64),)](dq_sum, dq, rows, H, n_q, *dq.stride()[:3],
+                                              1.0 / math.sqrt(d) if scale is None else float(scale),
+                                              HEAD_DIM=d, BLOCK_R=64)
+
+
+def backward_into(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                  residual: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float, dq: torch.Tensor,
+                  dk: torch.Tensor, dv: torch.Tensor) -> None:
+    """The route's backward (``route.why_not_backward`` accepted the call): δ from dO·(O + R) by the
+    Triton δ kernel, then ``_atomic_backward`` with the default tiles of its head_dim, writing into
+    ``dq``, ``dk``, ``dv`` (views of one packed gradient included: TMA addresses them as they are)."""
+    B, H, n_q, d = q.shape
+    delta = torch.empty(B, H, n_q, dtype=torch.float32, device=q.device)
+    has_r = residual.numel() > 0
+    delta_dot(o, residual.contiguous() if has_r else o, do, delta, has_r)
+    _atomic_backward(do, q, k, v, lse.contiguous(), delta, causal, scale, dq, dk, dv,
+                     atomic_backward_tiles(d))

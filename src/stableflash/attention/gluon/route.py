@@ -1,12 +1,10 @@
-"""Which forwards of the Triton backend's op run on the Gluon Hopper kernel, and its launch.
+"""Which forwards and backwards of the Triton backend's op run on the Gluon Hopper kernels, and their launches.
 
 ``triton.op._forward`` asks ``why_not`` first: where it answers None the forward runs on
-``hopper_forward`` (the same O, log-sum-exp and residual R, in the same layouts, so that the
-Triton backward takes them as its own forward's); anywhere else on the Triton forward, which
-stays the portable path and the reference the Gluon kernel is tested against. The backward stays
-on the Triton kernels: the Gluon backward (``hopper_backward``) was measured no faster than the
-Triton backward with δ inside its dQ kernel (docs/kernels.md). A forward qualifies when all of
-these hold:
+``hopper_forward`` (the same O, log-sum-exp and residual R, in the same layouts, so that either
+backward takes them as the Triton forward's); anywhere else on the Triton forward, which stays
+the portable path and the reference the Gluon kernels are tested against. A forward qualifies
+when all of these hold:
 
 - the switch ``ENABLED`` is on and this triton has the Gluon Hopper API (``support``);
 - the configuration is ``flash_attention``'s default for bf16 (``stabilize=True``: the standard
@@ -17,6 +15,17 @@ these hold:
 - q, k, v TMA-aligned: 16-byte base, strides nonzero multiples of 8 elements, the last one 1;
 - B·H ≤ 65535 and B·H·N_q < 2³¹ (the kernel's grid and indexing);
 - a CUDA device of compute capability 9.0 (sm_90a), not Triton's interpreter.
+
+``triton.op._backward_impl`` asks ``why_not_backward``: where it answers None the backward runs on
+``hopper_backward``'s kernel that adds dQ up by TMA reduce-adds (``BackwardTiles.atomic_dq``), for
+the same configurations, masks, alignment (dO too) and devices as the forward, and
+
+- head_dim in ``BACKWARD_HEAD_DIMS`` and at least ``BACKWARD_MIN_KEYS`` keys: where that backward
+  was measured faster than the Triton backward (docs/kernels.md; shorter sequences lose to the
+  Triton kernels' several programs per SM);
+- ``torch.use_deterministic_algorithms`` off: its dQ sums come in no fixed order, so dQ may differ
+  in the last bits from run to run; with it on the Triton backward runs, bit for bit repeatable;
+- B·H_kv ≤ 65535 (its grid).
 
 Imports nothing from Gluon at module level (the kernel is imported at its first launch).
 """
@@ -34,6 +43,10 @@ from stableflash.attention.gluon.support import unavailable_reason
 ENABLED = True
 # the head dims routed here: where the Gluon forward is faster than the Triton forward
 HEAD_DIMS = (128,)
+# the backward's: where the Gluon backward that adds dQ up by TMA reduce-adds is faster than the
+# Triton backward, from this many keys on (docs/kernels.md, "Hopper path")
+BACKWARD_HEAD_DIMS = (64,)
+BACKWARD_MIN_KEYS = 4096
 MAX_HEAD_PROGRAMS = 65535
 
 
@@ -85,6 +98,32 @@ def why_not(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config, masks, in
         return f"dtype {q.dtype} (the Hopper kernels take bfloat16)"
     if q.shape[-1] not in HEAD_DIMS:
         return f"head_dim {q.shape[-1]} (routed: {HEAD_DIMS})"
+    return _common_reason(q, k, v, config, masks, pointers, {"q": q, "k": k, "v": v})
+
+
+def why_not_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config, masks,
+                     interpreting: bool = False, pointers: bool = True) -> str | None:
+    """``why_not`` for a backward: None where it runs on the Gluon Hopper backward with dQ added up by
+    TMA reduce-adds (the module docstring's list); else the first reason it does not."""
+    if not ENABLED:
+        return "the Hopper route is switched off (route.ENABLED)"
+    if interpreting:
+        return "Triton's interpreter runs the kernels"
+    if q.dtype != torch.bfloat16:
+        return f"dtype {q.dtype} (the Hopper kernels take bfloat16)"
+    if q.shape[-1] not in BACKWARD_HEAD_DIMS:
+        return f"head_dim {q.shape[-1]} (routed backward: {BACKWARD_HEAD_DIMS})"
+    if k.shape[2] < BACKWARD_MIN_KEYS:
+        return f"{k.shape[2]} keys (the backward is routed from {BACKWARD_MIN_KEYS} on)"
+    if torch.are_deterministic_algorithms_enabled():
+        return "torch.use_deterministic_algorithms is on (the Gluon backward adds dQ in no fixed order)"
+    B, Hk = k.shape[:2]
+    if B * Hk > MAX_HEAD_PROGRAMS:
+        return f"k of shape {tuple(k.shape)} exceeds the backward's grid"
+    return _common_reason(q, k, v, config, masks, pointers, {"q": q, "k": k, "v": v, "do": do})
+
+
+def _common_reason(q, k, v, config, masks, pointers: bool, aligned: dict) -> str | None:
     if masks.any:
         return "a window, attn_mask, varlen batch or dropout"
     missing = unavailable_reason()
@@ -96,7 +135,7 @@ def why_not(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config, masks, in
     B, H, n_q = q.shape[:3]
     if B * H > MAX_HEAD_PROGRAMS or B * H * n_q >= 2**31:
         return f"q of shape {tuple(q.shape)} exceeds the kernels' grid or int32 indexing"
-    reason = _misaligned({"q": q, "k": k, "v": v}) if pointers else None
+    reason = _misaligned(aligned) if pointers else None
     if reason is not None:
         return reason
     if q.device.type != "cuda":
@@ -115,3 +154,13 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sca
     from stableflash.attention.gluon.launch import attn_fwd_hopper_kernel, launch_args
     grid, args, meta = launch_args(q, k, v, o, lse, residual, causal, scale, tiles_for(q.shape[-1], causal))
     attn_fwd_hopper_kernel[grid](*args, **meta)
+
+
+def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+             residual: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float, dq: torch.Tensor,
+             dk: torch.Tensor, dv: torch.Tensor) -> None:
+    """The Gluon backward into ``dq`` (q's shape), ``dk`` and ``dv`` (k's), any TMA-aligned layouts
+    (views of one packed gradient included), for a call ``why_not_backward`` accepted."""
+    from stableflash.attention.gluon.launch_backward import backward_into
+    backward_into(do, q, k, v, o, residual, lse, causal, scale, dq, dk, dv)
+

@@ -10,7 +10,7 @@ shows whether the sm90 features came through:
   product groups in flight (the product is asynchronous past it); ``arrives``: WARPGROUP.ARRIVE;
 - ``ex2_in_flight``: MUFU.EX2 (the softmax's exponentials) placed between a wait that leaves a
   product in flight and the next wait, in program order: the softmax work that overlaps a product;
-- ``tma_loads`` / ``tma_stores``: UTMALDG / UTMASTG;
+- ``tma_loads`` / ``tma_stores`` / ``tma_reduces``: UTMALDG / UTMASTG / UTMAREDG (TMA reduce-adds);
 - ``stl`` / ``ldl``: local-memory stores and loads (register spills);
 - ``registers`` (the kernel's, cuobjdump), ``shared_bytes`` (dynamic), ``setmaxnreg``: the register
   counts USETMAXREG sets (the warp-specialised partitions' split, e.g. 240 for the consumers and 24
@@ -25,7 +25,8 @@ TMA descriptors, grid, compile-time arguments) through triton's runtime (``warmu
 launched) with a stand-in for the CUDA driver: the launch path up to the driver call.
 
 ``compile_backward`` / ``check_backward`` do the same for the backward's two kernels (dK/dV and
-dQ), ``compile_backward_through_runtime`` for its launcher's arguments, and
+dQ) or, for tiles with ``atomic_dq``, its one kernel ("fused"), ``compile_backward_through_runtime``
+for its launcher's arguments, and
 ``offline_backward_checks`` runs them in fresh Python processes side by side.
 
 ``offline_checks`` runs these in a fresh Python process when this one runs Triton's interpreter
@@ -118,6 +119,7 @@ def sass_summary(kernel) -> dict:
     return {"hgmma": ops(r"\bHGMMA\."), "wait_depths": dict(sorted(waits.items())),
             "arrives": ops(r"WARPGROUP\.ARRIVE"), "ex2_in_flight": _ex2_in_flight(sass),
             "ex2": ops(r"MUFU\.EX2"), "tma_loads": ops(r"\bUTMALDG\b"), "tma_stores": ops(r"\bUTMASTG\b"),
+            "tma_reduces": ops(r"\bUTMAREDG\b"),
             "stl": ops(r"\bSTL(\.|\s)"), "ldl": ops(r"\bLDL(\.|\s)"), "bar_sync": ops(r"\bBAR\.SYNC"),
             "half_swaps": ops(r"\bPRMT\s+R\d+,\s*R\d+,\s*0x5432,"), "sleeps": ops(r"\bNANOSLEEP\b"),
             "setmaxnreg": sorted({int(n, 16) for n in re.findall(r"USETMAXREG\.\S+\s+(?:UP\d+,\s*)?0x([0-9a-f]+)",
@@ -235,13 +237,21 @@ def compile_backward(head_dim: int, causal: bool, tiles=None) -> dict:
     """The backward's two kernels compiled for sm_90a, {"dkdv": ..., "dq": ...} (triton
     ``CompiledKernel``s; never launched)."""
     from stableflash.attention.gluon.hopper_backward import (attn_bwd_dkdv_hopper_kernel, attn_bwd_dq_hopper_kernel,
-                                                             backward_tiles_for)
+                                                             attn_bwd_hopper_kernel, backward_tiles_for)
+    from stableflash.attention.gluon.launch_backward import dq_buffer_layout
     t = tiles or backward_tiles_for(head_dim, causal)
     t.check()
     scalars = {"n_q": "i32", "n_k": "i32", "n_heads": "i32", "group": "i32", "qk_scale": "fp32", "scale": "fp32"}
     q, kv = _desc(t.block_m, head_dim), _desc(64, head_dim)
     dkdv = {"q_desc": q, "k_desc": kv, "v_desc": kv, "do_desc": q, "dk_desc": kv, "dv_desc": kv,
             "lse_ptr": "*fp32", "delta_ptr": "*fp32", **scalars}
+    if t.atomic_dq:
+        dq_sum = f"tensordesc<fp32[1,1,{t.block_m},{head_dim}],{dq_buffer_layout(t.block_m, head_dim)!r}>"
+        fused = {**dict(list(dkdv.items())[:6]), "dq_desc": dq_sum, **dict(list(dkdv.items())[6:])}
+        constexprs = t.dkdv_constexprs(head_dim, causal)
+        src = gluon._runtime.GluonASTSource(attn_bwd_hopper_kernel, signature={
+            **fused, **{n: "constexpr" for n in constexprs}}, constexprs=constexprs)
+        return {"fused": triton.compile(src, target=GPUTarget("cuda", 90, 32), options=t.options)}
     q, kv = _desc(64, head_dim), _desc(t.dq_block_n, head_dim)
     dq = {"q_desc": q, "k_desc": kv, "v_desc": kv, "do_desc": q, "dq_desc": q, "lse_ptr": "*fp32",
           "delta_ptr": "*fp32", **scalars}
@@ -273,16 +283,19 @@ def compile_backward_through_runtime(head_dim: int = 64, causal: bool = True, ti
     active before given back afterwards. {kernel: its grid and what its PTX holds}."""
     import torch
 
-    from stableflash.attention.gluon.hopper_backward import attn_bwd_dkdv_hopper_kernel, attn_bwd_dq_hopper_kernel
+    from stableflash.attention.gluon.hopper_backward import (attn_bwd_dkdv_hopper_kernel, attn_bwd_dq_hopper_kernel,
+                                                             attn_bwd_hopper_kernel)
     from stableflash.attention.gluon.launch_backward import launch_args_backward
+    functions = {"dkdv": attn_bwd_dkdv_hopper_kernel, "dq": attn_bwd_dq_hopper_kernel, "fused": attn_bwd_hopper_kernel}
     with _stand_in_driver():
         q, do = (torch.zeros(2, 200, 4, head_dim, dtype=torch.bfloat16).transpose(1, 2) for _ in range(2))
         k, v = (torch.zeros(2, 2, 150, head_dim, dtype=torch.bfloat16) for _ in range(2))
         lse, delta = torch.zeros(2, 4, 200), torch.zeros(2, 4, 200)
-        launches = launch_args_backward(do, q, k, v, torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
-                                        lse, delta, causal, None, tiles)
-        kernels = {name: fn.warmup(*launches[name][1], grid=launches[name][0], **launches[name][2])
-                   for name, fn in (("dkdv", attn_bwd_dkdv_hopper_kernel), ("dq", attn_bwd_dq_hopper_kernel))}
+        dq = torch.empty_like(q, dtype=torch.float32 if tiles is not None and tiles.atomic_dq else q.dtype)
+        launches = launch_args_backward(do, q, k, v, dq, torch.empty_like(k), torch.empty_like(v), lse, delta, causal,
+                                        None, tiles)
+        kernels = {name: functions[name].warmup(*args, grid=grid, **meta)
+                   for name, (grid, args, meta) in launches.items()}
     return {name: {"grid": list(launches[name][0]), "wgmma": "wgmma.mma_async" in k.asm["ptx"],
                    "tma": "cp.async.bulk.tensor.4d" in k.asm["ptx"], "num_warps": k.metadata.num_warps,
                    "shared_bytes": k.metadata.shared}
@@ -290,15 +303,18 @@ def compile_backward_through_runtime(head_dim: int = 64, causal: bool = True, ti
 
 
 def _backward_checks_here(configs: list, runtime: bool) -> dict:
-    from stableflash.attention.gluon.hopper_backward import BackwardTiles
+    from stableflash.attention.gluon.hopper_backward import BackwardTiles, atomic_backward_tiles
     rows = [row for d, causal, t in configs
             for row in check_backward(d, causal, BackwardTiles(*t) if t is not None else None)]
-    return {"rows": rows, "runtime": compile_backward_through_runtime() if runtime else None}
+    both = {**compile_backward_through_runtime(),
+            **compile_backward_through_runtime(tiles=atomic_backward_tiles(64))} if runtime else None
+    return {"rows": rows, "runtime": both}
 
 
 def offline_backward_checks(configs: list, runtime: bool = False, jobs: int = 2) -> dict:
     """{"rows": ``check_backward``'s rows of each (head_dim, causal, tiles or None), "runtime":
-    ``compile_backward_through_runtime()`` if asked}, computed in ``jobs`` fresh Python processes
+    ``compile_backward_through_runtime`` of the default tiles and of ``atomic_backward_tiles(64)``
+    (its kernels by name: "dkdv", "dq", "fused") if asked}, computed in ``jobs`` fresh Python processes
     without TRITON_INTERPRET running side by side (the configurations dealt out in turn, the
     runtime compile in the last process; ``offline_checks`` says why a fresh process), or here
     with jobs=0."""

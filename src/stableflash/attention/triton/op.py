@@ -580,6 +580,19 @@ def why_not_inline(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: Ke
     return None
 
 
+def why_not_inline_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            config: KernelConfig, masks: Masks) -> str | None:
+    """``why_not_inline`` for a backward: the interpreter, dropout (whose seed the backward reads
+    from a tensor), or a backward the Gluon Hopper kernel may take."""
+    if interpreting():
+        return "Triton's interpreter runs the kernels"
+    if masks.dropout_p > 0:
+        return "dropout's seed reaches the backward as a tensor"
+    if hopper_route.why_not_backward(do, q, k, v, config, masks, pointers=False) is None:
+        return "the Gluon Hopper backward may take the call"
+    return None
+
+
 def _seed_output(seed: int, dropout_p: float, q: torch.Tensor) -> torch.Tensor:
     """The forward op's seed output: a CPU int64 tensor holding ``seed`` under dropout, else empty on q's device."""
     if dropout_p > 0:
@@ -674,6 +687,9 @@ def _backward_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
         dq, dk, dv = unpack_qkv(packed)
         dq_out, dk_out, dv_out = packed, packed, do         # dv_out: not read (DV_IN_DK)
         dkv_at = dict(dk_offset=packed.stride(2), dv_offset=2 * packed.stride(2), DV_IN_DK=True)
+    if _INLINE.get() is None and hopper_route.why_not_backward(do, q, k, v, config, masks, interpreting()) is None:
+        hopper_route.backward(do, q, k, v, o, residual, lse, causal, scale, dq, dk, dv)
+        return dq, dk, dv
     common = (*_strides(q), *_strides(k), *_strides(v), *_strides(do))
 
     def launch_dq(**fused):
@@ -718,7 +734,7 @@ def _backward_op(inline: bool):
                             narrow_out, stochastic, p_bar, fp8_product, delta, tuple(hp_heads), softcap, block_k)
         masks = Masks.from_op_args(band, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                    dropout_p)
-        if inline and (interpreting() or masks.dropout_p > 0):
+        if inline and why_not_inline_backward(do, q, k, v, config, masks) is not None:
             return attn_bwd_opaque(do, q, k, v, o, residual, lse, causal, scale, *config.op_args(),
                                    *masks.op_args(), seed)
         token = _INLINE.set(_InlineBody(tune_here=not masks.any) if inline else None)
@@ -826,8 +842,11 @@ class _PackedBody:
         qkv = named.pop("qkv")
         if not self._grads:
             return self._fn(*unpack_qkv(qkv), **named)      # after the views: causal, scale, ... by name
-        if self._opaque is not None and (interpreting() or named["dropout_p"] > 0):
-            return self._opaque(*args, **kwargs)
+        if self._opaque is not None:
+            config = _config_of(tuple(named[f] for f in OP_FIELDS))
+            masks = Masks.from_op_args(*(named[m] for m in MASK_ARGS))
+            if why_not_inline_backward(named["do"], *unpack_qkv(qkv), config, masks) is not None:
+                return self._opaque(*args, **kwargs)
         return _into_packed_grad(self._fn, named.pop("do"), qkv, **named)
 
 
