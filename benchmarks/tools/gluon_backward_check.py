@@ -8,9 +8,11 @@ kernel — for compute capability 9.0 (sm_90a) with the triton wheel's own ptxas
 and 128, causal and not, and reads each cubin's SASS (``stableflash.attention.gluon.sass``):
 HGMMA count; the warpgroup waits by how many products they leave in flight
 (``WARPGROUP.DEPBAR.LE gsb0, N``: N ≥ 1 is an asynchronous product past the wait); the
-exponentials placed while a product is in flight; TMA loads and stores (UTMALDG, UTMASTG);
-local-memory spills (STL, LDL); registers per thread (cuobjdump); dynamic shared memory;
-USETMAXREG (the warp-specialised register split). Nothing runs. --variants adds other tiles.
+exponentials placed while a product is in flight; TMA loads, stores and reduce-adds (UTMALDG,
+UTMASTG, UTMAREDG); local-memory spills (STL, LDL); registers per thread (cuobjdump); dynamic
+shared memory; USETMAXREG (the warp-specialised register split). Nothing runs. --variants adds
+other tiles, among them (head_dim 64) the one kernel adding dQ up by TMA reduce-adds ("fused",
+"dq atomic"; the route's backward there).
 
 With --time (a CUDA device of compute capability 9.0): first each provider's dQ, dK, dV against
 float64 at (2, 4, 509, d) on fresh random inputs (‖x − x₆₄‖ / ‖x₆₄‖), then the backward's time
@@ -20,7 +22,8 @@ causal — for the Gluon backward (δ from the Triton δ kernel, then the dK/dV 
 --variants also other tiles), the Triton backward (``triton.op._backward_impl`` for
 ``stabilize=True``, autotuned: the same δ and arithmetic) and SDPA's cuDNN and flash backends
 (``torch.autograd.grad`` of their output with a fixed dO, the graph kept between calls). The
-Gluon backward's dQ kernel recomputes S and dP, so it does 7 products where the count says 5.
+Gluon backward's dQ kernel recomputes S and dP, so it does 7 products where the count says 5 (the
+"atomic dQ" variants do 5).
 """
 from __future__ import annotations
 
@@ -63,13 +66,13 @@ def _fmt_tiles(r: dict) -> str:
 def print_compile(rows: list[dict]) -> None:
     print(f"triton {triton.__version__}, target sm_90a (compiled, not run)")
     head = ("kernel", "d", "causal", "tiles", "HGMMA", "waits (in flight ≤ N: count)", "EX2 in flight", "UTMALDG",
-            "UTMASTG", "STL", "LDL", "regs", "smem B", "USETMAXREG")
+            "UTMASTG", "UTMAREDG", "STL", "LDL", "regs", "smem B", "USETMAXREG")
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for r in rows:
         cells = (r["kernel"], r["head_dim"], r["causal"], _fmt_tiles(r), r["hgmma"], gluon_check_cli.fmt_waits(r["wait_depths"]),
-                 f"{r['ex2_in_flight']}/{r['ex2']}", r["tma_loads"], r["tma_stores"], r["stl"], r["ldl"],
-                 r["registers"], r["shared_bytes"], r["setmaxnreg"])
+                 f"{r['ex2_in_flight']}/{r['ex2']}", r["tma_loads"], r["tma_stores"], r["tma_reduces"], r["stl"],
+                 r["ldl"], r["registers"], r["shared_bytes"], r["setmaxnreg"])
         print("| " + " | ".join(str(c) for c in cells) + " |")
 
 
