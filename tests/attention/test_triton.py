@@ -54,11 +54,23 @@ def expanded_reference(q, k, v, do, causal):
     return o, dq, fold(dk), fold(dv)
 
 
+# Without a GPU the kernels run in the interpreter on tiles of 32 query rows by 16 keys
+# (triton_op._INTERP): N = 40 rows are two query blocks, the last ragged, and three key blocks, the
+# last ragged; causal, the diagonal crosses the first query block's two key blocks and the second's
+# last, after two whole blocks. A GPU's tiles are 64 wide: there N = 70 spans two of them. B and H:
+# where the arithmetic a test checks does not depend on which batch entry or head a program
+# computes, one of each in the interpreter (a program per batch·head, its time in proportion). The
+# tests of batch and head addressing keep theirs: CASES' two batch entries and grouped heads, the
+# per-head fp32 policies, the fp8 product's V, the persistent grid.
+N = 40 if DEVICE == "cpu" else 70
+B = 1 if DEVICE == "cpu" else 2
+H = 1 if DEVICE == "cpu" else 2
+
 CASES = [  # (b, h, h_kv, n_q, n_k, d)
     (1, 2, 2, 1, 1, 32),
-    (2, 2, 2, 70, 70, 32),
-    (1, 2, 2, 33, 50, 16),
-    (1, 2, 2, 50, 33, 64),
+    (2, 2, 2, N, N, 32),
+    (1, H, H, 33, 50, 16),
+    (1, H, H, 50, 33, 64),
     (1, 4, 2, 40, 40, 32),       # grouped-query attention
 ]
 
@@ -79,7 +91,7 @@ def test_forward_and_gradients_match_float64(gen, case, causal, stabilize):
 
 @pytest.mark.parametrize("d", [16, 32, 64, 128])
 def test_fp16_and_every_head_dim(gen, d):
-    q, k, v, do = make(gen, 1, 2, 37, d, dtype=torch.float16)
+    q, k, v, do = make(gen, 1, H, 37, d, dtype=torch.float16)
     got = run(q, k, v, do, causal=True, backend="triton")
     want = reference.forward_backward(q, k, v, do, causal=True)
     for name, g, w in zip(("O", "dQ", "dK", "dV"), got, want):
@@ -104,7 +116,7 @@ O_FRAC = 0.01 if DEVICE == "cpu" else 0.05    # outputs: almost every element bi
 @pytest.mark.parametrize("causal", [False, True])
 def test_kernel_agrees_with_the_emulated_policy(gen, policy, stabilize, causal):
     """Each precision switch of the kernel reproduces the emulated backend's policy."""
-    q, k, v, do = make(gen, 2, 2, 70, 32)
+    q, k, v, do = make(gen, B, H, N, 32)
     kw = dict(causal=causal, stabilize=stabilize, policy=policy)
     fused = run(q, k, v, do, backend="triton", **kw)
     emulated = run(q, k, v, do, backend="emulated", block_q=32, block_k=triton_op.key_block(32), **kw)
@@ -124,7 +136,7 @@ WIDE = [PrecisionPolicy.preset("paper").replace(acc="fp32", row_sum="fp32", out=
 def test_narrow_formats_agree_with_the_emulated_policy(gen, policy, stabilize):
     """The accelerated stand-ins (ℓ, Ō and O in e8mY): the kernel rounds where the emulation does,
     and the result really is narrower than bf16 (every O exactly representable in e8mY)."""
-    q, k, v, do = make(gen, 2, 2, 70, 32)
+    q, k, v, do = make(gen, B, H, N, 32)
     kw = dict(causal=True, stabilize=stabilize, policy=policy)
     fused = run(q, k, v, do, backend="triton", **kw)
     emulated = run(q, k, v, do, backend="emulated", block_q=32, block_k=triton_op.key_block(32), **kw)
@@ -136,16 +148,19 @@ def test_narrow_formats_agree_with_the_emulated_policy(gen, policy, stabilize):
         assert ok, (name, msg)
 
 
+# one program per seed: program i rounds X with seed first + i into row i of Y (one launch, not one per seed)
 @triton.jit
-def _stochastic_e8m3(X, Y, seed, N: tl.constexpr):
+def _stochastic_e8m3(X, Y, first, N: tl.constexpr):
     offs = tl.arange(0, N)
-    tl.store(Y + offs, round_mantissa_stochastic(tl.load(X + offs), 3, seed, offs))
+    i = tl.program_id(0)
+    tl.store(Y + i * N + offs, round_mantissa_stochastic(tl.load(X + offs), 3, first + i, offs))
 
 
 @triton.jit
-def _stochastic_small(X, Y, seed, N: tl.constexpr, FMT: tl.constexpr, INTERP: tl.constexpr):
+def _stochastic_small(X, Y, first, N: tl.constexpr, FMT: tl.constexpr, INTERP: tl.constexpr):
     offs = tl.arange(0, N)
-    tl.store(Y + offs, round_format(tl.load(X + offs), FMT, INTERP, True, seed, offs))
+    i = tl.program_id(0)
+    tl.store(Y + i * N + offs, round_format(tl.load(X + offs), FMT, INTERP, True, first + i, offs))
 
 
 @triton.jit
@@ -231,22 +246,17 @@ def test_the_gpus_fp8_conversion_of_p_bar_rounds_as_round_to(name):
 def test_stochastic_rounding_helper_is_unbiased():
     """round_mantissa_stochastic: every result is one of the two e8m3 neighbours, and the mean of
     many roundings approaches the input (nearest-even's error does not shrink)."""
-    kernel = _stochastic_e8m3
     gen = torch.Generator().manual_seed(3)
     x = torch.cat([torch.randn(120, generator=gen) * 3, torch.tensor([0.0, -0.0, 1.0, 1.0625, 1.0 + 2 ** -20,
                                                                       float("inf"), float("-inf"), float("nan")])])
     x = x.to(DEVICE)
     lo = round_to(x, "e8m3", mode="rtz")
     hi = torch.where(lo == x, lo, lo + torch.sign(x) * ulp(lo.abs(), "e8m3"))
-    runs = []
-    for seed in range(1, 401):
-        y = torch.empty_like(x)
-        kernel[(1,)](x, y, seed, N=x.numel())
-        runs.append(y)
-    ys = torch.stack(runs)
+    ys = torch.empty(400, x.numel(), device=DEVICE)
+    _stochastic_e8m3[(len(ys),)](x, ys, 1, N=x.numel())                  # seeds 1-400
     finite = torch.isfinite(x)
     assert ((ys == lo) | (ys == hi))[:, finite].all()
-    assert torch.equal(ys[:, ~finite].isnan(), x[~finite].isnan().expand(len(runs), -1))
+    assert torch.equal(ys[:, ~finite].isnan(), x[~finite].isnan().expand(len(ys), -1))
     assert (ys[:, ~finite & ~x.isnan()] == x[~finite & ~x.isnan()]).all()
     quantum = (hi - lo).abs()[finite]
     err_sr = (ys[:, finite].mean(0) - x[finite]).abs()
@@ -273,12 +283,9 @@ def test_stochastic_rounding_to_fp16_and_fp8_is_unbiased_down_to_subnormals(name
     lo = round_to(x, name, mode="rtz")
     hi = torch.where(lo == x, lo, lo + torch.sign(x) * ulp(lo.abs(), name))
     hi = torch.where(hi.abs() > top, torch.sign(x) * (top if fmt.overflow == "saturate" else float("inf")), hi)
-    ys = []
-    for seed in range(1, 401):
-        y = torch.empty_like(x)
-        _stochastic_small[(1,)](x, y, seed, N=x.numel(), FMT=Format.named(name).value, INTERP=DEVICE == "cpu")
-        ys.append(y)
-    ys = torch.stack(ys)
+    ys = torch.empty(400, x.numel(), device=DEVICE)
+    _stochastic_small[(len(ys),)](x, ys, 1, N=x.numel(), FMT=Format.named(name).value,      # seeds 1-400
+                                  INTERP=DEVICE == "cpu")
     assert ((ys == lo) | (ys == hi))[:, finite].all()
     exact = finite & (lo == x)
     assert (ys[:, exact] == x[exact]).all() and exact.sum() >= 5       # 0, −0, q, lo_n, top at least
@@ -308,7 +315,7 @@ def test_stochastic_rounding_in_the_kernel(gen, policy):
     the average of many calls approaches the unrounded O (nearest-even's error does not average
     away), and the gradients' error is no more than a stochastic rounding's larger variance explains
     (2× its variance: √2 in RMS, measured 1.2-1.4× at 1×2×96×32 over 4 inputs; bound 2×)."""
-    q, k, v, do = make(gen, 1, 2, 64, 32)
+    q, k, v, do = make(gen, 1, H, N if DEVICE == "cpu" else 64, 32)
     kw = dict(causal=True, stabilize="tie-shift+consistent-delta", policy=policy, backend="triton")
     nearest = policy.replace(**{f: getattr(policy, f).split(":")[0] for f in ("acc", "row_sum", "out")})
     torch.manual_seed(0)
@@ -336,7 +343,7 @@ def test_stochastic_rounding_in_the_kernel(gen, policy):
 def test_fp32_outputs_agree_with_the_emulated_policy(gen, policy):
     """The high-precision control: ℓ, Ō and O in fp32, rounded once to bf16 when stored (the emulated
     backend hands O back in the input dtype too), δ not from the stored O."""
-    q, k, v, do = make(gen, 2, 2, 70, 32)
+    q, k, v, do = make(gen, B, H, N, 32)
     kw = dict(causal=True, stabilize=False, policy=policy)
     fused = run(q, k, v, do, backend="triton", **kw)
     emulated = run(q, k, v, do, backend="emulated", block_q=32, block_k=triton_op.key_block(32), **kw)
@@ -356,7 +363,7 @@ def test_fp32_o_kept_for_delta_agrees_with_the_emulated_policy(gen, policy):
     in bf16, as from the emulated backend). Under "paper", ℓ and Ō may stay narrowed (e8m5) while O
     is not. The gradients must be nearer the emulation of this policy than of the same policy with
     O stored in bf16 (δ from the bf16 O): that is what tells an fp32 δ from a bf16 one."""
-    q, k, v, do = make(gen, 2, 2, 70, 32)
+    q, k, v, do = make(gen, B, H, N, 32)
     kw = dict(causal=True, stabilize="tie-shift")
     emu = dict(backend="emulated", block_q=32, block_k=triton_op.key_block(32), **kw)
     fused = run(q, k, v, do, backend="triton", policy=policy, **kw)
@@ -383,7 +390,8 @@ def test_per_head_fp32_and_fp32_p_bar_agree_with_the_emulated_policy(gen, policy
     """The isolation ladder's last rungs on the kernels: heads kept in fp32 (``hp_heads``: P̄, Ō, ℓ,
     O, and δ from that fp32 O), and P̄V with P̄ in fp32. Each agrees with the emulated policy, and
     the fp32 head really is wider: its O is not representable in the others' format."""
-    q, k, v, do = make(gen, 2, 2, 70, 32)
+    # per-head fp32: two batch entries and two heads (the heads are heads, not batch·head indices)
+    q, k, v, do = make(gen, 2, 2, N, 32) if policy.hp_heads else make(gen, B, H, N, 32)
     kw = dict(causal=True, stabilize="tie-shift")
     fused = run(q, k, v, do, backend="triton", policy=policy, **kw)
     emulated = run(q, k, v, do, backend="emulated", policy=policy, block_q=32,
@@ -418,7 +426,7 @@ FORMATS += [PrecisionPolicy.preset("fa2").replace(p_bar="fp8_e4m3"),
 def test_fp16_and_fp8_points_agree_with_the_emulated_policy(gen, policy):
     """P̄ and O (and ℓ, Ō under "paper") in fp16, fp8 e5m2 or e4m3 on the kernels: they round
     where the emulated backend rounds, to the same values; an fp8 O is representable in fp8."""
-    q, k, v, do = make(gen, 2, 2, 70, 32)
+    q, k, v, do = make(gen, B, H, N, 32)
     kw = dict(causal=True, stabilize="tie-shift", policy=policy)
     fused = run(q, k, v, do, backend="triton", **kw)
     emulated = run(q, k, v, do, backend="emulated", block_q=32, block_k=triton_op.key_block(32), **kw)
@@ -466,7 +474,7 @@ def test_soft_capped_scores_agree_with_the_emulation_and_float64(gen, policy, ca
     """softcap·tanh(S/softcap): the kernels (forward, δ, dK/dV, dQ with the cap's slope) agree with
     the emulated backend, and both with float64 autograd through the capped scores; the cap
     changes the result (scores scaled up so that it bites)."""
-    q, k, v, do = make(gen, 2, 2, 70, 32)
+    q, k, v, do = make(gen, B, H, N, 32)
     q = q * 3.0
     kw = dict(causal=causal, stabilize="tie-shift+consistent-delta", policy=policy, softcap=5.0)
     fused = run(q, k, v, do, backend="triton", **kw)
@@ -500,7 +508,7 @@ def test_delta_from_o_as_computed(gen, policy, backend):
     """δ from dO·O32 reads O before its store is rounded: the model still gets O in the policy's
     format, and the gradients are those of the same policy with O stored in fp32 (δ from that fp32
     O) — exactly, as nothing else in the backward depends on the stored O."""
-    q, k, v, do = make(gen, 1, 2, 50, 32)
+    q, k, v, do = make(gen, 1, H, N, 32)
     kw = dict(causal=True, stabilize="tie-shift", backend=backend)
     if backend == "emulated":
         kw.update(block_q=32, block_k=triton_op.key_block(32))
@@ -520,7 +528,7 @@ def test_delta_from_the_16_bit_product(gen, p_bar, backend):
     """δ from dO·O16 reads the O that P̄V with P̄ in bf16 gives, computed beside the narrow product:
     the model gets the narrow P̄'s O, and the gradients are exactly those of the bf16-P̄ policy with
     δ from O as computed (the backward recomputes P itself; only δ reads the forward's O)."""
-    q, k, v, do = make(gen, 1, 2, 50, 32)
+    q, k, v, do = make(gen, 1, H, N, 32)
     policy = PrecisionPolicy.preset("fa2").replace(p_bar=p_bar)
     kw = dict(causal=True, stabilize="tie-shift", backend=backend)
     if backend == "emulated":
@@ -561,7 +569,7 @@ def test_delta_from_the_16_bit_product_as_a_residual(gen, out, backend):
 def test_the_16_bit_residual_agrees_between_the_backends(gen):
     """The kernel and the emulated backend keep the same O16 residual: their gradients under
     dO·(O16+R) agree as closely as under dO·O16 (fp32 summation orders differ between them)."""
-    q, k, v, do = make(gen, 1, 2, 50, 32)
+    q, k, v, do = make(gen, 1, H, N, 32)
     policy = PrecisionPolicy.preset("fa2").replace(p_bar="fp8_e4m3", out="fp8_e4m3")
     emu = dict(backend="emulated", block_q=32, block_k=triton_op.key_block(32))
     for delta in ("dO·(O16+R)", "dO·O16"):
@@ -607,7 +615,7 @@ def test_p_bar_v_on_the_fp8_tensor_cores_agrees_with_the_emulation(gen, fmt):
     gradients (which read V as input, not rounded) as every policy's do; a GPU's fp8 products
     accumulate with fewer bits, so there O agrees to well under one fp8 step. Rounding V shows: the
     result differs from P̄ alone in fp8."""
-    q, k, v, do = make(gen, 2, 2, 70, 32)
+    q, k, v, do = make(gen, B, H, N, 32)
     policy = PrecisionPolicy.preset("fa2").replace(p_bar=fmt, v_bar=fmt)
     kw = dict(causal=True, stabilize="tie-shift+consistent-delta", policy=policy)
     fused = run(q, k, v, do, backend="triton", **kw)
@@ -628,8 +636,11 @@ def test_the_fp8_product_reads_v_converted_once_for_every_head_group(gen, delta)
     key block, V handed in as a (B, N, H, d) buffer — and the 16-bit product beside it (the guard's
     δ for fp8) still reads V itself: O as accurate as the emulated backend's and within a bf16 ulp or
     two of it (well under one fp8 step on a GPU), and bit for bit the same with V given contiguous."""
-    for n_q, n_k, causal in ((40, 70, False), (70, 40, False), (70, 70, True)):
-        q, k, v, do = make(gen, 2, 4, n_q, 32, n_k=n_k, h_kv=2)
+    short = 20 if DEVICE == "cpu" else 40           # the interpreter's key blocks: 16 and a ragged 4
+    # two batch entries in the square shape (V's batch offset there); the others, keys fewer or more
+    # than the queries, also read V at head offsets (two K/V heads)
+    for b, n_q, n_k, causal in ((B, short, N, False), (B, N, short, False), (2, N, N, True)):
+        q, k, v, do = make(gen, b, 4, n_q, 32, n_k=n_k, h_kv=2)
         v_bnhd = v.transpose(1, 2).contiguous().transpose(1, 2)          # (B, N, H, d) memory
         policy = PrecisionPolicy.preset("fa2").replace(p_bar="fp8_e5m2", v_bar="fp8_e5m2", delta=delta)
         kw = dict(causal=causal, policy=policy)
@@ -675,7 +686,7 @@ def test_v_bar_narrows_only_and_only_as_an_fp8_product_on_the_kernels():
 @pytest.mark.parametrize("source", ["dP·P", "recompute_fp32"])
 @pytest.mark.parametrize("policy", ["fa2", "paper"])
 def test_delta_sources_agree_with_the_emulation(gen, source, policy):
-    q, k, v, do = make(gen, 1, 2, 50, 32)
+    q, k, v, do = make(gen, 1, H, N, 32)
     pol = PrecisionPolicy.preset(policy).replace(delta=source)
     fused = run(q, k, v, do, backend="triton", causal=True, policy=pol)
     emulated = run(q, k, v, do, backend="emulated", causal=True, policy=pol, block_q=32,
@@ -691,7 +702,7 @@ def test_a_chosen_key_block_agrees_with_the_emulation(gen, block, stabilize):
     """Under "paper" the key block is part of the arithmetic (ℓ and Ō are rounded after each): the
     kernel walks the keys in the block it is given — 128 covers the whole sequence, the ladder's
     "tiling off" — and computes what the emulation computes with that block, bit for bit here."""
-    q, k, v, do = make(gen, 1, 2, 70, 32)
+    q, k, v, do = make(gen, 1, H, N, 32)
     pol = PrecisionPolicy.preset("paper").replace(acc="e8m4", row_sum="e8m4", out="e8m4")
     kw = dict(causal=True, stabilize=stabilize, policy=pol)
     fused = run(q, k, v, do, backend="triton", block_k=block, **kw)
@@ -768,19 +779,20 @@ def test_tensor_descriptor_loops_give_the_same_results(gen, case, stabilize, mon
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("programs_per_sm", [1, 3])
 @pytest.mark.parametrize("policy", ["fa2", "paper"])
-def test_persistent_grid_gives_the_same_results(gen, programs_per_sm, policy, monkeypatch):
+def test_persistent_grid_gives_the_same_results(gen, policy, monkeypatch):
     """A persistent forward (a few programs walking every (query block, head) tile, longest first)
     computes each tile as the one-program-per-tile grid does: bit for bit, ragged and grouped too
-    (40 rows: two query blocks of the interpreter's 32, the last ragged, so the tiles differ in length)."""
-    q, k, v, do = make(gen, 2, 4, 40, 32, h_kv=2)
+    (40 rows: two query blocks of the interpreter's 32, the last ragged, so the tiles differ in length),
+    with one program per SM and with three (the one-program-per-tile result computed once for both)."""
+    q, k, v, do = make(gen, B, 4, 40, 32, h_kv=2)
     kw = dict(causal=True, stabilize="tie-shift+consistent-delta", policy=policy, backend="triton")
     want = run(q, k, v, do, **kw)
-    monkeypatch.setattr(triton_op, "PERSISTENT", programs_per_sm)
-    got = run(q, k, v, do, **kw)
-    for name, a, b in zip(("O", "dQ", "dK", "dV"), got, want):
-        assert torch.equal(a, b), name
+    for programs_per_sm in (1, 3):
+        monkeypatch.setattr(triton_op, "PERSISTENT", programs_per_sm)
+        got = run(q, k, v, do, **kw)
+        for name, a, b in zip(("O", "dQ", "dK", "dV"), got, want):
+            assert torch.equal(a, b), (programs_per_sm, name)
 
 
 def test_tma_allocator_is_set_on_every_thread_and_a_users_is_kept(monkeypatch):
@@ -810,7 +822,7 @@ def test_tma_allocator_is_set_on_every_thread_and_a_users_is_kept(monkeypatch):
 
 @pytest.mark.slow
 def test_torch_compile_traces_through_without_graph_break(gen):
-    q, k, v, do = make(gen, 1, 2, 40, 32)
+    q, k, v, do = make(gen, 1, H, 40, 32)
 
     def f(q, k, v):
         return sf.flash_attention(q, k, v, causal=True, backend="triton") * 2.0
@@ -970,7 +982,7 @@ def test_stabilize_true_reads_delta_from_o_plus_its_residual(gen):
     """The drop-in's default on the kernels: the standard kernel's O, bit for bit, and δ from the
     stored O plus its bf16 residual (policy.consistent_delta_source for a bf16 kernel); "tie-shift+consistent-delta" adds our
     rule to the same δ."""
-    q, k, v, do = make(gen, 1, 2, 50, 32)
+    q, k, v, do = make(gen, 1, H, N, 32)
     fa2 = PrecisionPolicy.preset("fa2")
     got = run(q, k, v, do, causal=True, stabilize=True, backend="triton")
     want = run(q, k, v, do, causal=True, stabilize=False, backend="triton", policy=fa2.replace(delta="dO·(O+R)"))
