@@ -335,8 +335,14 @@ def test_faithful_queue_runs_its_runs_one_after_another(data_dir, tmp_path):
     if shutil.which("setsid") is None:
         pytest.skip("needs setsid")
     root = tmp_path / "detached"
-    env = {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "DETACHED_ROOT": str(root), "HOME": str(tmp_path),
-           "DATA": str(data_dir), "PRESET": "tiny", "BATCH": "4", "ACCUM": "2"}
+    # the queue looks every 5 s for the previous run's end (`sleep 5`): here every 0.2 s, a `sleep`
+    # ahead on PATH that shortens that one wait and passes any other through
+    shim = tmp_path / "bin" / "sleep"
+    shim.parent.mkdir()
+    shim.write_text(f'#!/bin/sh\n[ "$*" = 5 ] && exec {shutil.which("sleep")} 0.2\nexec {shutil.which("sleep")} "$@"\n')
+    shim.chmod(0o755)
+    env = {"PATH": f"{shim.parent}:{Path(sys.executable).parent}:/usr/bin:/bin", "DETACHED_ROOT": str(root),
+           "HOME": str(tmp_path), "DATA": str(data_dir), "PRESET": "tiny", "BATCH": "4", "ACCUM": "2"}
     out = subprocess.run(["bash", str(BENCHMARKS / "runs" / "faithful_gpt2.sh"), "queue", "2",
                           "a", "0", "sdpa", "b", "1", "emulated stabilize=none policy=fa2"],
                          capture_output=True, text=True, env=env, cwd=BENCHMARKS.parent, timeout=240)
