@@ -234,7 +234,7 @@ def _dkdv_step(k, v, q_smem, do_smem, lse_ptr, delta_ptr, q_ready, do_ready, fre
     else:
         dp = warpgroup_mma_wait(1, deps=[dp_tok])           # dPᵀ done, P̄ᵀ·dO still in flight
     ds = (p * (dp - delta[None, :])).to(gl.bfloat16)
-    ds_bar = gl.convert_layout(ds, gl.DotOperandLayout(operand_index=0, parent=mma_d, k_width=2))
+    ds_bar = _a_operand(ds, mma_d)
     dk_tok = warpgroup_mma(ds_bar, q, dk, is_async=True)
     if ATOMIC_DQ:
         ds_smem.store(ds)                                   # the product that read the previous dS̄ᵀ is done
@@ -299,20 +299,17 @@ def _dkdv_consumer(dk_desc, dv_desc, dq_desc, lse_ptr, delta_ptr, k_smem, v_smem
                 dk, dv, prev_h, prev_m = _dkdv_step(
                     k, v, q_smem, do_smem, lse_ptr, delta_ptr, q_ready, do_ready, free, dk, dv, zero_t, base + m,
                     start_n, m * BLOCK_M, row0, n_q, qk_scale, dq_desc, ds_smem, dq_smem, dq_slot0, zero_q, b, h,
-                    prev_h, prev_m, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, True, ATOMIC_DQ, mma_t,
-                                    mma_d)
+                    prev_h, prev_m, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, True, ATOMIC_DQ, mma_t, mma_d)
         for m in range(diag_end, full_end):
             dk, dv, prev_h, prev_m = _dkdv_step(
                 k, v, q_smem, do_smem, lse_ptr, delta_ptr, q_ready, do_ready, free, dk, dv, zero_t, base + m,
                 start_n, m * BLOCK_M, row0, n_q, qk_scale, dq_desc, ds_smem, dq_smem, dq_slot0, zero_q, b, h,
-                prev_h, prev_m, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, False, ATOMIC_DQ, mma_t,
-                                mma_d)
+                prev_h, prev_m, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, False, ATOMIC_DQ, mma_t, mma_d)
         for m in range(full_end, m_lo + per_head):
             dk, dv, prev_h, prev_m = _dkdv_step(
                 k, v, q_smem, do_smem, lse_ptr, delta_ptr, q_ready, do_ready, free, dk, dv, zero_t, base + m,
                 start_n, m * BLOCK_M, row0, n_q, qk_scale, dq_desc, ds_smem, dq_smem, dq_slot0, zero_q, b, h,
-                prev_h, prev_m, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, True, ATOMIC_DQ, mma_t,
-                                mma_d)
+                prev_h, prev_m, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, True, ATOMIC_DQ, mma_t, mma_d)
     if ATOMIC_DQ:                                           # the last block's dQ share
         dq = warpgroup_mma(ds_smem.permute((1, 0)), k, zero_q, use_acc=False)
         buf = dq_smem.index(dq_slot0 + (group * per_head) % 2)

@@ -101,17 +101,14 @@ def launch_args_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     t.check()
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     scalars = (n_q, n_k, H, H // Hk, scale * LOG2E, scale)
-    dkdv = ((triton.cdiv(n_k, t.block_n), B * Hk),
-            (_descriptor(q, t.block_m), _descriptor(k, 64), _descriptor(v, 64), _descriptor(do, t.block_m),
-             _descriptor(dk, 64), _descriptor(dv, 64), lse, delta, *scalars),
+    descriptors = (_descriptor(q, t.block_m), _descriptor(k, 64), _descriptor(v, 64), _descriptor(do, t.block_m),
+                   _descriptor(dk, 64), _descriptor(dv, 64))
+    if t.atomic_dq:                          # the dK/dV kernel's arguments with dQ's fp32 buffer after dV's
+        descriptors += (_dq_buffer_descriptor(dq, t.block_m),)
+    dkdv = ((triton.cdiv(n_k, t.block_n), B * Hk), (*descriptors, lse, delta, *scalars),
             {**t.dkdv_constexprs(d, causal), **t.options})
     if t.atomic_dq:
-        fused = ((triton.cdiv(n_k, t.block_n), B * Hk),
-                 (_descriptor(q, t.block_m), _descriptor(k, 64), _descriptor(v, 64), _descriptor(do, t.block_m),
-                  _descriptor(dk, 64), _descriptor(dv, 64), _dq_buffer_descriptor(dq, t.block_m), lse, delta,
-                  *scalars),
-                 {**t.dkdv_constexprs(d, causal), **t.options})
-        return {"fused": fused}
+        return {"fused": dkdv}
     dq_ = ((triton.cdiv(n_q, t.dq_block_m), B * H),
            (_descriptor(q, 64), _descriptor(k, t.dq_block_n), _descriptor(v, t.dq_block_n), _descriptor(do, 64),
             _descriptor(dq, 64), lse, delta, *scalars),
@@ -136,14 +133,12 @@ def flash_backward_hopper(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     Returns dq like q, dk and dv like k (bf16; with grouped-query heads dK and dV summed over each
     group). ``tiles``: a ``BackwardTiles`` other than ``backward_tiles_for(d, causal)``."""
     check_backward_inputs(do, q, k, v, o, residual, lse, causal, scale)
-    B, H, n_q, d = q.shape
+    d = q.shape[3]
     t = tiles or backward_tiles_for(d, causal)
     t.check()
     if t.atomic_dq and d != 64:
         raise ValueError(f"tiles {t} with head_dim {d} are invalid; accepted: atomic_dq at head_dim 64 only")
-    delta = torch.empty(B, H, n_q, dtype=torch.float32, device=q.device)
-    has_r = residual is not None and residual.numel() > 0
-    delta_dot(o, residual.contiguous() if has_r else o, do, delta, has_r)
+    delta = _delta(do, o, residual)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if t.atomic_dq:
         _atomic_backward(do, q, k, v, lse.contiguous(), delta, causal, scale, dq, dk, dv, t)
@@ -176,9 +171,14 @@ def backward_into(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.T
     """The route's backward (``route.why_not_backward`` accepted the call): δ from dO·(O + R) by the
     Triton δ kernel, then ``_atomic_backward`` with the default tiles of its head_dim, writing into
     ``dq``, ``dk``, ``dv`` (views of one packed gradient included: TMA addresses them as they are)."""
-    B, H, n_q, d = q.shape
-    delta = torch.empty(B, H, n_q, dtype=torch.float32, device=q.device)
-    has_r = residual.numel() > 0
+    _atomic_backward(do, q, k, v, lse.contiguous(), _delta(do, o, residual), causal, scale, dq, dk, dv,
+                     atomic_backward_tiles(q.shape[3]))
+
+
+def _delta(do: torch.Tensor, o: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+    """δ (B, H, N_q) fp32 by the Triton δ kernel: rowsum(dO ∘ (O + R)), or rowsum(dO ∘ O) without a
+    residual (None or empty)."""
+    delta = torch.empty(o.shape[:3], dtype=torch.float32, device=o.device)
+    has_r = residual is not None and residual.numel() > 0
     delta_dot(o, residual.contiguous() if has_r else o, do, delta, has_r)
-    _atomic_backward(do, q, k, v, lse.contiguous(), delta, causal, scale, dq, dk, dv,
-                     atomic_backward_tiles(d))
+    return delta

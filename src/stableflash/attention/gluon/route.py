@@ -90,12 +90,9 @@ def why_not(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config, masks, in
     the first reason it does not, in words. ``masks``: the op's ``Masks``. ``pointers`` off: the
     tensors' addresses and strides are not checked (traced tensors have none): None then means
     the call may run here."""
-    if not ENABLED:
-        return "the Hopper route is switched off (route.ENABLED)"
-    if interpreting:
-        return "Triton's interpreter runs the kernels"
-    if q.dtype != torch.bfloat16:            # the cheap checks first: most calls stop at one of them
-        return f"dtype {q.dtype} (the Hopper kernels take bfloat16)"
+    reason = _first_reason(q, interpreting)
+    if reason is not None:
+        return reason
     if q.shape[-1] not in HEAD_DIMS:
         return f"head_dim {q.shape[-1]} (routed: {HEAD_DIMS})"
     return _common_reason(q, k, v, config, masks, pointers, {"q": q, "k": k, "v": v})
@@ -105,12 +102,9 @@ def why_not_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
                      interpreting: bool = False, pointers: bool = True) -> str | None:
     """``why_not`` for a backward: None where it runs on the Gluon Hopper backward with dQ added up by
     TMA reduce-adds (the module docstring's list); else the first reason it does not."""
-    if not ENABLED:
-        return "the Hopper route is switched off (route.ENABLED)"
-    if interpreting:
-        return "Triton's interpreter runs the kernels"
-    if q.dtype != torch.bfloat16:
-        return f"dtype {q.dtype} (the Hopper kernels take bfloat16)"
+    reason = _first_reason(q, interpreting)
+    if reason is not None:
+        return reason
     if q.shape[-1] not in BACKWARD_HEAD_DIMS:
         return f"head_dim {q.shape[-1]} (routed backward: {BACKWARD_HEAD_DIMS})"
     if k.shape[2] < BACKWARD_MIN_KEYS:
@@ -123,7 +117,20 @@ def why_not_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     return _common_reason(q, k, v, config, masks, pointers, {"q": q, "k": k, "v": v, "do": do})
 
 
+def _first_reason(q: torch.Tensor, interpreting: bool) -> str | None:
+    """The checks both answers start with, the cheapest first (most calls stop at one of them)."""
+    if not ENABLED:
+        return "the Hopper route is switched off (route.ENABLED)"
+    if interpreting:
+        return "Triton's interpreter runs the kernels"
+    if q.dtype != torch.bfloat16:
+        return f"dtype {q.dtype} (the Hopper kernels take bfloat16)"
+    return None
+
+
 def _common_reason(q, k, v, config, masks, pointers: bool, aligned: dict) -> str | None:
+    """The checks both answers end with: masks, the Gluon API, the configuration, the grid, the
+    alignment of ``aligned``'s tensors (when ``pointers``), the device."""
     if masks.any:
         return "a window, attn_mask, varlen batch or dropout"
     missing = unavailable_reason()

@@ -234,8 +234,8 @@ def offline_checks(configs: list, runtime: bool = False, isolate: bool | None = 
 # --- the backward ---------------------------------------------------------------------------------
 
 def compile_backward(head_dim: int, causal: bool, tiles=None) -> dict:
-    """The backward's two kernels compiled for sm_90a, {"dkdv": ..., "dq": ...} (triton
-    ``CompiledKernel``s; never launched)."""
+    """The backward's kernels compiled for sm_90a, {"dkdv": ..., "dq": ...}, or {"fused": ...} for tiles
+    with ``atomic_dq`` (triton ``CompiledKernel``s; never launched)."""
     from stableflash.attention.gluon.hopper_backward import (attn_bwd_dkdv_hopper_kernel, attn_bwd_dq_hopper_kernel,
                                                              attn_bwd_hopper_kernel, backward_tiles_for)
     from stableflash.attention.gluon.launch_backward import dq_buffer_layout
@@ -243,22 +243,20 @@ def compile_backward(head_dim: int, causal: bool, tiles=None) -> dict:
     t.check()
     scalars = {"n_q": "i32", "n_k": "i32", "n_heads": "i32", "group": "i32", "qk_scale": "fp32", "scale": "fp32"}
     q, kv = _desc(t.block_m, head_dim), _desc(64, head_dim)
-    dkdv = {"q_desc": q, "k_desc": kv, "v_desc": kv, "do_desc": q, "dk_desc": kv, "dv_desc": kv,
-            "lse_ptr": "*fp32", "delta_ptr": "*fp32", **scalars}
+    descriptors = {"q_desc": q, "k_desc": kv, "v_desc": kv, "do_desc": q, "dk_desc": kv, "dv_desc": kv}
+    pointers = {"lse_ptr": "*fp32", "delta_ptr": "*fp32", **scalars}
     if t.atomic_dq:
         dq_sum = f"tensordesc<fp32[1,1,{t.block_m},{head_dim}],{dq_buffer_layout(t.block_m, head_dim)!r}>"
-        fused = {**dict(list(dkdv.items())[:6]), "dq_desc": dq_sum, **dict(list(dkdv.items())[6:])}
-        constexprs = t.dkdv_constexprs(head_dim, causal)
-        src = gluon._runtime.GluonASTSource(attn_bwd_hopper_kernel, signature={
-            **fused, **{n: "constexpr" for n in constexprs}}, constexprs=constexprs)
-        return {"fused": triton.compile(src, target=GPUTarget("cuda", 90, 32), options=t.options)}
-    q, kv = _desc(64, head_dim), _desc(t.dq_block_n, head_dim)
-    dq = {"q_desc": q, "k_desc": kv, "v_desc": kv, "do_desc": q, "dq_desc": q, "lse_ptr": "*fp32",
-          "delta_ptr": "*fp32", **scalars}
+        kernels = [("fused", attn_bwd_hopper_kernel, {**descriptors, "dq_desc": dq_sum, **pointers},
+                    t.dkdv_constexprs(head_dim, causal))]
+    else:
+        q, kv = _desc(64, head_dim), _desc(t.dq_block_n, head_dim)
+        dq = {"q_desc": q, "k_desc": kv, "v_desc": kv, "do_desc": q, "dq_desc": q, **pointers}
+        kernels = [("dkdv", attn_bwd_dkdv_hopper_kernel, {**descriptors, **pointers},
+                    t.dkdv_constexprs(head_dim, causal)),
+                   ("dq", attn_bwd_dq_hopper_kernel, dq, t.dq_constexprs(head_dim, causal))]
     out = {}
-    for name, fn, signature, constexprs in (
-            ("dkdv", attn_bwd_dkdv_hopper_kernel, dkdv, t.dkdv_constexprs(head_dim, causal)),
-            ("dq", attn_bwd_dq_hopper_kernel, dq, t.dq_constexprs(head_dim, causal))):
+    for name, fn, signature, constexprs in kernels:
         signature = {**signature, **{n: "constexpr" for n in constexprs}}
         src = gluon._runtime.GluonASTSource(fn, signature=signature, constexprs=constexprs)
         out[name] = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=t.options)

@@ -663,7 +663,6 @@ def _backward_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     d = int(d)
     Hk, n_k = k.shape[1], k.shape[2]
     group = H // Hk
-    delta = torch.empty(B, H, n_q, dtype=torch.float32, device=q.device)
     # the backward's kernels read scores in natural units: an additive mask's multiplier is unused
     extra, switches = _mask_launch(masks, LOG2E, seed)
     extra.pop("mask_mul", None)                # the forward's alone
@@ -690,6 +689,7 @@ def _backward_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     if _INLINE.get() is None and hopper_route.why_not_backward(do, q, k, v, config, masks, interpreting()) is None:
         hopper_route.backward(do, q, k, v, o, residual, lse, causal, scale, dq, dk, dv)
         return dq, dk, dv
+    delta = torch.empty(B, H, n_q, dtype=torch.float32, device=q.device)
     common = (*_strides(q), *_strides(k), *_strides(v), *_strides(do))
 
     def launch_dq(**fused):
