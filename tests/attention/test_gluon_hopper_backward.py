@@ -96,7 +96,11 @@ def test_atomic_dq_tiles():
     from stableflash.attention.gluon.hopper_backward import BackwardTiles, atomic_backward_tiles
     t = atomic_backward_tiles(64)
     t.check()
-    assert t.atomic_dq and (t.block_n, t.block_m, t.stages) == (128, 64, 3)
+    assert t.atomic_dq and (t.block_n, t.block_m, t.stages, t.max_registers) == (64, 64, 3, 128)
+    assert t.options == {"num_warps": 4, "enable_fp_fusion": True, "maxnreg": 128}
+    for bad in (63, 256, 128.0, True, "128"):
+        with pytest.raises(ValueError, match="max_registers None or an int from 64 to 255"):
+            t._replace(max_registers=bad).check()
     with pytest.raises(ValueError, match="head_dim 128 is invalid for the backward with atomic dQ; accepted: 64"):
         atomic_backward_tiles(128)
     with pytest.raises(ValueError, match="block_m 64 or 128 with atomic_dq"):
@@ -178,14 +182,16 @@ def _check_fused(r, t, d):
     share (64 keys: 4), dV and dK (block_m/16 each), then the last dQ share; the wait for Sᵀ
     leaves dPᵀ and the dQ share in flight, the wait for both leaves P̄ᵀ·dO, one waits for all, and
     the last share is waited for alone; a reduce-add per loop and one for the last share. Loop
-    bounds and addresses spill a few registers (at most 32 stores)."""
-    consumers, loops = 2, 3
+    bounds and addresses spill a few registers (at most 32 stores). Launched at the tiles' register
+    cap, the producer lowered to 24 and the consumers raised to the rest (232 with one consumer
+    warpgroup at 128: (256 · 128 − 128 · 24) / 128)."""
+    consumers, loops = t.block_n // 64, 3
     assert r["hgmma"] == consumers * (loops * (2 * d // 16 + 64 // 16 + 2 * t.block_m // 16) + 64 // 16), r
     assert r["wait_depths"] == {0: consumers * (loops + 1), 1: consumers * loops, 2: consumers * loops}, r
     assert r["ex2"] == consumers * loops * t.block_m // 2 and r["ex2_in_flight"] == r["ex2"], r
     assert r["tma_reduces"] == consumers * (loops + 1) and r["tma_stores"] == 2 * consumers, r
     assert r["half_swaps"] == 0 and r["stl"] <= 32 and r["ldl"] <= 48, r
-    assert 24 in r["setmaxnreg"] and 240 in r["setmaxnreg"], r
+    assert t.max_registers == 128 and r["registers"] == 128 and r["setmaxnreg"] == [24, 232], r
 
 
 @needs_gluon
@@ -207,7 +213,7 @@ def test_both_kernels_and_the_launcher_compile_for_sm90_without_a_gpu(offline):
     assert r["dkdv"]["num_warps"] == r["dq"]["num_warps"] == 12, r          # 2 consumer warpgroups, the producer's
     t = atomic_backward_tiles(64)
     _check_fused(rows[(64, True, "fused")], t, 64)
-    assert r["fused"]["grid"] == [2, 4] and r["fused"]["wgmma"] and r["fused"]["tma"], r
+    assert r["fused"]["grid"] == [3, 4] and r["fused"]["wgmma"] and r["fused"]["tma"], r   # 150 keys, 64 a program
 
 
 # --- on a Hopper GPU -----------------------------------------------------------------------------

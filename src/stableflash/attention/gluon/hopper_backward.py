@@ -46,7 +46,7 @@ products less than in the dK/dV kernel (``sass.check_backward``'s "ex2_in_flight
 overlap comes from the other warpgroup. L and δ of the program's rows are loaded once.
 
 dK, dV and dQ in one kernel (``attn_bwd_hopper_kernel``, tiles with ``atomic_dq``: what the route
-runs at head_dim 64 from 4096 keys on): the dK/dV kernel above, each consumer warpgroup also
+runs at head_dim 64 from 1024 keys on): the dK/dV kernel above, each consumer warpgroup also
 adding its 64 keys' share of dQ, dS̄·K, to an fp32 (B, H, N_q, d) buffer that starts at zero, by a
 TMA reduce-add (``cp.reduce.async.bulk.tensor``, UTMAREDG) from an fp32 tile in shared memory: 5
 products per block pair instead of 7, and a pass afterwards scaling the sums into bf16 dQ
@@ -94,7 +94,10 @@ class BackwardTiles(NamedTuple):
     and dO. dQ kernel: ``dq_block_m`` query rows per program (64 per consumer warpgroup: 64 or
     128), ``dq_block_n`` keys per streamed block, ``dq_stages`` ring slots for K and V.
     ``atomic_dq``: dQ added up by the dK/dV kernel instead (``attn_bwd_hopper_kernel``: TMA
-    reduce-adds into an fp32 buffer, 5 products instead of 7; the dq_* fields unused)."""
+    reduce-adds into an fp32 buffer, 5 products instead of 7; the dq_* fields unused).
+    ``max_registers``: a cap on the registers per thread at launch (triton's ``maxnreg``; None: the
+    compiler's choice), so that more programs share an SM: a program of one consumer warpgroup is
+    launched as 256 threads (its producer warp's warpgroup), two of them fit at 128."""
     block_n: int
     block_m: int
     stages: int
@@ -102,6 +105,7 @@ class BackwardTiles(NamedTuple):
     dq_block_n: int
     dq_stages: int
     atomic_dq: bool = False
+    max_registers: int | None = None
 
     def dkdv_constexprs(self, head_dim: int, causal: bool) -> dict:
         """The dK/dV kernel's compile-time arguments: what the launcher passes and the sm_90a compile
@@ -119,17 +123,24 @@ class BackwardTiles(NamedTuple):
         """The compile options of both kernels: num_warps 4 (the first consumer warpgroup; the other
         and the producer warp are worker partitions) and floating-point contraction asked for
         explicitly (S·c − L·log2 e as one FMA, as the Triton kernels compile it under triton
-        3.6-3.9's default)."""
-        return {"num_warps": 4, "enable_fp_fusion": True}
+        3.6-3.9's default); ``maxnreg`` where ``max_registers`` caps the registers."""
+        options = {"num_warps": 4, "enable_fp_fusion": True}
+        if self.max_registers is not None:
+            options["maxnreg"] = self.max_registers
+        return options
 
     def check(self) -> None:
         """ValueError for tiles the kernels have no schedule for."""
         if (self.block_n not in (64, 128) or self.dq_block_m not in (64, 128) or self.block_m not in (16, 32, 64, 128)
                 or self.dq_block_n not in (16, 32, 64, 128) or not 2 <= self.stages <= 4
-                or not 2 <= self.dq_stages <= 4 or (self.atomic_dq and self.block_m not in (64, 128))):
+                or not 2 <= self.dq_stages <= 4 or (self.atomic_dq and self.block_m not in (64, 128))
+                or (self.max_registers is not None and (isinstance(self.max_registers, bool)
+                                                        or not isinstance(self.max_registers, int)
+                                                        or not 64 <= self.max_registers <= 255))):
             raise ValueError(f"{self} is invalid; accepted: block_n and dq_block_m 64 or 128 (one or two consumer "
                              "warpgroups), block_m and dq_block_n 16, 32, 64 or 128 (block_m 64 or 128 with "
-                             "atomic_dq: a warpgroup product's rows), 2-4 stages each")
+                             "atomic_dq: a warpgroup product's rows), 2-4 stages each, max_registers None or an "
+                             "int from 64 to 255")
 
 
 def backward_tiles_for(head_dim: int, causal: bool) -> BackwardTiles:
@@ -146,13 +157,15 @@ def backward_tiles_for(head_dim: int, causal: bool) -> BackwardTiles:
 
 
 def atomic_backward_tiles(head_dim: int) -> BackwardTiles:
-    """The tiles of the backward that adds dQ up by TMA reduce-adds (what the route runs): 128 keys per
-    program (two consumer warpgroups), query blocks of 64 rows in three slots. Head_dim 64 only:
-    at 128 the dQ share's 64 more fp32 registers a thread spill, and the fp32 staging tiles do not
-    fit in shared memory beside K, V and the ring."""
+    """The tiles of the backward that adds dQ up by TMA reduce-adds (what the route runs): 64 keys per
+    program (one consumer warpgroup), query blocks of 64 rows in three slots, 128 registers a
+    thread at launch, so that two programs share an SM (one program per SM at the compiler's 255,
+    or with two consumer warpgroups over 128 keys: slower at every shape timed, docs/kernels.md).
+    Head_dim 64 only: at 128 the dQ share's 64 more fp32 registers a thread spill, and the fp32
+    staging tiles do not fit in shared memory beside K, V and the ring."""
     if head_dim != 64:
         raise ValueError(f"head_dim {head_dim} is invalid for the backward with atomic dQ; accepted: 64")
-    return BackwardTiles(128, 64, 3, 128, 128, 2, atomic_dq=True)
+    return BackwardTiles(64, 64, 3, 128, 128, 2, atomic_dq=True, max_registers=128)
 
 
 # --- dK, dV ---------------------------------------------------------------------------------------

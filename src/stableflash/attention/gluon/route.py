@@ -46,7 +46,7 @@ HEAD_DIMS = (128,)
 # the backward's: where the Gluon backward that adds dQ up by TMA reduce-adds is faster than the
 # Triton backward, from this many keys on (docs/kernels.md, "Hopper path")
 BACKWARD_HEAD_DIMS = (64,)
-BACKWARD_MIN_KEYS = 4096
+BACKWARD_MIN_KEYS = 1024
 MAX_HEAD_PROGRAMS = 65535
 
 
