@@ -153,6 +153,31 @@ def test_the_runtime_compile_gives_tritons_driver_back(monkeypatch):
 
 
 @needs_gluon
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_descriptors_are_what_tensor_descriptor_makes(dtype):
+    """``launch.tensor_descriptor`` (the launches' descriptors, built without the constructor's checks)
+    gives the fields ``TensorDescriptor(...)`` gives — a (B, N, H, d) buffer seen as (B, H, N, d), bf16
+    and the dQ buffer's fp32 — with the layouts made once per block shape; a base off 16 bytes is
+    refused with the constructor's rule named."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from stableflash.attention.gluon.hopper_forward import descriptor_layout
+    from stableflash.attention.gluon.launch import tensor_descriptor
+    from stableflash.attention.gluon.launch_backward import dq_buffer_layout
+    t = torch.zeros(2, 300, 3, 4, 64, dtype=dtype)[:, :, 1].transpose(1, 2)
+    layout = (descriptor_layout if dtype == torch.bfloat16 else dq_buffer_layout)(64, 64)
+    assert layout is (descriptor_layout if dtype == torch.bfloat16 else dq_buffer_layout)(64, 64)
+    want = TensorDescriptor(base=t, shape=list(t.shape), strides=list(t.stride()), block_shape=[1, 1, 64, 64],
+                            layout=layout)
+    got = tensor_descriptor(t, 64, layout)
+    assert type(got) is TensorDescriptor and vars(got).keys() == vars(want).keys()
+    for name, value in vars(want).items():
+        assert (got.base is t) if name == "base" else getattr(got, name) == value, name
+    with pytest.raises(ValueError, match="data_ptr % 16 = 2 is invalid for TMA; accepted: a 16-byte aligned base"):
+        tensor_descriptor(torch.zeros(2, 4, 65, 64, dtype=torch.bfloat16)[:, :, :, 1:], 64, layout)
+
+
+@needs_gluon
 def test_tiles_the_kernel_has_no_schedule_for_are_refused():
     from stableflash.attention.gluon.hopper_forward import Tiles
     with pytest.raises(ValueError, match="2-4 stages"):

@@ -44,6 +44,7 @@ names raise) and the CTA barrier (``thread_barrier`` in 3.6, ``barrier`` in 3.9)
 """
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 from triton.experimental import gluon
@@ -134,9 +135,11 @@ def tiles_for(head_dim: int, causal: bool) -> Tiles:
     return Tiles(128, 128, 3 if head_dim <= 64 else 2, pingpong=True)
 
 
+@functools.cache
 def descriptor_layout(rows: int, head_dim: int):
     """The shared-memory layout of a (1, 1, rows, head_dim) bf16 TMA block (128-byte swizzle): the
-    layout of the host descriptors and of the kernel's tiles."""
+    layout of the host descriptors and of the kernel's tiles (made once per block shape: building
+    one costs a launch tens of microseconds)."""
     return gl.NVMMASharedLayout.get_default_for([1, 1, rows, head_dim], gl.bfloat16)
 
 

@@ -1,6 +1,7 @@
 """The host side of the Gluon Hopper forward: argument checks, TMA descriptors, the launch."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -9,6 +10,7 @@ import triton
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from stableflash.attention.gluon.hopper_forward import Tiles, attn_fwd_hopper_kernel, descriptor_layout, tiles_for
+from stableflash.attention.triton import launch_cache
 
 HEAD_DIMS = (64, 128)
 LOG2E = 1.0 / math.log(2.0)
@@ -76,10 +78,30 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+# TensorDescriptor's fields with defaults (padding, and what a release adds), as its constructor sets them
+_DESCRIPTOR_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TensorDescriptor)
+                        if f.default is not dataclasses.MISSING}
+
+
+def tensor_descriptor(t: torch.Tensor, rows: int, layout) -> TensorDescriptor:
+    """A rank-4 TMA descriptor over t (B, H, N, d) as it is laid out, blocks of (1, 1, rows, d) in
+    ``layout``: the object ``TensorDescriptor(...)`` makes, without its constructor's checks (a
+    launch builds up to seven; the checks cost more than the kernels at small shapes). The callers
+    have checked what those checks do — the strides TMA-aligned, the last one 1 — for the inputs
+    (``check_inputs``, ``route.why_not``), and allocate the outputs themselves; the base's 16-byte
+    alignment is checked here."""
+    if t.data_ptr() % 16:
+        raise ValueError(f"a tensor at data_ptr % 16 = {t.data_ptr() % 16} is invalid for TMA; accepted: a 16-byte "
+                         "aligned base")
+    desc = object.__new__(TensorDescriptor)
+    desc.__dict__.update(_DESCRIPTOR_DEFAULTS, base=t, shape=list(t.shape), strides=list(t.stride()),
+                         block_shape=[1, 1, rows, t.shape[3]], layout=layout)
+    return desc
+
+
 def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
-    """A rank-4 TMA descriptor over t (B, H, N, d) as it is laid out, blocks of (1, 1, rows, d)."""
-    return TensorDescriptor(base=t, shape=list(t.shape), strides=list(t.stride()), block_shape=[1, 1, rows, t.shape[3]],
-                            layout=descriptor_layout(rows, t.shape[3]))
+    """A rank-4 TMA descriptor over bf16 t (B, H, N, d) as it is laid out, blocks of (1, 1, rows, d)."""
+    return tensor_descriptor(t, rows, descriptor_layout(rows, t.shape[3]))
 
 
 def flash_forward_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
@@ -99,7 +121,7 @@ def flash_forward_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caus
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     residual = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     grid, args, meta = launch_args(q, k, v, o, lse, residual, causal, scale, tiles)
-    attn_fwd_hopper_kernel[grid](*args, **meta)
+    launch_cache.launch(attn_fwd_hopper_kernel, grid, *args, **meta)
     return o, lse, residual
 
 

@@ -1,6 +1,7 @@
 """The host side of the Gluon Hopper backward: argument checks, δ, TMA descriptors, the launches."""
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -12,7 +13,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from stableflash.attention.gluon.hopper_backward import (BackwardTiles, attn_bwd_dkdv_hopper_kernel,
                                                          atomic_backward_tiles, attn_bwd_dq_hopper_kernel,
                                                          attn_bwd_hopper_kernel, backward_tiles_for)
-from stableflash.attention.gluon.launch import LOG2E, _descriptor, check_inputs
+from stableflash.attention.gluon.launch import LOG2E, _descriptor, check_inputs, tensor_descriptor
+from stableflash.attention.triton import launch_cache
 from stableflash.attention.triton.common import cast
 from stableflash.attention.triton.op import delta_dot
 
@@ -65,14 +67,14 @@ def check_backward_inputs(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
             raise ValueError(f"{name} on {t.device} is invalid; accepted: q's device {q.device}")
 
 
+@functools.cache
 def dq_buffer_layout(rows: int, head_dim: int):
     """The shared-memory layout of a (1, 1, rows, head_dim) fp32 TMA block of the dQ buffer."""
     return gl.NVMMASharedLayout.get_default_for([1, 1, rows, head_dim], gl.float32)
 
 
 def _dq_buffer_descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
-    return TensorDescriptor(base=t, shape=list(t.shape), strides=list(t.stride()), block_shape=[1, 1, rows, t.shape[3]],
-                            layout=dq_buffer_layout(rows, t.shape[3]))
+    return tensor_descriptor(t, rows, dq_buffer_layout(rows, t.shape[3]))
 
 
 @triton.jit
@@ -146,7 +148,7 @@ def flash_backward_hopper(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     launches = launch_args_backward(do, q, k, v, dq, dk, dv, lse.contiguous(), delta, causal, scale, t)
     for kernel, (grid, args, meta) in ((attn_bwd_dkdv_hopper_kernel, launches["dkdv"]),
                                        (attn_bwd_dq_hopper_kernel, launches["dq"])):
-        kernel[grid](*args, **meta)
+        launch_cache.launch(kernel, grid, *args, **meta)
     return dq, dk, dv
 
 
@@ -158,11 +160,10 @@ def _atomic_backward(do, q, k, v, lse, delta, causal: bool, scale: float | None,
     dq_sum = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     (grid, args, meta), = launch_args_backward(do, q, k, v, dq_sum, dk, dv, lse, delta, causal, scale,
                                                tiles).values()
-    attn_bwd_hopper_kernel[grid](*args, **meta)
+    launch_cache.launch(attn_bwd_hopper_kernel, grid, *args, **meta)
     rows = B * H * n_q
-    scale_dq_kernel[(triton.cdiv(rows, 64),)](dq_sum, dq, rows, H, n_q, *dq.stride()[:3],
-                                              1.0 / math.sqrt(d) if scale is None else float(scale),
-                                              HEAD_DIM=d, BLOCK_R=64)
+    launch_cache.launch(scale_dq_kernel, (triton.cdiv(rows, 64),), dq_sum, dq, rows, H, n_q, *dq.stride()[:3],
+                        1.0 / math.sqrt(d) if scale is None else float(scale), HEAD_DIM=d, BLOCK_R=64)
 
 
 def backward_into(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,

@@ -159,8 +159,9 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sca
     bf16 contiguous, for a call ``why_not`` accepted."""
     from stableflash.attention.gluon.hopper_forward import tiles_for
     from stableflash.attention.gluon.launch import attn_fwd_hopper_kernel, launch_args
+    from stableflash.attention.triton import launch_cache
     grid, args, meta = launch_args(q, k, v, o, lse, residual, causal, scale, tiles_for(q.shape[-1], causal))
-    attn_fwd_hopper_kernel[grid](*args, **meta)
+    launch_cache.launch(attn_fwd_hopper_kernel, grid, *args, **meta)
 
 
 def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
