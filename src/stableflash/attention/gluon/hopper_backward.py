@@ -70,7 +70,10 @@ the default partition, launched with num_warps = 4; the second a worker of 4 war
 barriers, which count one release per consumer. Separate partitions let the two warpgroups drift
 apart, one's elementwise work running while the other's products do: triton follows each product
 wait of a partition of several warpgroups with a barrier across them, which would hold them in
-step. A warpgroup releases a slot as soon as its products that read it are complete.
+step. A warpgroup releases a slot as soon as its products that read it are complete. With
+``block_n`` 64 a program has one consumer warpgroup; launched under a register cap
+(``BackwardTiles.max_registers``, the route's tiles: 128) two programs share an SM, the consumer
+raised to what the producer's warpgroup gives up (232 registers at 128).
 """
 from __future__ import annotations
 
