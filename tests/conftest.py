@@ -4,28 +4,125 @@ The suite runs one worker process per core (pytest-xdist, ``-n auto`` in pyproje
 GPU, and in one process with a GPU, whose tests share the device. A worker's torch and BLAS use
 one thread, so two workers on two cores do not contend; `-n 0` runs everything in this process.
 Markers: ``gpu`` (skipped without CUDA), ``slow`` (longer than a few seconds on 2 CPU cores;
-``-m "not slow"`` leaves them out for a quick check).
+``-m "not slow"`` leaves them out for a quick check). This module imports torch only where a test
+needs it: xdist's controller process, which only starts the workers, starts them sooner without.
 """
+from __future__ import annotations
+
 import os
+import sys
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
         os.environ.setdefault(_var, "1")
 
 import pytest  # noqa: E402  (after the thread counts are set)
-import torch  # noqa: E402
+
+# the device files through which a GPU driver is reached (NVIDIA's, AMD's ROCm, WSL's)
+_GPU_DEVICE_FILES = ("/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd", "/dev/dxg")
+
+
+def cuda_available() -> bool:
+    """torch.cuda.is_available(); on Linux without a GPU driver's device files, False without
+    importing torch (no driver, no device: torch answers False there too)."""
+    if sys.platform == "linux" and not any(os.path.exists(path) for path in _GPU_DEVICE_FILES):
+        return False
+    import torch
+    return torch.cuda.is_available()
+
 
 # Without a GPU, the Triton kernels run in Triton's CPU interpreter; Triton reads this variable
 # when the kernels are defined, so it must be set before stableflash.attention.triton is imported.
-if not torch.cuda.is_available():
+if not cuda_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DEVICE = "cuda" if cuda_available() else "cpu"
+
+
+def _interpreter_without_repeated_setup() -> None:
+    """Two costs of Triton's CPU interpreter that repeat work whose result cannot change, removed
+    for the tests (the interpreted arithmetic stays Triton's own, bit for bit):
+
+    - at every call of a @triton.jit helper inside a kernel it patches triton.language again
+      (inspect.getmembers over tl, tl.tensor, tl.math, a wrapper per builtin), although the launch
+      patched those modules already and undoes that only when the kernel returns: a fifth to a third
+      of an interpreted kernel's time. Here a helper called during a launch patches only the language
+      modules (tl, tl.core) its globals name that this launch has not patched yet, which leaves every
+      builtin as the first patch set it;
+    - ``_get_np_dtype`` builds its table of twenty types at each of its calls (several per operation):
+      here each Triton type's numpy type is looked up once, by the type's name (which spells its
+      element type, and for a block its shape; block and pointer types are not hashable).
+
+    Applied once, only where the interpreter has the functions it replaces (triton 3.x), else a no-op."""
+    if os.environ.get("TRITON_INTERPRET", "0").lower() not in ("1", "true", "on", "yes"):
+        return
+    if getattr(_interpreter_without_repeated_setup, "applied", False):
+        return
+    _interpreter_without_repeated_setup.applied = True
+    try:
+        import triton.language as tl
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    patch_lang = getattr(interpreter, "_patch_lang", None)
+    executor = getattr(interpreter, "GridExecutor", None)
+    empty_scope = getattr(interpreter, "_LangPatchScope", None)
+    if not (callable(patch_lang) and executor is not None and empty_scope is not None):
+        return
+    import threading
+    launches = threading.local()           # per thread: a stack of the language modules each launch patched
+    named = {}                              # function -> the language modules its globals name
+
+    def langs(fn) -> frozenset:
+        try:
+            return named[fn]
+        except KeyError:
+            named[fn] = found = frozenset(id(v) for v in fn.__globals__.values() if v is tl or v is tl.core)
+            return found
+
+    def _patch_lang(fn):
+        stack = getattr(launches, "stack", None)
+        if not stack:                       # outside a launch: as Triton does
+            return patch_lang(fn)
+        mine = langs(fn)
+        if stack[-1] is not None and mine <= stack[-1]:
+            return empty_scope()            # a helper: its modules are patched until the launch returns
+        scope = patch_lang(fn)              # the launch's own patch (restored by the launch), or new modules
+        stack[-1] = mine if stack[-1] is None else stack[-1] | mine
+        return scope
+
+    run_grid = executor.__call__
+
+    def __call__(self, *args, **kwargs):
+        stack = launches.__dict__.setdefault("stack", [])
+        stack.append(None)
+        try:
+            return run_grid(self, *args, **kwargs)
+        finally:
+            stack.pop()
+
+    interpreter._patch_lang = _patch_lang
+    executor.__call__ = __call__
+
+    np_dtype = getattr(interpreter, "_get_np_dtype", None)
+    if callable(np_dtype):
+        known = {}                          # a type's name -> its numpy type
+
+        def _get_np_dtype(tt_dtype):
+            name = getattr(tt_dtype, "name", None)
+            found = known.get(name) if isinstance(name, str) else None
+            if found is None:
+                found = np_dtype(tt_dtype)
+                if isinstance(name, str):
+                    known[name] = found
+            return found
+
+        interpreter._get_np_dtype = _get_np_dtype
 
 
 def pytest_xdist_auto_num_workers(config) -> int:
     """``-n auto``: one worker per core this process may use without a GPU; none with one."""
-    if torch.cuda.is_available():
+    if cuda_available():
         return 0
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
@@ -33,9 +130,12 @@ def pytest_xdist_auto_num_workers(config) -> int:
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``gpu`` skip cleanly without a CUDA device. Tests marked ``slow`` run first, in
     their collected order: under ``-n auto`` they start while most of the run is still ahead, and the
-    run ends on short tests instead of one worker finishing a long test while the other waits."""
+    run ends on short tests instead of one worker finishing a long test while the other waits.
+    Where tests are collected (a worker, or the one process of ``-n 0``), before any of them runs,
+    Triton's interpreter loses its repeated setup (``_interpreter_without_repeated_setup``)."""
+    _interpreter_without_repeated_setup()
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
-    if torch.cuda.is_available():
+    if cuda_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
@@ -71,14 +171,42 @@ def data_dir(tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="session")
+def shared_tmp(tmp_path_factory):
+    """A folder every worker of this run shares: the run's base temporary folder (under xdist each
+    worker's own base lies inside it)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+def made_once(folder, make):
+    """``make(folder)``'s result (JSON-able), made by the first test of the run that asks, in any
+    worker: under a lock on ``folder``.lock, which a worker asking meanwhile waits for; later callers
+    read the result that the first stored beside the folder. Tests that change the folder copy it."""
+    import json
+    import shutil
+
+    from filelock import FileLock
+    with FileLock(f"{folder}.lock"):
+        stored = folder.parent / f"{folder.name}.json"
+        if not stored.exists():
+            shutil.rmtree(folder, ignore_errors=True)            # what a failed first attempt left
+            stored.write_text(json.dumps(make(folder), default=str))
+        return json.loads(stored.read_text())
+
+
 @pytest.fixture
 def gen(request) -> torch.Generator:
     """A generator seeded from the test's name, so each test has its own reproducible draw."""
+    import torch
     seed = sum(map(ord, request.node.name)) * 7919 % (2**31)
     return torch.Generator().manual_seed(seed)
 
 
-def qkv(gen, b, h, n, d, n_k=None, dtype=torch.float32, scale=1.0):
+def qkv(gen, b, h, n, d, n_k=None, dtype=None, scale=1.0):
+    """q, k, v of shape (b, h, n or n_k, d) in ``dtype`` (default float32)."""
+    import torch
+    dtype = torch.float32 if dtype is None else dtype
     n_k = n if n_k is None else n_k
     q = torch.randn(b, h, n, d, generator=gen) * scale
     k = torch.randn(b, h, n_k, d, generator=gen) * scale

@@ -28,6 +28,17 @@ def fake_bench(tf: dict, providers=("stableflash-none", "stableflash", "stablefl
 SMALL, BIG = (2, 4, 512, 64), (1, 4, 2048, 64)
 
 
+def quick_poll(tmp_path: Path) -> Path:
+    """A folder holding a `sleep` to put ahead on PATH: the scripts look every 5 s whether a run's
+    process group has ended (`sleep 5`); this one makes that wait 0.2 s and passes any other through."""
+    import shutil
+    shim = tmp_path / "bin" / "sleep"
+    shim.parent.mkdir()
+    shim.write_text(f'#!/bin/sh\n[ "$*" = 5 ] && exec {shutil.which("sleep")} 0.2\nexec {shutil.which("sleep")} "$@"\n')
+    shim.chmod(0o755)
+    return shim.parent
+
+
 def test_mitigation_costs_median_over_files(tmp_path, monkeypatch, capsys):
     mc = load("tools/mitigation_costs")
     a = fake_bench({(SMALL, "stableflash-none"): 200.0, (SMALL, "stableflash"): 100.0, (SMALL, "stableflash-fp8"): 160.0,
@@ -100,7 +111,7 @@ def test_mitigation_costs_keeps_a_long_providers_name_apart_from_its_cells(tmp_p
 def test_detached_runs_wait_ends_when_every_run_has_stopped(tmp_path):
     """`repro_detached.sh wait SECONDS` returns once every started run's process group has ended
     (a `pgrep -f` loop in the calling shell matched itself and always waited its full time), and
-    still packs the runs."""
+    still packs the runs. Its look every 5 s is one every 0.2 s here (``quick_poll``)."""
     import shutil
     import subprocess
     import time
@@ -117,7 +128,8 @@ def test_detached_runs_wait_ends_when_every_run_has_stopped(tmp_path):
     (root / "run1.pgid").write_text(f"{sleeper.pid}\n")
     start = time.monotonic()
     out = subprocess.run(["bash", str(BENCHMARKS / "runs" / "repro_detached.sh"), "wait", "60"], capture_output=True,
-                         text=True, env={"PATH": "/usr/bin:/bin", "DETACHED_ROOT": str(root), "OUT": str(tmp_path)},
+                         text=True, env={"PATH": f"{quick_poll(tmp_path)}:/usr/bin:/bin", "DETACHED_ROOT": str(root),
+                                         "OUT": str(tmp_path)},
                          cwd=BENCHMARKS.parent, timeout=90)
     assert out.returncode == 0, out.stderr
     assert time.monotonic() - start < 30 and "of 60" in out.stdout
@@ -335,13 +347,8 @@ def test_faithful_queue_runs_its_runs_one_after_another(data_dir, tmp_path):
     if shutil.which("setsid") is None:
         pytest.skip("needs setsid")
     root = tmp_path / "detached"
-    # the queue looks every 5 s for the previous run's end (`sleep 5`): here every 0.2 s, a `sleep`
-    # ahead on PATH that shortens that one wait and passes any other through
-    shim = tmp_path / "bin" / "sleep"
-    shim.parent.mkdir()
-    shim.write_text(f'#!/bin/sh\n[ "$*" = 5 ] && exec {shutil.which("sleep")} 0.2\nexec {shutil.which("sleep")} "$@"\n')
-    shim.chmod(0o755)
-    env = {"PATH": f"{shim.parent}:{Path(sys.executable).parent}:/usr/bin:/bin", "DETACHED_ROOT": str(root),
+    # the queue looks every 5 s for the previous run's end (`sleep 5`): here every 0.2 s (``quick_poll``)
+    env = {"PATH": f"{quick_poll(tmp_path)}:{Path(sys.executable).parent}:/usr/bin:/bin", "DETACHED_ROOT": str(root),
            "HOME": str(tmp_path), "DATA": str(data_dir), "PRESET": "tiny", "BATCH": "4", "ACCUM": "2"}
     out = subprocess.run(["bash", str(BENCHMARKS / "runs" / "faithful_gpt2.sh"), "queue", "2",
                           "a", "0", "sdpa", "b", "1", "emulated stabilize=none policy=fa2"],

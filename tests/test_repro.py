@@ -7,13 +7,26 @@ import pytest
 from stableflash.cli import main
 from stableflash.repro import REPRO_PRESETS, run_repro
 from stableflash.repro.run import verdict
+from tests.conftest import made_once
 
 
-def test_cpu_demo_paired_runs_share_their_batches_and_report(tmp_path):
-    result = run_repro("cpu-demo", tmp_path, seeds=(0,), steps=12, progress=False)
-    roles = [r["role"] for r in result["rows"]]
-    assert roles == ["baseline", "stabilized", "control"]
-    assert all(r["same_batches_as_baseline"] and r["steps"] == 12 for r in result["rows"])
+@pytest.fixture(scope="session")
+def cpu_demo(shared_tmp):
+    """(folder, result) of the cpu-demo reproduction of seeds 0 and 1 for 6 steps, the runs one after
+    another, made once for the run (``made_once``) and read by the two tests below."""
+    folder = shared_tmp / "cpu-demo-repro-6-steps"
+    return folder, made_once(folder, lambda out: run_repro("cpu-demo", out, seeds=(0, 1), steps=6, progress=False))
+
+
+def test_cpu_demo_paired_runs_share_their_batches_and_report(cpu_demo):
+    """The three runs of each seed on one batch order, the δ source the table names, the report. The
+    reproduction is the shared two-seed one of 6 steps: cpu-demo probes at step 0 and neither
+    evaluates nor checkpoints before step 100, so longer runs take no other path."""
+    folder, result = cpu_demo
+    for seed in (0, 1):
+        roles = [r["role"] for r in result["rows"] if r["seed"] == seed]
+        assert roles == ["baseline", "stabilized", "control"]
+    assert all(r["same_batches_as_baseline"] and r["steps"] == 6 for r in result["rows"])
     attn = {r["role"]: r["attention"] for r in result["rows"]}
     assert attn["stabilized"].endswith("stabilize=consistent-delta") and "stabilize=none" in attn["baseline"]
     assert "out=fp32" in attn["control"] and "stabilize=none" in attn["control"]
@@ -30,14 +43,15 @@ def test_cpu_demo_paired_runs_share_their_batches_and_report(tmp_path):
                                                                            "control": []}
     stabilized_line = next(line for line in format_table(result).splitlines() if " stabilized " in line)
     assert stabilized_line.endswith(f"{attn['stabilized']} (δ: {source})")
-    assert (tmp_path / "report.html").exists() and json.loads((tmp_path / "repro.json").read_text())["preset"] == "cpu-demo"
+    assert (folder / "report.html").exists() and json.loads((folder / "repro.json").read_text())["preset"] == "cpu-demo"
     assert "did not diverge" in result["verdict"]
 
 
 @pytest.mark.slow
-def test_parallel_runs_match_the_sequential_ones(tmp_path):
-    """--parallel runs the same trainings in worker processes: same losses, same batches, same order."""
-    one = run_repro("cpu-demo", tmp_path / "seq", seeds=(0, 1), steps=6, progress=False)
+def test_parallel_runs_match_the_sequential_ones(tmp_path, cpu_demo):
+    """--parallel runs the same trainings in worker processes: same losses, same batches, same order
+    (the sequential runs: the shared reproduction)."""
+    _, one = cpu_demo
     two = run_repro("cpu-demo", tmp_path / "par", seeds=(0, 1), steps=6, progress=False, parallel=2)
     assert [(r["seed"], r["role"]) for r in two["rows"]] == [(r["seed"], r["role"]) for r in one["rows"]]
     for a, b in zip(one["rows"], two["rows"]):
@@ -186,10 +200,20 @@ def test_ladder_on_the_kernels_moves_only_what_they_cannot_run_to_the_emulation(
                                                          layer=0, heads=[31], seq_len=64) if "heads" in n)
 
 
-@pytest.mark.slow
-def test_ladder_rungs_in_parallel_match_the_sequential_ladder(tmp_path):
+@pytest.fixture(scope="session")
+def ladder(shared_tmp):
+    """(folder, result) of the cpu-demo ladder trained for 3 steps, one rung after another, once for
+    the run (``made_once``): the sequential ladder that the tests below read (and one copies before
+    it removes a rung)."""
     from stableflash.repro.ladder import run_ladder
-    one = run_ladder("cpu-demo", tmp_path / "seq", steps=3, progress=False)
+    folder = shared_tmp / "cpu-demo-ladder-3-steps"
+    return folder, made_once(folder, lambda out: run_ladder("cpu-demo", out, steps=3, progress=False))
+
+
+@pytest.mark.slow
+def test_ladder_rungs_in_parallel_match_the_sequential_ladder(tmp_path, ladder):
+    from stableflash.repro.ladder import run_ladder
+    _, one = ladder
     two = run_ladder("cpu-demo", tmp_path / "par", steps=3, progress=False, parallel=2)
     assert [r["rung"] for r in one["rows"]] == [r["rung"] for r in two["rows"]]
     assert [r["final_loss"] for r in one["rows"]] == [r["final_loss"] for r in two["rows"]]
@@ -197,30 +221,33 @@ def test_ladder_rungs_in_parallel_match_the_sequential_ladder(tmp_path):
         run_ladder("cpu-demo", tmp_path / "bad", steps=3, progress=False, parallel=0)
 
 
-def test_ladder_runs_every_rung_on_the_same_batches(tmp_path):
-    from stableflash.repro.ladder import run_ladder
-    result = run_ladder("cpu-demo", tmp_path, steps=4, progress=False)
-    assert len(result["rows"]) == 9 and all(r["steps"] == 4 for r in result["rows"])
-    batches = {(tmp_path / r["run_dir"].split("/")[-1] / "batches" / "rank0.bin").read_bytes() for r in result["rows"]}
+def test_ladder_runs_every_rung_on_the_same_batches(ladder):
+    """Every rung of the ladder (the shared 3-step one) read the baseline's batches, step for step."""
+    folder, result = ladder
+    assert len(result["rows"]) == 9 and all(r["steps"] == 3 for r in result["rows"])
+    batches = {(folder / r["run_dir"].split("/")[-1] / "batches" / "rank0.bin").read_bytes() for r in result["rows"]}
     assert len(batches) == 1
-    assert (tmp_path / "ladder.json").exists()
+    assert (folder / "ladder.json").exists()
 
 
-def test_ladder_reuses_finished_runs_of_the_same_config_only(tmp_path):
+def test_ladder_reuses_finished_runs_of_the_same_config_only(tmp_path, ladder):
     """A stopped ladder continues: rungs already finished (same config) are read, not retrained;
-    a folder holding another config's run is not taken for the rung."""
+    a folder holding another config's run is not taken for the rung. The finished ladder is a copy
+    of the shared one (a ladder's folder moves with its runs: nothing in it names the folder)."""
     import shutil
 
     from stableflash.repro.ladder import finished_run, run_ladder
     from stableflash.train.config import make_config
-    first = run_ladder("cpu-demo", tmp_path, steps=3, progress=False)
-    rung = tmp_path / first["rows"][2]["run_dir"].split("/")[-1]
+    folder, first = ladder
+    shutil.copytree(folder, tmp_path, dirs_exist_ok=True)
+    runs = [tmp_path / r["run_dir"].split("/")[-1] for r in first["rows"]]
+    rung = runs[2]
     shutil.rmtree(rung)                                        # as if stopped before this rung ran
-    stamps = {r["run_dir"]: (Path(r["run_dir"]) / "summary.json").stat().st_mtime_ns
-              for r in first["rows"] if Path(r["run_dir"]).exists()}
+    stamps = {d: (d / "summary.json").stat().st_mtime_ns for d in runs if d.exists()}
     again = run_ladder("cpu-demo", tmp_path, steps=3, progress=False)
     assert [r["final_loss"] for r in again["rows"]] == [r["final_loss"] for r in first["rows"]]
-    assert all((Path(d) / "summary.json").stat().st_mtime_ns == t for d, t in stamps.items())
+    assert [Path(r["run_dir"]) for r in again["rows"]] == runs
+    assert all((d / "summary.json").stat().st_mtime_ns == t for d, t in stamps.items())
     assert (rung / "summary.json").exists()
     cfg = json.loads((rung / "config.json").read_text())
     same = make_config("tiny", overrides=[f"{k}={v}" for k, v in cfg.items() if k in ("seed",)])
