@@ -37,7 +37,8 @@ import gluon_check_cli  # noqa: E402  (this folder's shared command line)
 
 VARIANTS = {64: [(128, 64, 2, 128, 64, 2), (128, 64, 3, 128, 128, 2), (128, 128, 2, 128, 128, 2),
                  (128, 64, 2, 128, 128, 2, True), (128, 64, 3, 128, 128, 2, True)],
-            128: [(128, 64, 2, 128, 64, 2), (128, 32, 4, 128, 64, 2), (128, 32, 3, 128, 32, 3)]}
+            128: [(128, 32, 3, 128, 128, 2, True), (128, 32, 2, 128, 128, 2, True), (128, 16, 4, 128, 128, 2, True),
+                  (64, 32, 2, 128, 128, 2, True, 128), (64, 32, 3, 128, 128, 2, True, 128)]}
 
 
 def _tiles(d: int, causal: bool, variants: bool) -> list:
@@ -118,7 +119,8 @@ def _providers(d: int, causal: bool, variants: bool):
     tiles = _tiles(d, causal, variants)
     out = {"gluon": gluon(tiles[0])}
     for t in tiles[1:]:
-        name = (f"gluon {t.block_n}×{t.block_m}×{t.stages} atomic dQ" if t.atomic_dq else
+        cap = f" r{t.max_registers}" if t.max_registers else ""
+        name = (f"gluon {t.block_n}×{t.block_m}×{t.stages}{cap} atomic dQ" if t.atomic_dq else
                 f"gluon {t.block_n}×{t.block_m}×{t.stages}/{t.dq_block_m}×{t.dq_block_n}×{t.dq_stages}")
         out[name] = gluon(t)
     out.update({"triton-stabilized": triton_setup, "sdpa-cudnn": sdpa(SDPBackend.CUDNN_ATTENTION),

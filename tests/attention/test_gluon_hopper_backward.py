@@ -91,38 +91,68 @@ CONFIGS = [(64, True), (64, False), (128, True), (128, False)]
 
 
 def test_atomic_dq_tiles():
-    """The route's tiles for the backward adding dQ up by TMA reduce-adds, head_dim 64 alone; a
-    streamed block under 64 rows (a warpgroup product's) is refused with it."""
+    """The route's tiles for the backward adding dQ up by TMA reduce-adds: at head_dim 64 one consumer
+    warpgroup under a 128-register cap, at 128 two warpgroups over 32-row query blocks (the share
+    transposed); a query block the head_dim's share cannot take is refused with it."""
     from stableflash.attention.gluon.hopper_backward import BackwardTiles, atomic_backward_tiles
     t = atomic_backward_tiles(64)
-    t.check()
+    t.check(64)
     assert t.atomic_dq and (t.block_n, t.block_m, t.stages, t.max_registers) == (64, 64, 3, 128)
     assert t.options == {"num_warps": 4, "enable_fp_fusion": True, "maxnreg": 128}
     for bad in (63, 256, 128.0, True, "128"):
         with pytest.raises(ValueError, match="max_registers None or an int from 64 to 255"):
             t._replace(max_registers=bad).check()
-    with pytest.raises(ValueError, match="head_dim 128 is invalid for the backward with atomic dQ; accepted: 64"):
-        atomic_backward_tiles(128)
-    with pytest.raises(ValueError, match="block_m 64 or 128 with atomic_dq"):
-        BackwardTiles(128, 32, 3, 128, 128, 2, atomic_dq=True).check()
+    wide = atomic_backward_tiles(128)
+    wide.check(128)
+    assert wide.atomic_dq and (wide.block_n, wide.block_m, wide.stages, wide.max_registers) == (128, 32, 3, None)
+    with pytest.raises(ValueError, match="head_dim 96 is invalid for the backward with atomic dQ; accepted: 64 or 128"):
+        atomic_backward_tiles(96)
+    for tiles, d in ((wide, 64), (t._replace(block_m=128), 128)):
+        with pytest.raises(ValueError, match=f"at head_dim {d} is invalid; .*with atomic_dq: block_m 64 or 128 at "
+                                             "head_dim 64, 16, 32 or 64 at head_dim 128"):
+            tiles.check(d)
 
 
-def test_dq_scaling_kernel_writes_strided_bf16():
+@pytest.mark.parametrize("transposed", [False, True], ids=["rows", "dq-transposed"])
+def test_dq_scaling_kernel_writes_strided_bf16(transposed):
     """``scale_dq_kernel`` (Triton; the interpreter runs it without a GPU): dQ = bf16(sums · scale), rounded as
-    torch rounds, into a (B, N, H, d) buffer seen as (B, H, N, d), the rows beside it untouched."""
-    from stableflash.attention.gluon.launch_backward import scale_dq_kernel
+    torch rounds, into a (B, N, H, d) buffer seen as (B, H, N, d), the rows beside it untouched; the sums
+    contiguous, or (``dq_buffer`` at head_dim 128) the transpose of a (B, H, d, N') tensor with N' > N."""
+    from stableflash.attention.gluon.launch_backward import dq_buffer, scale_dq_kernel
     from stableflash.attention.triton.op import interpreting
     device = "cpu" if interpreting() else "cuda"
     gen = torch.Generator().manual_seed(0)
-    B, H, N, d = 2, 3, 37, 64
-    sums = torch.randn(B, H, N, d, generator=gen).to(device)
+    B, H, N, d = 2, 3, 37, 128 if transposed else 64
+    sums = dq_buffer(torch.empty(B, H, N, d, device=device))
+    assert sums.shape == (B, H, N, d) and sums.dtype == torch.float32
+    assert sums.stride() == ((H * d * 40, d * 40, 1, 40) if transposed else (H * N * d, N * d, d, 1))
+    sums.copy_(torch.randn(B, H, N, d, generator=gen))
     out = torch.full((B, N + 1, H, d), 7.0, dtype=torch.bfloat16, device=device)
     dq = out[:, :N].transpose(1, 2)
     rows = B * H * N
-    scale_dq_kernel[(math.ceil(rows / 64),)](sums, dq, rows, H, N, *dq.stride()[:3], 0.125, HEAD_DIM=d, BLOCK_R=64,
-                                             INTERP=interpreting())
+    scale_dq_kernel[(math.ceil(rows / 64),)](sums, dq, rows, H, N, *sums.stride(), *dq.stride()[:3], 0.125,
+                                             HEAD_DIM=d, BLOCK_R=64, SRC_T=transposed, INTERP=interpreting())
     assert torch.equal(dq, (sums * 0.125).to(torch.bfloat16))
     assert (out[:, N] == 7.0).all()
+
+
+@pytest.mark.parametrize("d", [64, 128], ids=["rows", "dq-transposed"])
+def test_delta_kernel_clears_the_dq_buffer(d):
+    """The δ kernel (Triton; the interpreter runs it without a GPU) given the dQ buffer (``dq_buffer``,
+    uninitialised: NaN here) zeroes every row of it while it computes δ = rowsum(dO ∘ (O + R)) — as
+    ``_delta`` calls it before the kernel adding dQ up; N_q not a multiple of its 64-row blocks."""
+    from stableflash.attention.gluon.launch_backward import _delta, dq_buffer
+    from stableflash.attention.triton.op import interpreting
+    device = "cpu" if interpreting() else "cuda"
+    gen = torch.Generator().manual_seed(d)
+    B, H, N = 2, 3, 70
+    o, r, do = (torch.randn(B, H, N, d, generator=gen).to(torch.bfloat16).to(device) for _ in range(3))
+    sums = dq_buffer(o)
+    sums.fill_(float("nan"))
+    delta = _delta(do, o, r, clear=sums)
+    assert torch.equal(sums, torch.zeros_like(sums))
+    want = (do.double() * (o.double() + r.double())).sum(-1)
+    assert torch.allclose(delta.double(), want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.fixture(scope="module")
@@ -247,16 +277,16 @@ def _triton_backward(do, q, k, v, o, r, lse, causal, scale):
 def test_backward_against_float64(case, d, causal, tied, fixed_triton_tiles):
     """B×H×H_kv×N_q×N_k cases: none a multiple of the blocks but the second, grouped-query heads in
     the second, more keys than queries in the third (causal: keys past the last query get no
-    gradient) and fewer in the last. At head_dim 64 also the backward with atomic dQ."""
+    gradient) and fewer in the last. Both forms: two kernels, and the one adding dQ up by TMA
+    reduce-adds with the route's tiles (``atomic_backward_tiles``)."""
     B, H, Hk, n_q, n_k = case
     gen = torch.Generator(device="cuda").manual_seed(1000 * CASES.index(case) + 10 * d + 2 * causal + tied)
     q, k, v, do = _inputs(B, H, Hk, n_q, n_k, d, tied, gen)
     scale = 1.0 / math.sqrt(d)
     o, lse, r = sg.flash_forward_hopper(q, k, v, causal)
-    runs = [sg.flash_backward_hopper(do, q, k, v, o, r, lse, causal)]
-    if d == 64:                                         # and the one kernel adding dQ up by reduce-adds
-        from stableflash.attention.gluon.hopper_backward import atomic_backward_tiles
-        runs.append(sg.flash_backward_hopper(do, q, k, v, o, r, lse, causal, tiles=atomic_backward_tiles(d)))
+    from stableflash.attention.gluon.hopper_backward import atomic_backward_tiles
+    runs = [sg.flash_backward_hopper(do, q, k, v, o, r, lse, causal),
+            sg.flash_backward_hopper(do, q, k, v, o, r, lse, causal, tiles=atomic_backward_tiles(d))]
     triton_got = _triton_backward(do, q, k, v, o, r, lse, causal, scale)
     refs = expanded_reference(q, k, v, do, causal)[1:]
     for got in runs:

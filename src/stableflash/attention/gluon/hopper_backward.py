@@ -47,7 +47,8 @@ overlap comes from the other warpgroup. L and δ of the program's rows are loade
 
 dK, dV and dQ in one kernel (``attn_bwd_hopper_kernel``, tiles with ``atomic_dq``: what the route
 runs at head_dim 64 from 1024 keys on): the dK/dV kernel above, each consumer warpgroup also
-adding its 64 keys' share of dQ, dS̄·K, to an fp32 (B, H, N_q, d) buffer that starts at zero, by a
+adding its 64 keys' share of dQ, dS̄·K, to an fp32 (B, H, N_q, d) buffer that the δ kernel zeroed
+(``launch_backward.dq_buffer``), by a
 TMA reduce-add (``cp.reduce.async.bulk.tensor``, UTMAREDG) from an fp32 tile in shared memory: 5
 products per block pair instead of 7, and a pass afterwards scaling the sums into bf16 dQ
 (``launch_backward.scale_dq_kernel``). The additions come in no fixed order, so dQ may differ in
@@ -57,8 +58,11 @@ shared memory (read transposed), B the resident K; the wait for dPᵀ also compl
 tile is staged while dV computes, this block's dS̄ᵀ replaces the previous one under the same
 fence, and the reduce-add is issued while dK computes — every product still waited for within the
 step. Issued after dK and waited for at once, the share cost 0.8 ms of the kernel's 2.0 at
-8×16×4096×64, most of it the serial fp32 staging (docs/kernels.md). Head_dim 64 only: at 128 the
-share's fp32 registers spill and its tiles do not fit in shared memory beside K, V and the ring.
+8×16×4096×64, most of it the serial fp32 staging (docs/kernels.md). At head_dim 128 the share is
+taken transposed, dQᵀ = Kᵀ·dS̄ᵀ (``_dq_share``; the buffer is then dQᵀ, (B, H, d, N_q)): its rows
+are d, so query blocks of 32 rows (the dK, dV accumulators take 128 fp32 registers a thread, 64-row
+blocks leave no room beside them) can add their share, 32 fp32 registers a thread; the route does
+not run it (docs/kernels.md: no faster than the two kernels, loop addresses spill).
 
 The TMA and CTA-barrier spellings of the triton release at hand are those bound in
 ``hopper_forward`` (``tma_load``, ``tma_store``, ``tma_atomic_add``, ``cta_barrier``), whose K/V
@@ -132,18 +136,22 @@ class BackwardTiles(NamedTuple):
             options["maxnreg"] = self.max_registers
         return options
 
-    def check(self) -> None:
-        """ValueError for tiles the kernels have no schedule for."""
+    def check(self, head_dim: int | None = None) -> None:
+        """ValueError for tiles the kernels have no schedule for (at ``head_dim``, where given: with
+        ``atomic_dq`` the query block is a warpgroup product's rows at head_dim 64, 64 or 128, and its
+        columns at 128, where the dQ share is taken transposed: 16, 32 or 64)."""
+        atomic_rows = {64: (64, 128), 128: (16, 32, 64), None: (16, 32, 64, 128)}.get(head_dim, ())
         if (self.block_n not in (64, 128) or self.dq_block_m not in (64, 128) or self.block_m not in (16, 32, 64, 128)
                 or self.dq_block_n not in (16, 32, 64, 128) or not 2 <= self.stages <= 4
-                or not 2 <= self.dq_stages <= 4 or (self.atomic_dq and self.block_m not in (64, 128))
+                or not 2 <= self.dq_stages <= 4 or (self.atomic_dq and self.block_m not in atomic_rows)
                 or (self.max_registers is not None and (isinstance(self.max_registers, bool)
                                                         or not isinstance(self.max_registers, int)
                                                         or not 64 <= self.max_registers <= 255))):
-            raise ValueError(f"{self} is invalid; accepted: block_n and dq_block_m 64 or 128 (one or two consumer "
-                             "warpgroups), block_m and dq_block_n 16, 32, 64 or 128 (block_m 64 or 128 with "
-                             "atomic_dq: a warpgroup product's rows), 2-4 stages each, max_registers None or an "
-                             "int from 64 to 255")
+            where = "" if head_dim is None else f" at head_dim {head_dim}"
+            raise ValueError(f"{self}{where} is invalid; accepted: block_n and dq_block_m 64 or 128 (one or two "
+                             "consumer warpgroups), block_m and dq_block_n 16, 32, 64 or 128 (with atomic_dq: block_m "
+                             "64 or 128 at head_dim 64, 16, 32 or 64 at head_dim 128), 2-4 stages each, "
+                             "max_registers None or an int from 64 to 255")
 
 
 def backward_tiles_for(head_dim: int, causal: bool) -> BackwardTiles:
@@ -160,15 +168,19 @@ def backward_tiles_for(head_dim: int, causal: bool) -> BackwardTiles:
 
 
 def atomic_backward_tiles(head_dim: int) -> BackwardTiles:
-    """The tiles of the backward that adds dQ up by TMA reduce-adds (what the route runs): 64 keys per
-    program (one consumer warpgroup), query blocks of 64 rows in three slots, 128 registers a
-    thread at launch, so that two programs share an SM (one program per SM at the compiler's 255,
-    or with two consumer warpgroups over 128 keys: slower at every shape timed, docs/kernels.md).
-    Head_dim 64 only: at 128 the dQ share's 64 more fp32 registers a thread spill, and the fp32
-    staging tiles do not fit in shared memory beside K, V and the ring."""
-    if head_dim != 64:
-        raise ValueError(f"head_dim {head_dim} is invalid for the backward with atomic dQ; accepted: 64")
-    return BackwardTiles(64, 64, 3, 128, 128, 2, atomic_dq=True, max_registers=128)
+    """The tiles of the backward that adds dQ up by TMA reduce-adds (what the route runs). Head_dim 64:
+    64 keys per program (one consumer warpgroup), query blocks of 64 rows in three slots, 128
+    registers a thread at launch, so that two programs share an SM (one program per SM at the
+    compiler's 255, or with two consumer warpgroups over 128 keys: slower at every shape timed,
+    docs/kernels.md). Head_dim 128: 128 keys per program (two consumer warpgroups), query blocks of
+    32 rows in three slots, the dQ share taken transposed (``_dq_share``): the dK, dV accumulators
+    take 128 fp32 registers a thread, and 64-row query blocks would leave no room for Sᵀ, dPᵀ and
+    the share beside them."""
+    if head_dim == 64:
+        return BackwardTiles(64, 64, 3, 128, 128, 2, atomic_dq=True, max_registers=128)
+    if head_dim == 128:
+        return BackwardTiles(128, 32, 3, 128, 128, 2, atomic_dq=True)
+    raise ValueError(f"head_dim {head_dim} is invalid for the backward with atomic dQ; accepted: 64 or 128")
 
 
 # --- dK, dV ---------------------------------------------------------------------------------------
@@ -226,7 +238,7 @@ def _dkdv_step(k, v, q_smem, do_smem, lse_ptr, delta_ptr, q_ready, do_ready, fre
     mbarrier.wait(do_ready.index(slot), phase)
     dp_tok = warpgroup_mma(v, do.permute((1, 0)), zero_t, use_acc=False, is_async=True)
     if ATOMIC_DQ:
-        dq_tok = warpgroup_mma(ds_smem.permute((1, 0)), k, zero_q, use_acc=False, is_async=True)
+        dq_tok = _dq_share(k, ds_smem, zero_q, HEAD_DIM, True)
         s = warpgroup_mma_wait(2, deps=[s_tok])             # Sᵀ done; dPᵀ, the previous dQ share in flight
     else:
         s = warpgroup_mma_wait(1, deps=[s_tok])             # Sᵀ done, dPᵀ still in flight
@@ -246,7 +258,7 @@ def _dkdv_step(k, v, q_smem, do_smem, lse_ptr, delta_ptr, q_ready, do_ready, fre
     if ATOMIC_DQ:
         dp, dq = warpgroup_mma_wait(1, deps=[dp_tok, dq_tok])   # dPᵀ and the dQ share done, P̄ᵀ·dO in flight
         buf = dq_smem.index(dq_slot0 + t % 2)
-        _stage_dq_share(dq, buf, BLOCK_M, HEAD_DIM)
+        _stage_dq_share(dq, buf)
     else:
         dp = warpgroup_mma_wait(1, deps=[dp_tok])           # dPᵀ done, P̄ᵀ·dO still in flight
     ds = (p * (dp - delta[None, :])).to(gl.bfloat16)
@@ -254,28 +266,45 @@ def _dkdv_step(k, v, q_smem, do_smem, lse_ptr, delta_ptr, q_ready, do_ready, fre
     dk_tok = warpgroup_mma(ds_bar, q, dk, is_async=True)
     if ATOMIC_DQ:
         ds_smem.store(ds)                                   # the product that read the previous dS̄ᵀ is done
-        _add_dq_share(dq_desc, buf, b, prev_h, prev_m)
+        _add_dq_share(dq_desc, buf, b, prev_h, prev_m, HEAD_DIM)
     dv, dk, p_bar, ds_bar = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, p_bar, ds_bar])
     mbarrier.arrive(free.index(slot), count=1)
     return dk, dv, h, start_m
 
 
 @gluon.jit
-def _stage_dq_share(dq, buf, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr):
+def _dq_share(k, ds_smem, zero_q, HEAD_DIM: gl.constexpr, IS_ASYNC: gl.constexpr):
+    """A block's share of dQ from its dS̄ᵀ (keys × query rows, in ``ds_smem``) and the warpgroup's K:
+    dS̄·K (query rows × d) at head_dim 64; at 128 its transpose Kᵀ·dS̄ᵀ (d × query rows), whose
+    fp32 registers are block_m·d/128 a thread instead of 64·d/128 and whose product's rows are d,
+    so that query blocks narrower than a warpgroup product's 64 rows can add their share."""
+    if HEAD_DIM == 128:
+        share = warpgroup_mma(k.permute((1, 0)), ds_smem, zero_q, use_acc=False, is_async=IS_ASYNC)
+    else:
+        share = warpgroup_mma(ds_smem.permute((1, 0)), k, zero_q, use_acc=False, is_async=IS_ASYNC)
+    return share
+
+
+@gluon.jit
+def _stage_dq_share(dq, buf):
     """A dQ share (fp32 registers) written to ``buf``, once the reduce-add issued from it two shares
     ago has read it."""
     tma.store_wait(1)
     cta_barrier()                                           # every warp past the wait before buf is written
-    buf.reshape([BLOCK_M, HEAD_DIM]).store(dq)
+    buf.reshape(dq.shape).store(dq)
 
 
 @gluon.jit
-def _add_dq_share(dq_desc, buf, b, h, m):
-    """The TMA reduce-add of the share in ``buf`` into rows m … of head h of the fp32 dQ buffer, after
-    a fence and a barrier that also publish any other shared-memory writes of the partition."""
+def _add_dq_share(dq_desc, buf, b, h, m, HEAD_DIM: gl.constexpr):
+    """The TMA reduce-add of the share in ``buf`` into rows m … of head h of the fp32 dQ buffer (at
+    head_dim 128 the buffer is dQᵀ, (B, H, d, N_q): into its columns m …), after a fence and a
+    barrier that also publish any other shared-memory writes of the partition."""
     fence_async_shared()
     cta_barrier()
-    tma_atomic_add(dq_desc, [b, h, m, 0], buf)
+    if HEAD_DIM == 128:
+        tma_atomic_add(dq_desc, [b, h, 0, m], buf)
+    else:
+        tma_atomic_add(dq_desc, [b, h, m, 0], buf)
 
 
 @gluon.jit
@@ -299,7 +328,10 @@ def _dkdv_consumer(dk_desc, dv_desc, dq_desc, lse_ptr, delta_ptr, k_smem, v_smem
     prev_h = hk * group                                     # the dQ share before the first: zeros
     prev_m = m_lo * BLOCK_M
     if ATOMIC_DQ:
-        zero_q = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=mma_d)
+        if HEAD_DIM == 128:                                 # the share transposed: d × query rows
+            zero_q = gl.zeros([HEAD_DIM, BLOCK_M], gl.float32, layout=mma_t)
+        else:
+            zero_q = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=mma_d)
         ds_smem.store(gl.zeros([64, BLOCK_M], gl.bfloat16, layout=mma_t))
         fence_async_shared()
         cta_barrier()
@@ -327,10 +359,10 @@ def _dkdv_consumer(dk_desc, dv_desc, dq_desc, lse_ptr, delta_ptr, k_smem, v_smem
                 start_n, m * BLOCK_M, row0, n_q, qk_scale, dq_desc, ds_smem, dq_smem, dq_slot0, zero_q, b, h,
                 prev_h, prev_m, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, True, ATOMIC_DQ, mma_t, mma_d)
     if ATOMIC_DQ:                                           # the last block's dQ share
-        dq = warpgroup_mma(ds_smem.permute((1, 0)), k, zero_q, use_acc=False)
+        dq = _dq_share(k, ds_smem, zero_q, HEAD_DIM, False)
         buf = dq_smem.index(dq_slot0 + (group * per_head) % 2)
-        _stage_dq_share(dq, buf, BLOCK_M, HEAD_DIM)
-        _add_dq_share(dq_desc, buf, b, prev_h, prev_m)
+        _stage_dq_share(dq, buf)
+        _add_dq_share(dq_desc, buf, b, prev_h, prev_m, HEAD_DIM)
         tma.store_wait(0)
     k.store((dk * scale).to(gl.bfloat16))                   # every product reading K and V is complete
     v.store(dv.to(gl.bfloat16))
@@ -403,7 +435,10 @@ def _key_program(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse
     if ATOMIC_DQ:
         ds_smem = gl.allocate_shared_memory(gl.bfloat16, [CONSUMERS, 64, BLOCK_M],
                                             gl.NVMMASharedLayout.get_default_for([64, BLOCK_M], gl.bfloat16))
-        dq_smem = gl.allocate_shared_memory(gl.float32, [2 * CONSUMERS, 1, 1, BLOCK_M, HEAD_DIM], dq_desc.layout)
+        if HEAD_DIM == 128:                                 # dQᵀ shares: (d, query rows) tiles
+            dq_smem = gl.allocate_shared_memory(gl.float32, [2 * CONSUMERS, 1, 1, HEAD_DIM, BLOCK_M], dq_desc.layout)
+        else:
+            dq_smem = gl.allocate_shared_memory(gl.float32, [2 * CONSUMERS, 1, 1, BLOCK_M, HEAD_DIM], dq_desc.layout)
     else:
         ds_smem = k_smem
         dq_smem = k_smem

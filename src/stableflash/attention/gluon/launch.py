@@ -83,9 +83,9 @@ _DESCRIPTOR_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TensorDesc
                         if f.default is not dataclasses.MISSING}
 
 
-def tensor_descriptor(t: torch.Tensor, rows: int, layout) -> TensorDescriptor:
-    """A rank-4 TMA descriptor over t (B, H, N, d) as it is laid out, blocks of (1, 1, rows, d) in
-    ``layout``: the object ``TensorDescriptor(...)`` makes, without its constructor's checks (a
+def tensor_descriptor(t: torch.Tensor, rows: int, layout, cols: int | None = None) -> TensorDescriptor:
+    """A rank-4 TMA descriptor over t (B, H, N, d) as it is laid out, blocks of (1, 1, rows, cols) in
+    ``layout`` (cols None: d, whole rows): the object ``TensorDescriptor(...)`` makes, without its constructor's checks (a
     launch builds up to seven; the checks cost more than the kernels at small shapes). The callers
     have checked what those checks do — the strides TMA-aligned, the last one 1 — for the inputs
     (``check_inputs``, ``route.why_not``), and allocate the outputs themselves; the base's 16-byte
@@ -95,7 +95,7 @@ def tensor_descriptor(t: torch.Tensor, rows: int, layout) -> TensorDescriptor:
                          "aligned base")
     desc = object.__new__(TensorDescriptor)
     desc.__dict__.update(_DESCRIPTOR_DEFAULTS, base=t, shape=list(t.shape), strides=list(t.stride()),
-                         block_shape=[1, 1, rows, t.shape[3]], layout=layout)
+                         block_shape=[1, 1, rows, t.shape[3] if cols is None else cols], layout=layout)
     return desc
 
 

@@ -68,27 +68,52 @@ def check_backward_inputs(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
 
 
 @functools.cache
-def dq_buffer_layout(rows: int, head_dim: int):
-    """The shared-memory layout of a (1, 1, rows, head_dim) fp32 TMA block of the dQ buffer."""
-    return gl.NVMMASharedLayout.get_default_for([1, 1, rows, head_dim], gl.float32)
+def dq_buffer_layout(rows: int, cols: int):
+    """The shared-memory layout of a (1, 1, rows, cols) fp32 TMA block of the dQ buffer."""
+    return gl.NVMMASharedLayout.get_default_for([1, 1, rows, cols], gl.float32)
+
+
+def dq_buffer(q: torch.Tensor) -> torch.Tensor:
+    """The fp32 buffer into which ``attn_bwd_hopper_kernel`` adds dQ up, seen as (B, H, N_q, d), not
+    yet cleared (the δ kernel clears it: ``_delta``'s ``clear``): contiguous at head_dim 64; at 128,
+    where the kernel adds dQᵀ, the transpose of a (B, H, d, N') tensor whose rows N' = N_q rounded
+    up to a multiple of 4 keep them 16-byte aligned for TMA."""
+    B, H, n_q, d = q.shape
+    if d != 128:
+        return torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    padded = torch.empty(B, H, d, -(-n_q // 4) * 4, dtype=torch.float32, device=q.device)
+    return padded[..., :n_q].transpose(2, 3)
 
 
 def _dq_buffer_descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
-    return tensor_descriptor(t, rows, dq_buffer_layout(rows, t.shape[3]))
+    """The dQ buffer's descriptor (``dq_buffer``): blocks of (1, 1, rows, d), or at head_dim 128 of
+    dQᵀ (1, 1, d, rows) over the (B, H, d, N_q) tensor underneath."""
+    d = t.shape[3]
+    if d == 128:
+        return tensor_descriptor(t.transpose(2, 3), d, dq_buffer_layout(d, rows), cols=rows)
+    return tensor_descriptor(t, rows, dq_buffer_layout(rows, d))
 
 
 @triton.jit
-def scale_dq_kernel(src, dst, n_rows, H, N, stride_b, stride_h, stride_n, scale, HEAD_DIM: tl.constexpr,
-                    BLOCK_R: tl.constexpr, INTERP: tl.constexpr = False):
-    """dQ = bf16(src · scale), rounded to nearest: ``src`` the fp32 sums (B, H, N, d) contiguous, ``dst``
-    (B, H, N, d) bf16 with the given strides (the last 1); BLOCK_R of the n_rows = B·H·N rows per
-    program. INTERP: under Triton's interpreter (whose cast truncates; ``triton.common.cast``)."""
+def scale_dq_kernel(src, dst, n_rows, H, N, src_stride_b, src_stride_h, src_stride_n, src_stride_d, stride_b,
+                    stride_h, stride_n, scale, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr,
+                    SRC_T: tl.constexpr = False, INTERP: tl.constexpr = False):
+    """dQ = bf16(src · scale), rounded to nearest: ``src`` the fp32 sums (B, H, N, d) with the given
+    strides, ``dst`` (B, H, N, d) bf16 with the given strides (the last 1); BLOCK_R of the
+    n_rows = B·H·N rows per program. SRC_T: src is the transpose of a (B, H, d, N) tensor
+    (``dq_buffer`` at head_dim 128), read as (d, rows) tiles along its contiguous N. INTERP: under
+    Triton's interpreter (whose cast truncates; ``triton.common.cast``)."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, HEAD_DIM)
-    keep = (rows < n_rows)[:, None]
-    x = tl.load(src + rows[:, None] * HEAD_DIM + cols[None, :], mask=keep)
-    at = (rows // (H * N)) * stride_b + (rows // N % H) * stride_h + (rows % N) * stride_n
-    tl.store(dst + at[:, None] + cols[None, :], cast(x * scale, tl.bfloat16, INTERP), mask=keep)
+    keep = rows < n_rows
+    b, h, n = rows // (H * N), rows // N % H, rows % N
+    at_src = b * src_stride_b + h * src_stride_h + n * src_stride_n
+    if SRC_T:
+        x = tl.trans(tl.load(src + at_src[None, :] + cols[:, None] * src_stride_d, mask=keep[None, :]))
+    else:
+        x = tl.load(src + at_src[:, None] + cols[None, :] * src_stride_d, mask=keep[:, None])
+    at = b * stride_b + h * stride_h + n * stride_n
+    tl.store(dst + at[:, None] + cols[None, :], cast(x * scale, tl.bfloat16, INTERP), mask=keep[:, None])
 
 
 def launch_args_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dq: torch.Tensor,
@@ -100,7 +125,7 @@ def launch_args_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     B, H, n_q, d = q.shape
     Hk, n_k = k.shape[1], k.shape[2]
     t = tiles or backward_tiles_for(d, causal)
-    t.check()
+    t.check(d)
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     scalars = (n_q, n_k, H, H // Hk, scale * LOG2E, scale)
     descriptors = (_descriptor(q, t.block_m), _descriptor(k, 64), _descriptor(v, 64), _descriptor(do, t.block_m),
@@ -137,14 +162,12 @@ def flash_backward_hopper(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     check_backward_inputs(do, q, k, v, o, residual, lse, causal, scale)
     d = q.shape[3]
     t = tiles or backward_tiles_for(d, causal)
-    t.check()
-    if t.atomic_dq and d != 64:
-        raise ValueError(f"tiles {t} with head_dim {d} are invalid; accepted: atomic_dq at head_dim 64 only")
-    delta = _delta(do, o, residual)
+    t.check(d)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if t.atomic_dq:
-        _atomic_backward(do, q, k, v, lse.contiguous(), delta, causal, scale, dq, dk, dv, t)
+        _atomic_backward(do, q, k, v, o, residual, lse.contiguous(), causal, scale, dq, dk, dv, t)
         return dq, dk, dv
+    delta = _delta(do, o, residual)
     launches = launch_args_backward(do, q, k, v, dq, dk, dv, lse.contiguous(), delta, causal, scale, t)
     for kernel, (grid, args, meta) in ((attn_bwd_dkdv_hopper_kernel, launches["dkdv"]),
                                        (attn_bwd_dq_hopper_kernel, launches["dq"])):
@@ -152,18 +175,21 @@ def flash_backward_hopper(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     return dq, dk, dv
 
 
-def _atomic_backward(do, q, k, v, lse, delta, causal: bool, scale: float | None, dq, dk, dv,
+def _atomic_backward(do, q, k, v, o, residual, lse, causal: bool, scale: float | None, dq, dk, dv,
                      tiles: BackwardTiles) -> None:
-    """The kernel adding dQ up by TMA reduce-adds (``attn_bwd_hopper_kernel``) into a zeroed fp32
-    buffer, dK and dV written into ``dk``, ``dv``; then dQ·scale into ``dq`` in bf16."""
+    """δ, and the fp32 dQ buffer (``dq_buffer``) cleared by the same kernel; the kernel adding dQ up
+    by TMA reduce-adds (``attn_bwd_hopper_kernel``) into it, dK and dV written into ``dk``, ``dv``;
+    then dQ·scale into ``dq`` in bf16: three launches."""
     B, H, n_q, d = q.shape
-    dq_sum = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dq_sum = dq_buffer(q)
+    delta = _delta(do, o, residual, clear=dq_sum)
     (grid, args, meta), = launch_args_backward(do, q, k, v, dq_sum, dk, dv, lse, delta, causal, scale,
                                                tiles).values()
     launch_cache.launch(attn_bwd_hopper_kernel, grid, *args, **meta)
     rows = B * H * n_q
-    launch_cache.launch(scale_dq_kernel, (triton.cdiv(rows, 64),), dq_sum, dq, rows, H, n_q, *dq.stride()[:3],
-                        1.0 / math.sqrt(d) if scale is None else float(scale), HEAD_DIM=d, BLOCK_R=64)
+    launch_cache.launch(scale_dq_kernel, (triton.cdiv(rows, 64),), dq_sum, dq, rows, H, n_q, *dq_sum.stride(),
+                        *dq.stride()[:3], 1.0 / math.sqrt(d) if scale is None else float(scale), HEAD_DIM=d,
+                        BLOCK_R=64, SRC_T=d == 128)
 
 
 def backward_into(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
@@ -172,14 +198,15 @@ def backward_into(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.T
     """The route's backward (``route.why_not_backward`` accepted the call): δ from dO·(O + R) by the
     Triton δ kernel, then ``_atomic_backward`` with the default tiles of its head_dim, writing into
     ``dq``, ``dk``, ``dv`` (views of one packed gradient included: TMA addresses them as they are)."""
-    _atomic_backward(do, q, k, v, lse.contiguous(), _delta(do, o, residual), causal, scale, dq, dk, dv,
+    _atomic_backward(do, q, k, v, o, residual, lse.contiguous(), causal, scale, dq, dk, dv,
                      atomic_backward_tiles(q.shape[3]))
 
 
-def _delta(do: torch.Tensor, o: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+def _delta(do: torch.Tensor, o: torch.Tensor, residual: torch.Tensor | None,
+           clear: torch.Tensor | None = None) -> torch.Tensor:
     """δ (B, H, N_q) fp32 by the Triton δ kernel: rowsum(dO ∘ (O + R)), or rowsum(dO ∘ O) without a
-    residual (None or empty)."""
+    residual (None or empty); ``clear``: an fp32 tensor of o's shape the same kernel zeroes."""
     delta = torch.empty(o.shape[:3], dtype=torch.float32, device=o.device)
     has_r = residual is not None and residual.numel() > 0
-    delta_dot(o, residual.contiguous() if has_r else o, do, delta, has_r)
+    delta_dot(o, residual.contiguous() if has_r else o, do, delta, has_r, clear)
     return delta

@@ -240,13 +240,14 @@ def compile_backward(head_dim: int, causal: bool, tiles=None) -> dict:
                                                              attn_bwd_hopper_kernel, backward_tiles_for)
     from stableflash.attention.gluon.launch_backward import dq_buffer_layout
     t = tiles or backward_tiles_for(head_dim, causal)
-    t.check()
+    t.check(head_dim)
     scalars = {"n_q": "i32", "n_k": "i32", "n_heads": "i32", "group": "i32", "qk_scale": "fp32", "scale": "fp32"}
     q, kv = _desc(t.block_m, head_dim), _desc(64, head_dim)
     descriptors = {"q_desc": q, "k_desc": kv, "v_desc": kv, "do_desc": q, "dk_desc": kv, "dv_desc": kv}
     pointers = {"lse_ptr": "*fp32", "delta_ptr": "*fp32", **scalars}
     if t.atomic_dq:
-        dq_sum = f"tensordesc<fp32[1,1,{t.block_m},{head_dim}],{dq_buffer_layout(t.block_m, head_dim)!r}>"
+        rows, cols = (head_dim, t.block_m) if head_dim == 128 else (t.block_m, head_dim)   # dQᵀ at 128
+        dq_sum = f"tensordesc<fp32[1,1,{rows},{cols}],{dq_buffer_layout(rows, cols)!r}>"
         kernels = [("fused", attn_bwd_hopper_kernel, {**descriptors, "dq_desc": dq_sum, **pointers},
                     t.dkdv_constexprs(head_dim, causal))]
     else:
@@ -283,13 +284,13 @@ def compile_backward_through_runtime(head_dim: int = 64, causal: bool = True, ti
 
     from stableflash.attention.gluon.hopper_backward import (attn_bwd_dkdv_hopper_kernel, attn_bwd_dq_hopper_kernel,
                                                              attn_bwd_hopper_kernel)
-    from stableflash.attention.gluon.launch_backward import launch_args_backward
+    from stableflash.attention.gluon.launch_backward import dq_buffer, launch_args_backward
     functions = {"dkdv": attn_bwd_dkdv_hopper_kernel, "dq": attn_bwd_dq_hopper_kernel, "fused": attn_bwd_hopper_kernel}
     with _stand_in_driver():
         q, do = (torch.zeros(2, 200, 4, head_dim, dtype=torch.bfloat16).transpose(1, 2) for _ in range(2))
         k, v = (torch.zeros(2, 2, 150, head_dim, dtype=torch.bfloat16) for _ in range(2))
         lse, delta = torch.zeros(2, 4, 200), torch.zeros(2, 4, 200)
-        dq = torch.empty_like(q, dtype=torch.float32 if tiles is not None and tiles.atomic_dq else q.dtype)
+        dq = dq_buffer(q) if tiles is not None and tiles.atomic_dq else torch.empty_like(q)
         launches = launch_args_backward(do, q, k, v, dq, torch.empty_like(k), torch.empty_like(v), lse, delta, causal,
                                         None, tiles)
         kernels = {name: functions[name].warmup(*args, grid=grid, **meta)

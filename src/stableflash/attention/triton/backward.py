@@ -99,9 +99,12 @@ def _query_program(n_heads, n_q, n_k, CU_Q, CU_K, BLOCK_M: tl.constexpr, VARLEN:
 
 @triton.jit
 def delta_dot_kernel(O, R, DO, DELTA, stride_ob, stride_oh, stride_om, stride_db, stride_dh, stride_dm,
-                     n_heads, n_q, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, HAS_R: tl.constexpr):
+                     n_heads, n_q, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, HAS_R: tl.constexpr,
+                     ZERO=0, stride_zb=0, stride_zh=0, stride_zm=0, stride_zd=0, CLEAR: tl.constexpr = False):
     """δ = rowsum(dO ∘ O) in fp32; with HAS_R, rowsum(dO ∘ (O + R)), R the O store's rounding
-    residual (contiguous (B, H, Nq, d), as the forward wrote it), added here in fp32."""
+    residual (contiguous (B, H, Nq, d), as the forward wrote it), added here in fp32. CLEAR: also
+    zeros of ZERO's rows of the block, a (B, H, Nq, d) fp32 tensor with the given strides (the buffer
+    a backward adds dQ up in), so that clearing it costs no launch of its own."""
     bh = tl.program_id(1)
     b, h = bh // n_heads, bh % n_heads
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -113,6 +116,9 @@ def delta_dot_kernel(O, R, DO, DELTA, stride_ob, stride_oh, stride_om, stride_db
         o += tl.load(R + (bh * n_q + offs_m[:, None]) * HEAD_DIM + offs_d[None, :], mask=rows, other=0.0).to(tl.float32)
     do = tl.load(DO + b * stride_db + h * stride_dh + offs_m[:, None] * stride_dm + offs_d[None, :], mask=rows, other=0.0)
     tl.store(DELTA + bh * n_q + offs_m, tl.sum(o * do.to(tl.float32), 1), mask=offs_m < n_q)
+    if CLEAR:
+        tl.store(ZERO + b * stride_zb + h * stride_zh + offs_m[:, None] * stride_zm + offs_d[None, :] * stride_zd,
+                 tl.zeros([BLOCK_M, HEAD_DIM], tl.float32), mask=rows)
 
 
 @triton.jit

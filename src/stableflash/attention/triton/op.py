@@ -638,13 +638,17 @@ def _triton_op(name: str, body, kernels) -> torch.library.CustomOpDef:
 attn_fwd_inline = _triton_op("stableflash::attn_fwd_inline", _forward_op(True), (attn_fwd_kernel,))
 
 
-def delta_dot(o: torch.Tensor, r: torch.Tensor, do: torch.Tensor, delta: torch.Tensor, has_r: bool) -> None:
+def delta_dot(o: torch.Tensor, r: torch.Tensor, do: torch.Tensor, delta: torch.Tensor, has_r: bool,
+              clear: torch.Tensor | None = None) -> None:
     """δ = rowsum(dO ∘ O), with ``has_r`` rowsum(dO ∘ (O + R)) (``r`` contiguous (B, H, N_q, d); any
-    tensor without), into ``delta`` (B, H, N_q) fp32, by the δ kernel of its own."""
+    tensor without), into ``delta`` (B, H, N_q) fp32, by the δ kernel of its own; ``clear``: an fp32
+    tensor of o's shape (any strides) the same kernel fills with zeros."""
     B, H, n_q, d = o.shape
     d, block = int(d), 64
+    zero = {} if clear is None else dict(ZERO=clear, stride_zb=clear.stride(0), stride_zh=clear.stride(1),
+                                         stride_zm=clear.stride(2), stride_zd=clear.stride(3), CLEAR=True)
     _run(delta_dot_kernel, (triton.cdiv(n_q, block), B * H), o, r, do, delta, *_strides(o), *_strides(do), H,
-         n_q, HEAD_DIM=d, BLOCK_M=block, HAS_R=has_r)
+         n_q, HEAD_DIM=d, BLOCK_M=block, HAS_R=has_r, **zero)
 
 
 def _backward_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
