@@ -393,8 +393,9 @@ def attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq
                            STAGES: gl.constexpr, CAUSAL: gl.constexpr):
     """``attn_bwd_dkdv_hopper_kernel`` that also adds each block pair's share of dQ, dS̄·K unscaled, to
     an fp32 (B, H, N_q, d) buffer that starts at zero: ``dq_desc``, a rank-4 descriptor of fp32
-    (1, 1, BLOCK_M, d) blocks, through TMA reduce-adds (one per consumer warpgroup and streamed
-    block; the order of the additions is not fixed)."""
+    (1, 1, BLOCK_M, d) blocks — at head_dim 128 of dQᵀ, (1, 1, d, BLOCK_M) blocks of a (B, H, d, N_q)
+    buffer (``_dq_share``) — through TMA reduce-adds (one per consumer warpgroup and streamed block;
+    the order of the additions is not fixed)."""
     _key_program(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse_ptr, delta_ptr, n_q, n_k, n_heads,
                  group, qk_scale, scale, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, True)
 
