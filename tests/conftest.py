@@ -143,6 +143,74 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def _rank_main(argv: list[str], env: dict, log: str) -> None:
+    """One rank of ``launch_ranks``: torchrun's environment and its one thread a rank (OMP_NUM_THREADS=1),
+    output to ``log``, ``stableflash.cli.main``."""
+    import torch
+    os.environ.update(env, OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    out = os.open(log, os.O_WRONLY | os.O_TRUNC)
+    os.dup2(out, 1)
+    os.dup2(out, 2)
+    from stableflash import cli
+    code = cli.main(argv)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if code:
+        raise SystemExit(code)
+
+
+def launch_ranks(argv: list[str], nproc: int = 2, timeout: float = 300) -> None:
+    """``torchrun --standalone --nproc_per_node=nproc -m stableflash.cli *argv`` on the CPU: each rank a
+    process running ``stableflash.cli.main(argv)`` with the environment torchrun gives it (RANK,
+    LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, one thread; CUDA_VISIBLE_DEVICES
+    empty).
+    The ranks come from multiprocessing's fork server, which imported torch, torch._dynamo (any
+    optimizer imports it) and stableflash once for the whole run: a rank starts in a fraction of a
+    second instead of torchrun's launcher and each rank importing them (8 s of the 11 a 3-step tiny
+    run takes on two idle cores). Without a fork server (not on Linux) the ranks go through torchrun
+    itself; the launcher's own path is ``tests/test_cli.py``'s documented torchrun test.
+    AssertionError with the ranks' output if a rank fails or the run passes ``timeout`` seconds."""
+    import multiprocessing
+    import socket
+    import subprocess
+    import tempfile
+    import time
+
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), PYTHONFAULTHANDLER="1", CUDA_VISIBLE_DEVICES="")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m",
+               "stableflash.cli", *argv]
+        res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+        assert res.returncode == 0, res.stderr[:2000] + "\n[...]\n" + res.stderr[-2000:]
+        return
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch._dynamo", "stableflash.cli", "tests.conftest"])
+    with socket.socket() as sock:                  # a free port for the ranks' rendezvous
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    logs = [tempfile.NamedTemporaryFile(prefix=f"rank{rank}-", suffix=".log", delete=False).name for rank in range(nproc)]
+    ranks = [ctx.Process(target=_rank_main, args=(argv, {
+        "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "CUDA_VISIBLE_DEVICES": ""}, logs[rank]))
+        for rank in range(nproc)]
+    for p in ranks:
+        p.start()
+    deadline = time.monotonic() + timeout
+    for p in ranks:
+        p.join(max(deadline - time.monotonic(), 0))
+    for p in ranks:
+        if p.exitcode is None:                     # past the timeout
+            p.kill()
+            p.join()
+    output = [open(log, errors="replace").read() for log in logs]
+    for log in logs:
+        os.unlink(log)
+    codes = [p.exitcode for p in ranks]
+    assert codes == [0] * nproc, (f"ranks' exit codes {codes} (-9: killed after {timeout} s)\n"
+                                  + "\n".join(f"--- rank {r}:\n{text[-3000:]}" for r, text in enumerate(output)))
+
+
 def readme_python_blocks() -> list[str]:
     """The README's ```python blocks, in order (tests run them as a user would copy them)."""
     import re

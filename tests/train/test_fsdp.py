@@ -7,10 +7,7 @@ monitor rollback restores the sharded checkpoint and switches on every rank. A c
 cannot run is a clear error."""
 import json
 import math
-import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -19,6 +16,7 @@ from stableflash.cli import main
 from stableflash.train.config import make_config
 from stableflash.train.loop import train
 from stableflash.train.metrics import read_metrics
+from tests.conftest import launch_ranks
 
 FIXED = ("grad_accum=4", "device=cpu", "probe_every=0", "ckpt_every=3", "lr_decay_iters=6", "eval_every=3",
          "eval_iters=2")
@@ -34,14 +32,12 @@ def last_per_step(run_dir):
 
 
 def torchrun(data_dir, out, *sets, resume=False):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), PYTHONFAULTHANDLER="1", CUDA_VISIBLE_DEVICES="")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
-           "stableflash.cli", "train", "-q"]
-    cmd += ["--resume", str(out)] if resume else ["--preset", "tiny", "--out", str(out)]
+    """`torchrun --standalone --nproc_per_node=2 -m stableflash.cli train ...` on two CPU ranks
+    (``launch_ranks``)."""
+    argv = ["train", "-q"] + (["--resume", str(out)] if resume else ["--preset", "tiny", "--out", str(out)])
     for s in (f"data={data_dir}", "parallel=fsdp", *FIXED, *sets):
-        cmd += ["--set", s]
-    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[:2000] + "\n[...]\n" + res.stderr[-2000:]
+        argv += ["--set", s]
+    launch_ranks(argv)
 
 
 @pytest.mark.slow

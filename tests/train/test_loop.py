@@ -142,20 +142,12 @@ def test_ddp_splits_the_global_batch_like_one_process(data_dir, tmp_path):
     """Two gloo ranks on CPU consume the micro-batches one process consumes, and their average loss
     per step matches the one-process run (same global batch) to float32 summation order; rank 0
     probes the step's last global micro-batch, as one process does, so the probe records agree."""
-    import os
-    import subprocess
-    import sys
+    from tests.conftest import launch_ranks
     # on the CPU on any machine: two ranks need two GPUs, and a GPU's sums differ from the CPU's
     single = train(cfg_for(data_dir, "max_iters=5", "grad_accum=2", "device=cpu", "probe_every=2"), tmp_path / "one",
                    progress=False)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), PYTHONFAULTHANDLER="1",   # a crash shows its stack
-               CUDA_VISIBLE_DEVICES="")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
-           "stableflash.cli", "train", "--preset", "tiny", "--out", str(tmp_path / "two"), "-q",
-           "--set", f"data={data_dir}", "--set", "max_iters=5", "--set", "grad_accum=2", "--set", "device=cpu",
-           "--set", "probe_every=2"]
-    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[:2000] + "\n[...]\n" + res.stderr[-2000:]   # the ranks' own errors come first
+    launch_ranks(["train", "--preset", "tiny", "--out", str(tmp_path / "two"), "-q", "--set", f"data={data_dir}",
+                  "--set", "max_iters=5", "--set", "grad_accum=2", "--set", "device=cpu", "--set", "probe_every=2"])
     one, two = losses(tmp_path / "one"), losses(tmp_path / "two")
     assert single["status"] == "finished" and len(two) == 5
     assert max(abs(a - b) for a, b in zip(one, two)) < 1e-4, (one, two)
