@@ -13,12 +13,14 @@ lengths, grouped-query heads, (B, N, H, d) buffers; through ``torch.compile`` th
 the same values bit for bit; head_dim 64 and a window stay on the Triton kernels.
 
 The backward (``why_not_backward``): without a GPU each reason that keeps it on the Triton kernels
-is named (head_dim, fewer keys than ``BACKWARD_MIN_KEYS``, deterministic algorithms, the
-configuration, masks, dO's alignment). On an H100/H200: a head_dim-64 call from that many keys on
-runs the Gluon backward with atomic dQ (counted), within 1.25× (+1e-4) the Triton backward's error
-against float64 — (B, N, H, d) buffers, grouped-query heads, tied maxima, causal or not, and
-``flash_attn_qkvpacked_func``'s one gradient of qkv, eager and compiled; with
-``torch.use_deterministic_algorithms`` the Triton backward runs, bit for bit the portable path's.
+is named (head_dim, fewer keys than ``BACKWARD_MIN_KEYS`` of the head_dim, deterministic algorithms
+at head_dim 64, the configuration, masks, dO's alignment). On an H100/H200: a head_dim-64 call from
+that many keys on runs the Gluon backward with atomic dQ (counted), within 1.25× (+1e-4) the Triton
+backward's error against float64 — (B, N, H, d) buffers, grouped-query heads, tied maxima, causal
+or not, and ``flash_attn_qkvpacked_func``'s one gradient of qkv, eager and compiled; with
+``torch.use_deterministic_algorithms`` the Triton backward runs, bit for bit the portable path's. A
+head_dim-128 call from 4096 keys runs the two Gluon backward kernels, within the same bound, and
+keeps them in deterministic mode, bit for bit repeatable.
 """
 import pytest
 import torch
@@ -91,7 +93,8 @@ def test_each_unsupported_feature_is_named(change, words):
     assert reason is not None and words in reason, reason
 
 
-def _backward_call(d=64, n=route.BACKWARD_MIN_KEYS, device="cpu"):
+def _backward_call(d=64, n=None, device="cpu"):
+    n = route.BACKWARD_MIN_KEYS[d] if n is None else n
     q, k, v = _bf16(1, 2, n, d, device=device), _bf16(1, 2, n, d, device=device), _bf16(1, 2, n, d, device=device)
     return _bf16(1, 2, n, d, device=device), q, k, v
 
@@ -104,22 +107,34 @@ def test_backward_switch_and_interpreter_keep_calls_on_triton():
 
 
 @needs_gluon
-def test_a_qualifying_backward_is_refused_for_its_device_alone():
-    do, q, k, v = _backward_call()
+@pytest.mark.parametrize("d", [64, 128])
+def test_a_qualifying_backward_is_refused_for_its_device_alone(d):
+    """At head_dim 128 also with torch.use_deterministic_algorithms on: its two kernels sum in a
+    fixed order."""
+    do, q, k, v = _backward_call(d)
     assert route.why_not_backward(do, q, k, v, CONFIG, Masks()) == "the tensors are on cpu, not CUDA"
+    if d == 128:
+        was = torch.are_deterministic_algorithms_enabled()
+        torch.use_deterministic_algorithms(True)
+        try:
+            assert route.why_not_backward(do, q, k, v, CONFIG, Masks()) == "the tensors are on cpu, not CUDA"
+        finally:
+            torch.use_deterministic_algorithms(was)
 
 
 @needs_gluon
 @pytest.mark.parametrize("change, words", [
-    (dict(d=128), "head_dim 128 (routed backward: (64,))"),
-    (dict(n=route.BACKWARD_MIN_KEYS - 1), f"the backward is routed from {route.BACKWARD_MIN_KEYS} on"),
+    (dict(d=32, n=4096), "head_dim 32 (routed backward: (64, 128))"),
+    (dict(n=route.BACKWARD_MIN_KEYS[64] - 1), f"the backward at head_dim 64 is routed from {route.BACKWARD_MIN_KEYS[64]} on"),
+    (dict(d=128, n=route.BACKWARD_MIN_KEYS[128] - 1),
+     f"the backward at head_dim 128 is routed from {route.BACKWARD_MIN_KEYS[128]} on"),
     (dict(deterministic=True), "use_deterministic_algorithms is on"),
     (dict(config=stabilized_config(torch.float16)), "not flash_attention's default for bf16"),
     (dict(masks=Masks(band=(8, 0, False))), "window, attn_mask, varlen batch or dropout"),
     (dict(offset=True), "do with strides"),
-], ids=["d128", "short", "deterministic", "fp16-config", "window", "misaligned-do"])
+], ids=["d32", "short", "short-d128", "deterministic", "fp16-config", "window", "misaligned-do"])
 def test_each_backward_it_does_not_take_is_named(change, words):
-    do, q, k, v = _backward_call(change.get("d", 64), change.get("n", route.BACKWARD_MIN_KEYS))
+    do, q, k, v = _backward_call(change.get("d", 64), change.get("n"))
     if change.get("offset"):
         do = _bf16(do.numel() + 1)[1:].view(do.shape)                # base 2 bytes past alignment
     was = torch.are_deterministic_algorithms_enabled()
@@ -236,7 +251,7 @@ def test_long_head_dim_64_backwards_run_the_hopper_backward(causal, counted):
     block: the Triton forward, the Gluon backward with atomic dQ, within 1.25× (+1e-4) the Triton
     backward's error against float64; with torch.use_deterministic_algorithms the Triton backward,
     bit for bit what the switched-off route gives."""
-    n = route.BACKWARD_MIN_KEYS + 37
+    n = route.BACKWARD_MIN_KEYS[64] + 37
     gen = torch.Generator(device="cuda").manual_seed(64 + causal)
     q, k, v, do = _inputs(1, 4, 2, n, 64, True, gen, "bnhd")
     got = _run(q, k, v, do, causal=causal)
@@ -256,6 +271,33 @@ def test_long_head_dim_64_backwards_run_the_hopper_backward(causal, counted):
 
 @pytest.mark.gpu
 @on_hopper
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_long_head_dim_128_backwards_run_the_two_gluon_kernels(causal, counted):
+    """head_dim 128 from BACKWARD_MIN_KEYS[128] keys on, as a user calls it — (B, N, H, d) buffers,
+    grouped-query heads, tied maxima, N not a multiple of a block: the Gluon forward and backward,
+    within 1.25× (+1e-4) the Triton kernels' error against float64; with
+    torch.use_deterministic_algorithms still the Gluon backward (its sums in one fixed order), bit
+    for bit the same in two runs."""
+    n = route.BACKWARD_MIN_KEYS[128] + 37
+    gen = torch.Generator(device="cuda").manual_seed(128 + causal)
+    q, k, v, do = _inputs(1, 2, 1, n, 128, True, gen, "bnhd")
+    got = _run(q, k, v, do, causal=causal)
+    assert counted == {"forward": 1, "backward": 1}
+    with route.triton_only():
+        portable = _run(q, k, v, do, causal=causal)
+    _within_portable_error(got, portable, expanded_reference(q, k, v, do, causal), (q, q, k, v))
+    torch.use_deterministic_algorithms(True)
+    try:
+        first, again = _run(q, k, v, do, causal=causal), _run(q, k, v, do, causal=causal)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert counted == {"forward": 3, "backward": 3}
+    for a, b in zip(first, again):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@on_hopper
 def test_packed_qkv_backward_on_the_hopper_route_eager_and_compiled(counted, monkeypatch):
     """``flash_attn_qkvpacked_func`` (the GPT model's call): the gradient of qkv, dQ, dK and dV written
     by the Gluon backward into one tensor laid out as qkv, in eager mode and through torch.compile
@@ -264,7 +306,7 @@ def test_packed_qkv_backward_on_the_hopper_route_eager_and_compiled(counted, mon
     from stableflash.attention import flash_attn_qkvpacked_func
     monkeypatch.setattr(triton_op, "AUTOTUNE", False)
     gen = torch.Generator(device="cuda").manual_seed(7)
-    B, n, H, d = 1, route.BACKWARD_MIN_KEYS, 2, 64
+    B, n, H, d = 1, route.BACKWARD_MIN_KEYS[64], 2, 64
     qkv = torch.randn(B, n, 3, H, d, generator=gen, device="cuda").to(torch.bfloat16)
     do = torch.randn(B, n, H, d, generator=gen, device="cuda").to(torch.bfloat16)
 

@@ -195,11 +195,18 @@ def _atomic_backward(do, q, k, v, o, residual, lse, causal: bool, scale: float |
 def backward_into(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                   residual: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float, dq: torch.Tensor,
                   dk: torch.Tensor, dv: torch.Tensor) -> None:
-    """The route's backward (``route.why_not_backward`` accepted the call): δ from dO·(O + R) by the
-    Triton δ kernel, then ``_atomic_backward`` with the default tiles of its head_dim, writing into
-    ``dq``, ``dk``, ``dv`` (views of one packed gradient included: TMA addresses them as they are)."""
-    _atomic_backward(do, q, k, v, o, residual, lse.contiguous(), causal, scale, dq, dk, dv,
-                     atomic_backward_tiles(q.shape[3]))
+    """The route's backward (``route.why_not_backward`` accepted the call), writing into ``dq``, ``dk``,
+    ``dv`` (views of one packed gradient included: TMA addresses them as they are): at head_dim 64
+    ``_atomic_backward`` with ``atomic_backward_tiles(64)``, at 128 δ from dO·(O + R) by the Triton
+    δ kernel, then the dK/dV and dQ kernels of the default tiles (``backward_tiles_for``)."""
+    if q.shape[3] == 64:
+        _atomic_backward(do, q, k, v, o, residual, lse.contiguous(), causal, scale, dq, dk, dv,
+                         atomic_backward_tiles(64))
+        return
+    launches = launch_args_backward(do, q, k, v, dq, dk, dv, lse.contiguous(), _delta(do, o, residual), causal, scale)
+    for kernel, (grid, args, meta) in ((attn_bwd_dkdv_hopper_kernel, launches["dkdv"]),
+                                       (attn_bwd_dq_hopper_kernel, launches["dq"])):
+        launch_cache.launch(kernel, grid, *args, **meta)
 
 
 def _delta(do: torch.Tensor, o: torch.Tensor, residual: torch.Tensor | None,
