@@ -160,7 +160,7 @@ def _rank_main(argv: list[str], env: dict, log: str) -> None:
         raise SystemExit(code)
 
 
-def launch_ranks(argv: list[str], nproc: int = 2, timeout: float = 300) -> None:
+def launch_ranks(argv: list[str], nproc: int = 2, timeout: float = 300, expect: int = 0) -> list[str]:
     """``torchrun --standalone --nproc_per_node=nproc -m stableflash.cli *argv`` on the CPU: each rank a
     process running ``stableflash.cli.main(argv)`` with the environment torchrun gives it (RANK,
     LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, one thread; CUDA_VISIBLE_DEVICES
@@ -169,8 +169,9 @@ def launch_ranks(argv: list[str], nproc: int = 2, timeout: float = 300) -> None:
     optimizer imports it) and stableflash once for the whole run: a rank starts in a fraction of a
     second instead of torchrun's launcher and each rank importing them (8 s of the 11 a 3-step tiny
     run takes on two idle cores). Without a fork server (not on Linux) the ranks go through torchrun
-    itself; the launcher's own path is ``tests/test_cli.py``'s documented torchrun test.
-    AssertionError with the ranks' output if a rank fails or the run passes ``timeout`` seconds."""
+    itself; the launcher's own path is ``tests/test_cli.py``'s documented torchrun test. Returns
+    each rank's output (stdout and stderr); AssertionError with them if a rank exits with another
+    code than ``expect`` or the run passes ``timeout`` seconds."""
     import multiprocessing
     import socket
     import subprocess
@@ -182,8 +183,8 @@ def launch_ranks(argv: list[str], nproc: int = 2, timeout: float = 300) -> None:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m",
                "stableflash.cli", *argv]
         res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-        assert res.returncode == 0, res.stderr[:2000] + "\n[...]\n" + res.stderr[-2000:]
-        return
+        assert res.returncode == expect, res.stderr[:2000] + "\n[...]\n" + res.stderr[-2000:]
+        return [res.stdout + res.stderr]
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch._dynamo", "stableflash.cli", "tests.conftest"])
     with socket.socket() as sock:                  # a free port for the ranks' rendezvous
@@ -207,8 +208,9 @@ def launch_ranks(argv: list[str], nproc: int = 2, timeout: float = 300) -> None:
     for log in logs:
         os.unlink(log)
     codes = [p.exitcode for p in ranks]
-    assert codes == [0] * nproc, (f"ranks' exit codes {codes} (-9: killed after {timeout} s)\n"
-                                  + "\n".join(f"--- rank {r}:\n{text[-3000:]}" for r, text in enumerate(output)))
+    assert codes == [expect] * nproc, (f"ranks' exit codes {codes} (-9: killed after {timeout} s)\n"
+                                       + "\n".join(f"--- rank {r}:\n{text[-3000:]}" for r, text in enumerate(output)))
+    return output
 
 
 def readme_python_blocks() -> list[str]:

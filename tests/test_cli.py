@@ -221,16 +221,6 @@ def test_the_documented_torchrun_command_trains_on_two_cpu_ranks(data_dir, tmp_p
     # The same run again into that folder, its two ranks started without torchrun's agent (which stops
     # the other ranks as soon as one fails, so under it only rank 0's refusal is sure to be printed):
     # rank 0 decides and each rank refuses with exit 2 instead of waiting for rank 0.
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ranks = [subprocess.Popen([sys.executable, str(script), *cmd[cmd.index("train"):]], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True,
-                              env=dict(env, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
-                                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)))
-             for r in (0, 1)]
-    for proc in ranks:
-        _, err = proc.communicate(timeout=120)
-        assert proc.returncode == 2, err[-3000:]
+    from tests.conftest import launch_ranks
+    for err in launch_ranks(cmd[cmd.index("train"):], timeout=120, expect=2):
         assert "already holds a run; resume it" in err.splitlines()[-1], err[-3000:]
