@@ -103,6 +103,9 @@ def _interpreter_without_repeated_setup() -> None:
 
     interpreter._patch_lang = _patch_lang
     executor.__call__ = __call__
+    # what was replaced, for the test that compares both (tests/attention/test_interpreter_setup.py)
+    _interpreter_without_repeated_setup.originals = {(interpreter, "_patch_lang"): patch_lang,
+                                                     (executor, "__call__"): run_grid}
 
     np_dtype = getattr(interpreter, "_get_np_dtype", None)
     if callable(np_dtype):
@@ -118,6 +121,7 @@ def _interpreter_without_repeated_setup() -> None:
             return found
 
         interpreter._get_np_dtype = _get_np_dtype
+        _interpreter_without_repeated_setup.originals[(interpreter, "_get_np_dtype")] = np_dtype
 
 
 def pytest_xdist_auto_num_workers(config) -> int:
