@@ -147,23 +147,6 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-def _rank_main(argv: list[str], env: dict, log: str) -> None:
-    """One rank of ``launch_ranks``: torchrun's environment and its one thread a rank (OMP_NUM_THREADS=1),
-    output to ``log``, ``stableflash.cli.main``."""
-    import torch
-    os.environ.update(env, OMP_NUM_THREADS="1")
-    torch.set_num_threads(1)
-    out = os.open(log, os.O_WRONLY | os.O_TRUNC)
-    os.dup2(out, 1)
-    os.dup2(out, 2)
-    from stableflash import cli
-    code = cli.main(argv)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    if code:
-        raise SystemExit(code)
-
-
 def launch_ranks(argv: list[str], nproc: int = 2, timeout: float = 300, expect: int = 0) -> list[str]:
     """``torchrun --standalone --nproc_per_node=nproc -m stableflash.cli *argv`` on the CPU: each rank a
     process running ``stableflash.cli.main(argv)`` with the environment torchrun gives it (RANK,
@@ -190,12 +173,13 @@ def launch_ranks(argv: list[str], nproc: int = 2, timeout: float = 300, expect: 
         assert res.returncode == expect, res.stderr[:2000] + "\n[...]\n" + res.stderr[-2000:]
         return [res.stdout + res.stderr]
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch._dynamo", "stableflash.cli", "tests.conftest"])
+    ctx.set_forkserver_preload(["torch", "torch._dynamo", "stableflash.cli", "tests.ranks"])
     with socket.socket() as sock:                  # a free port for the ranks' rendezvous
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     logs = [tempfile.NamedTemporaryFile(prefix=f"rank{rank}-", suffix=".log", delete=False).name for rank in range(nproc)]
-    ranks = [ctx.Process(target=_rank_main, args=(argv, {
+    from tests.ranks import rank_main
+    ranks = [ctx.Process(target=rank_main, args=(argv, {
         "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "CUDA_VISIBLE_DEVICES": ""}, logs[rank]))
         for rank in range(nproc)]
