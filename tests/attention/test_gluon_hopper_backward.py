@@ -94,7 +94,7 @@ def test_atomic_dq_tiles():
     """The route's tiles for the backward adding dQ up by TMA reduce-adds: at head_dim 64 one consumer
     warpgroup under a 128-register cap, at 128 two warpgroups over 32-row query blocks (the share
     transposed); a query block the head_dim's share cannot take is refused with it."""
-    from stableflash.attention.gluon.hopper_backward import BackwardTiles, atomic_backward_tiles
+    from stableflash.attention.gluon.hopper_backward import atomic_backward_tiles
     t = atomic_backward_tiles(64)
     t.check(64)
     assert t.atomic_dq and (t.block_n, t.block_m, t.stages, t.max_registers) == (64, 64, 3, 128)
