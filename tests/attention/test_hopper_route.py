@@ -22,6 +22,8 @@ or not, and ``flash_attn_qkvpacked_func``'s one gradient of qkv, eager and compi
 head_dim-128 call from 4096 keys runs the two Gluon backward kernels, within the same bound, and
 keeps them in deterministic mode, bit for bit repeatable.
 """
+import contextlib
+
 import pytest
 import torch
 
@@ -99,6 +101,17 @@ def _backward_call(d=64, n=None, device="cpu"):
     return _bf16(1, 2, n, d, device=device), q, k, v
 
 
+@contextlib.contextmanager
+def deterministic(on: bool = True):
+    """``torch.use_deterministic_algorithms(on)`` within the block, the earlier setting restored after."""
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(on)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(was)
+
+
 def test_backward_switch_and_interpreter_keep_calls_on_triton():
     do, q, k, v = _backward_call()
     with route.triton_only():
@@ -114,12 +127,8 @@ def test_a_qualifying_backward_is_refused_for_its_device_alone(d):
     do, q, k, v = _backward_call(d)
     assert route.why_not_backward(do, q, k, v, CONFIG, Masks()) == "the tensors are on cpu, not CUDA"
     if d == 128:
-        was = torch.are_deterministic_algorithms_enabled()
-        torch.use_deterministic_algorithms(True)
-        try:
+        with deterministic():
             assert route.why_not_backward(do, q, k, v, CONFIG, Masks()) == "the tensors are on cpu, not CUDA"
-        finally:
-            torch.use_deterministic_algorithms(was)
 
 
 @needs_gluon
@@ -137,12 +146,8 @@ def test_each_backward_it_does_not_take_is_named(change, words):
     do, q, k, v = _backward_call(change.get("d", 64), change.get("n"))
     if change.get("offset"):
         do = _bf16(do.numel() + 1)[1:].view(do.shape)                # base 2 bytes past alignment
-    was = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(change.get("deterministic", was))
-    try:
+    with deterministic(change.get("deterministic", torch.are_deterministic_algorithms_enabled())):
         reason = route.why_not_backward(do, q, k, v, change.get("config", CONFIG), change.get("masks", Masks()))
-    finally:
-        torch.use_deterministic_algorithms(was)
     assert reason is not None and words in reason, reason
 
 
@@ -235,6 +240,17 @@ def test_unsupported_calls_stay_on_the_triton_kernels(kw, counted):
         assert torch.equal(a, b)
 
 
+def _routed_within_portable_error(q, k, v, do, causal, counted, launches):
+    """``flash_attention`` fwd+bwd through the route, its Gluon launches counted as ``launches``, within
+    ``_within_portable_error`` of the switched-off route's against float64; returns the latter's."""
+    got = _run(q, k, v, do, causal=causal)
+    assert counted == launches
+    with route.triton_only():
+        portable = _run(q, k, v, do, causal=causal)
+    _within_portable_error(got, portable, expanded_reference(q, k, v, do, causal), (q, q, k, v))
+    return portable
+
+
 def _within_portable_error(got, portable, ref, likes):
     for name, x, x_t, r, like in zip(("O", "dQ", "dK", "dV"), got, portable, ref, likes):
         assert x.shape == like.shape and x.dtype == torch.bfloat16 and torch.isfinite(x).all(), name
@@ -254,16 +270,9 @@ def test_long_head_dim_64_backwards_run_the_hopper_backward(causal, counted):
     n = route.BACKWARD_MIN_KEYS[64] + 37
     gen = torch.Generator(device="cuda").manual_seed(64 + causal)
     q, k, v, do = _inputs(1, 4, 2, n, 64, True, gen, "bnhd")
-    got = _run(q, k, v, do, causal=causal)
-    assert counted == {"forward": 0, "backward": 1}
-    with route.triton_only():
-        portable = _run(q, k, v, do, causal=causal)
-    _within_portable_error(got, portable, expanded_reference(q, k, v, do, causal), (q, q, k, v))
-    torch.use_deterministic_algorithms(True)
-    try:
+    portable = _routed_within_portable_error(q, k, v, do, causal, counted, {"forward": 0, "backward": 1})
+    with deterministic():
         repeatable = _run(q, k, v, do, causal=causal)
-    finally:
-        torch.use_deterministic_algorithms(False)
     assert counted == {"forward": 0, "backward": 1}
     for a, b in zip(repeatable, portable):
         assert torch.equal(a, b)
@@ -281,16 +290,9 @@ def test_long_head_dim_128_backwards_run_the_two_gluon_kernels(causal, counted):
     n = route.BACKWARD_MIN_KEYS[128] + 37
     gen = torch.Generator(device="cuda").manual_seed(128 + causal)
     q, k, v, do = _inputs(1, 2, 1, n, 128, True, gen, "bnhd")
-    got = _run(q, k, v, do, causal=causal)
-    assert counted == {"forward": 1, "backward": 1}
-    with route.triton_only():
-        portable = _run(q, k, v, do, causal=causal)
-    _within_portable_error(got, portable, expanded_reference(q, k, v, do, causal), (q, q, k, v))
-    torch.use_deterministic_algorithms(True)
-    try:
+    _routed_within_portable_error(q, k, v, do, causal, counted, {"forward": 1, "backward": 1})
+    with deterministic():
         first, again = _run(q, k, v, do, causal=causal), _run(q, k, v, do, causal=causal)
-    finally:
-        torch.use_deterministic_algorithms(False)
     assert counted == {"forward": 3, "backward": 3}
     for a, b in zip(first, again):
         assert torch.equal(a, b)

@@ -167,12 +167,18 @@ def flash_backward_hopper(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     if t.atomic_dq:
         _atomic_backward(do, q, k, v, o, residual, lse.contiguous(), causal, scale, dq, dk, dv, t)
         return dq, dk, dv
-    delta = _delta(do, o, residual)
-    launches = launch_args_backward(do, q, k, v, dq, dk, dv, lse.contiguous(), delta, causal, scale, t)
+    _two_kernel_backward(do, q, k, v, o, residual, lse.contiguous(), causal, scale, dq, dk, dv, t)
+    return dq, dk, dv
+
+
+def _two_kernel_backward(do, q, k, v, o, residual, lse, causal: bool, scale: float | None, dq, dk, dv,
+                         tiles: BackwardTiles | None) -> None:
+    """δ by the Triton δ kernel, then the dK/dV kernel and the dQ kernel (``tiles``, None: the
+    default ones), writing into ``dq``, ``dk``, ``dv``."""
+    launches = launch_args_backward(do, q, k, v, dq, dk, dv, lse, _delta(do, o, residual), causal, scale, tiles)
     for kernel, (grid, args, meta) in ((attn_bwd_dkdv_hopper_kernel, launches["dkdv"]),
                                        (attn_bwd_dq_hopper_kernel, launches["dq"])):
         launch_cache.launch(kernel, grid, *args, **meta)
-    return dq, dk, dv
 
 
 def _atomic_backward(do, q, k, v, o, residual, lse, causal: bool, scale: float | None, dq, dk, dv,
@@ -202,11 +208,8 @@ def backward_into(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.T
     if q.shape[3] == 64:
         _atomic_backward(do, q, k, v, o, residual, lse.contiguous(), causal, scale, dq, dk, dv,
                          atomic_backward_tiles(64))
-        return
-    launches = launch_args_backward(do, q, k, v, dq, dk, dv, lse.contiguous(), _delta(do, o, residual), causal, scale)
-    for kernel, (grid, args, meta) in ((attn_bwd_dkdv_hopper_kernel, launches["dkdv"]),
-                                       (attn_bwd_dq_hopper_kernel, launches["dq"])):
-        launch_cache.launch(kernel, grid, *args, **meta)
+    else:
+        _two_kernel_backward(do, q, k, v, o, residual, lse.contiguous(), causal, scale, dq, dk, dv, None)
 
 
 def _delta(do: torch.Tensor, o: torch.Tensor, residual: torch.Tensor | None,
