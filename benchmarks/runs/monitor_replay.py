@@ -302,7 +302,7 @@ def main(argv=None) -> int:
     if args.json:
         args.json.write_text(json.dumps({"held_out": held, "new": new, "lead_steps": LEAD_STEPS, "lead_share": LEAD_SHARE,
                                          "runs": [{k: v for k, v in r.items() if k != "probes"} for r in runs],
-                                         "rows": rows}, indent=1))
+                                         "rows": rows}, separators=(",", ":")) + "\n")
     return 0
 
 

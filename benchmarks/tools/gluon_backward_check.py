@@ -4,22 +4,23 @@
     python benchmarks/tools/gluon_backward_check.py --time [--variants] [--non-causal] [--shapes 32,12,1024,64 ...] [--json OUT.json]
 
 Without --time: compiles ``stableflash.attention.gluon``'s backward — the dK/dV kernel and the dQ
-kernel — for compute capability 9.0 (sm_90a) with the triton wheel's own ptxas, for head_dim 64
+kernel, and the one kernel adding dQ up by TMA reduce-adds with the route's tiles
+(``atomic_backward_tiles``, "fused") — for compute capability 9.0 (sm_90a) with the triton wheel's own ptxas, for head_dim 64
 and 128, causal and not, and reads each cubin's SASS (``stableflash.attention.gluon.sass``):
 HGMMA count; the warpgroup waits by how many products they leave in flight
 (``WARPGROUP.DEPBAR.LE gsb0, N``: N ≥ 1 is an asynchronous product past the wait); the
 exponentials placed while a product is in flight; TMA loads, stores and reduce-adds (UTMALDG,
 UTMASTG, UTMAREDG); local-memory spills (STL, LDL); registers per thread (cuobjdump); dynamic
 shared memory; USETMAXREG (the warp-specialised register split). Nothing runs. --variants adds
-other tiles, among them (head_dim 64) the one kernel adding dQ up by TMA reduce-adds ("fused",
-"dq atomic"; the route's backward there).
+other tiles (``VARIANTS``).
 
 With --time (a CUDA device of compute capability 9.0): first each provider's dQ, dK, dV against
 float64 at (2, 4, 509, d) on fresh random inputs (‖x − x₆₄‖ / ‖x₆₄‖), then the backward's time
 alone (triton.testing.do_bench, median ms; the forward runs once beforehand) and TFLOP/s counted
 as 10·B·H·N²·d (the five products of the backward, 2.5× the forward's 4·B·H·N²·d), halved under
-causal — for the Gluon backward (δ from the Triton δ kernel, then the dK/dV and dQ kernels; with
---variants also other tiles), the Triton backward (``triton.op._backward_impl`` for
+causal — for the Gluon backward (δ from the Triton δ kernel, then the dK/dV and dQ kernels), the
+one adding dQ up by TMA reduce-adds with the route's tiles ("atomic dQ"; with --variants also other
+tiles), the Triton backward (``triton.op._backward_impl`` for
 ``stabilize=True``, autotuned: the same δ and arithmetic) and SDPA's cuDNN and flash backends
 (``torch.autograd.grad`` of their output with a fixed dO, the graph kept between calls). The
 Gluon backward's dQ kernel recomputes S and dP, so it does 7 products where the count says 5 (the
@@ -37,14 +38,17 @@ import gluon_check_cli  # noqa: E402  (this folder's shared command line)
 
 VARIANTS = {64: [(128, 64, 2, 128, 64, 2), (128, 64, 3, 128, 128, 2), (128, 128, 2, 128, 128, 2),
                  (128, 64, 2, 128, 128, 2, True), (128, 64, 3, 128, 128, 2, True)],
-            128: [(128, 32, 3, 128, 128, 2, True), (128, 32, 2, 128, 128, 2, True), (128, 16, 4, 128, 128, 2, True),
-                  (64, 32, 2, 128, 128, 2, True, 128), (64, 32, 3, 128, 128, 2, True, 128)]}
+            128: [(128, 64, 2, 128, 128, 2, True), (128, 32, 3, 128, 128, 2, True), (128, 32, 2, 128, 128, 2, True),
+                  (128, 16, 4, 128, 128, 2, True), (64, 32, 2, 128, 128, 2, True, 128),
+                  (64, 32, 3, 128, 128, 2, True, 128)]}
 
 
 def _tiles(d: int, causal: bool, variants: bool) -> list:
-    from stableflash.attention.gluon.hopper_backward import BackwardTiles, backward_tiles_for
-    base = backward_tiles_for(d, causal)
-    return [base] + ([BackwardTiles(*t) for t in VARIANTS[d] if BackwardTiles(*t) != base] if variants else [])
+    """The two kernels' default tiles, the atomic-dQ kernel's (``atomic_backward_tiles``), with
+    ``variants`` the other tiles of ``VARIANTS``."""
+    from stableflash.attention.gluon.hopper_backward import BackwardTiles, atomic_backward_tiles, backward_tiles_for
+    base = [backward_tiles_for(d, causal), atomic_backward_tiles(d)]
+    return base + ([BackwardTiles(*t) for t in VARIANTS[d] if BackwardTiles(*t) not in base] if variants else [])
 
 
 def compile_rows(variants: bool) -> list[dict]:

@@ -92,8 +92,9 @@ CONFIGS = [(64, True), (64, False), (128, True), (128, False)]
 
 def test_atomic_dq_tiles():
     """The route's tiles for the backward adding dQ up by TMA reduce-adds: at head_dim 64 one consumer
-    warpgroup under a 128-register cap, at 128 two warpgroups over 32-row query blocks (the share
-    transposed); a query block the head_dim's share cannot take is refused with it."""
+    warpgroup under a 128-register cap, at 128 two warpgroups over 64-row query blocks (the share
+    split by columns between them); a query block the head_dim's share cannot take is refused with it,
+    and at 128 64-row blocks need both warpgroups. Where the dQ buffer is dQᵀ: narrower blocks at 128."""
     from stableflash.attention.gluon.hopper_backward import atomic_backward_tiles
     t = atomic_backward_tiles(64)
     t.check(64)
@@ -104,10 +105,17 @@ def test_atomic_dq_tiles():
             t._replace(max_registers=bad).check()
     wide = atomic_backward_tiles(128)
     wide.check(128)
-    assert wide.atomic_dq and (wide.block_n, wide.block_m, wide.stages, wide.max_registers) == (128, 32, 3, None)
+    assert wide.atomic_dq and (wide.block_n, wide.block_m, wide.stages, wide.max_registers) == (128, 64, 2, None)
+    assert (wide.dq_tile(128), wide.dq_transposed(128), t.dq_tile(64), t.dq_transposed(64)) == ((64, 64), False,
+                                                                                                  (64, 64), False)
+    narrow = wide._replace(block_m=32, stages=3)
+    narrow.check(128)
+    assert narrow.dq_tile(128) == (128, 32) and narrow.dq_transposed(128)
+    with pytest.raises(ValueError, match="64 there with block_n 128"):
+        wide._replace(block_n=64).check(128)
     with pytest.raises(ValueError, match="head_dim 96 is invalid for the backward with atomic dQ; accepted: 64 or 128"):
         atomic_backward_tiles(96)
-    for tiles, d in ((wide, 64), (t._replace(block_m=128), 128)):
+    for tiles, d in ((narrow, 64), (t._replace(block_m=128), 128)):
         with pytest.raises(ValueError, match=f"at head_dim {d} is invalid; .*with atomic_dq: block_m 64 or 128 at "
                                              "head_dim 64, 16, 32 or 64 at head_dim 128"):
             tiles.check(d)
@@ -165,7 +173,7 @@ def offline():
     if not sass.tools_present():
         pytest.skip("this triton wheel ships no nvdisasm / cuobjdump")
     from stableflash.attention.gluon.hopper_backward import atomic_backward_tiles
-    configs = [(d, causal, None) for d, causal in CONFIGS] + [(64, True, atomic_backward_tiles(64))]
+    configs = [(d, causal, None) for d, causal in CONFIGS] + [(d, True, atomic_backward_tiles(d)) for d in (64, 128)]
     result = sass.offline_backward_checks(configs, runtime=True)
     return {(r["head_dim"], r["causal"], r["kernel"]): r for r in result["rows"]}, result["runtime"]
 
@@ -224,10 +232,27 @@ def _check_fused(r, t, d):
     assert t.max_registers == 128 and r["registers"] == 128 and r["setmaxnreg"] == [24, 232], r
 
 
+def _check_split(r, t, d):
+    """The kernel adding dQ up at head_dim 128 with the share split by columns, causal: per consumer
+    partition and loop Sᵀ and dPᵀ (d/16 HGMMA each), dV and dK (block_m/16 each) and its half of
+    dS̄·K as two products over the two warpgroups' 64 keys (64/16 each); two waits per step leave a
+    product in flight (dPᵀ while Pᵀ's exponentials run, P̄ᵀ·dO while dSᵀ is formed), most of the
+    exponentials placed there; a reduce-add per loop; no half-swapping PRMT."""
+    consumers, loops = t.block_n // 64, 3
+    assert t.block_m == 64 and consumers == 2 and t.dq_tile(d) == (64, 64) and not t.dq_transposed(d)
+    assert r["hgmma"] == consumers * loops * (2 * d // 16 + 2 * t.block_m // 16 + 2 * 64 // 16), r
+    assert r["wait_depths"].get(1, 0) == 2 * consumers * loops, r
+    assert r["ex2"] == consumers * loops * t.block_m // 2 and r["ex2_in_flight"] >= r["ex2"] * 3 // 4, r
+    assert r["tma_reduces"] == consumers * loops and r["tma_stores"] == 2 * consumers, r
+    assert r["half_swaps"] == 0, r
+    assert 24 in r["setmaxnreg"] and 240 in r["setmaxnreg"], r
+
+
 @needs_gluon
 def test_both_kernels_and_the_launcher_compile_for_sm90_without_a_gpu(offline):
     """head_dim 64 and 128, causal and not, default tiles: the dK/dV kernel's SASS as
-    ``_check_dkdv`` says, the dQ kernel's as ``_check_dq`` says. And ``launch_args_backward`` —
+    ``_check_dkdv`` says, the dQ kernel's as ``_check_dq`` says; the route's kernels adding dQ up
+    by TMA reduce-adds, causal, as ``_check_fused`` (64) and ``_check_split`` (128) say. And ``launch_args_backward`` —
     rank-4 TMA descriptors over (B, H, N, d) tensors in a (B, N, H, d) buffer, grouped-query heads,
     N not a multiple of a block — bound to both kernels' signatures and compiled by triton's
     runtime for sm_90a with a stand-in for the CUDA driver: the launch path up to the driver call."""
@@ -244,6 +269,7 @@ def test_both_kernels_and_the_launcher_compile_for_sm90_without_a_gpu(offline):
     t = atomic_backward_tiles(64)
     _check_fused(rows[(64, True, "fused")], t, 64)
     assert r["fused"]["grid"] == [3, 4] and r["fused"]["wgmma"] and r["fused"]["tma"], r   # 150 keys, 64 a program
+    _check_split(rows[(128, True, "fused")], atomic_backward_tiles(128), 128)
 
 
 # --- on a Hopper GPU -----------------------------------------------------------------------------
@@ -285,8 +311,9 @@ def test_backward_against_float64(case, d, causal, tied, fixed_triton_tiles):
     scale = 1.0 / math.sqrt(d)
     o, lse, r = sg.flash_forward_hopper(q, k, v, causal)
     from stableflash.attention.gluon.hopper_backward import atomic_backward_tiles
-    runs = [sg.flash_backward_hopper(do, q, k, v, o, r, lse, causal),
-            sg.flash_backward_hopper(do, q, k, v, o, r, lse, causal, tiles=atomic_backward_tiles(d))]
+    atomic = [atomic_backward_tiles(d)] + ([atomic_backward_tiles(d)._replace(block_m=32, stages=3)] if d == 128 else [])
+    runs = [sg.flash_backward_hopper(do, q, k, v, o, r, lse, causal)]
+    runs += [sg.flash_backward_hopper(do, q, k, v, o, r, lse, causal, tiles=t) for t in atomic]
     triton_got = _triton_backward(do, q, k, v, o, r, lse, causal, scale)
     refs = expanded_reference(q, k, v, do, causal)[1:]
     for got in runs:

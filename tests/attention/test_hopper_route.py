@@ -14,13 +14,13 @@ the same values bit for bit; head_dim 64 and a window stay on the Triton kernels
 
 The backward (``why_not_backward``): without a GPU each reason that keeps it on the Triton kernels
 is named (head_dim, fewer keys than ``BACKWARD_MIN_KEYS`` of the head_dim, deterministic algorithms
-at head_dim 64, the configuration, masks, dO's alignment). On an H100/H200: a head_dim-64 call from
-that many keys on runs the Gluon backward with atomic dQ (counted), within 1.25× (+1e-4) the Triton
-backward's error against float64 — (B, N, H, d) buffers, grouped-query heads, tied maxima, causal
-or not, and ``flash_attn_qkvpacked_func``'s one gradient of qkv, eager and compiled; with
-``torch.use_deterministic_algorithms`` the Triton backward runs, bit for bit the portable path's. A
-head_dim-128 call from 4096 keys runs the two Gluon backward kernels, within the same bound, and
-keeps them in deterministic mode, bit for bit repeatable.
+at head_dim 64, or at 128 with fewer keys than ``DETERMINISTIC_MIN_KEYS``, the configuration,
+masks, dO's alignment). On an H100/H200: a call from that many keys on runs the Gluon backward with
+atomic dQ (counted), within 1.25× (+1e-4) the Triton backward's error against float64 — (B, N, H, d)
+buffers, grouped-query heads, tied maxima, causal or not, and ``flash_attn_qkvpacked_func``'s one
+gradient of qkv, eager and compiled; with ``torch.use_deterministic_algorithms`` at head_dim 64 the
+Triton backward runs, bit for bit the portable path's, and at 128 from ``DETERMINISTIC_MIN_KEYS``
+keys the two Gluon backward kernels, bit for bit repeatable.
 """
 import contextlib
 
@@ -122,11 +122,12 @@ def test_backward_switch_and_interpreter_keep_calls_on_triton():
 @needs_gluon
 @pytest.mark.parametrize("d", [64, 128])
 def test_a_qualifying_backward_is_refused_for_its_device_alone(d):
-    """At head_dim 128 also with torch.use_deterministic_algorithms on: its two kernels sum in a
-    fixed order."""
+    """At head_dim 128 also with torch.use_deterministic_algorithms on, from DETERMINISTIC_MIN_KEYS
+    keys: its two kernels sum in a fixed order."""
     do, q, k, v = _backward_call(d)
     assert route.why_not_backward(do, q, k, v, CONFIG, Masks()) == "the tensors are on cpu, not CUDA"
     if d == 128:
+        do, q, k, v = _backward_call(d, route.DETERMINISTIC_MIN_KEYS[d])
         with deterministic():
             assert route.why_not_backward(do, q, k, v, CONFIG, Masks()) == "the tensors are on cpu, not CUDA"
 
@@ -138,10 +139,14 @@ def test_a_qualifying_backward_is_refused_for_its_device_alone(d):
     (dict(d=128, n=route.BACKWARD_MIN_KEYS[128] - 1),
      f"the backward at head_dim 128 is routed from {route.BACKWARD_MIN_KEYS[128]} on"),
     (dict(deterministic=True), "use_deterministic_algorithms is on"),
+    (dict(d=128, n=route.DETERMINISTIC_MIN_KEYS[128] - 1, deterministic=True),
+     f"under torch.use_deterministic_algorithms (the deterministic backward at head_dim 128 is routed from "
+     f"{route.DETERMINISTIC_MIN_KEYS[128]} on)"),
     (dict(config=stabilized_config(torch.float16)), "not flash_attention's default for bf16"),
     (dict(masks=Masks(band=(8, 0, False))), "window, attn_mask, varlen batch or dropout"),
     (dict(offset=True), "do with strides"),
-], ids=["d32", "short", "short-d128", "deterministic", "fp16-config", "window", "misaligned-do"])
+], ids=["d32", "short", "short-d128", "deterministic", "deterministic-short-d128", "fp16-config", "window",
+        "misaligned-do"])
 def test_each_backward_it_does_not_take_is_named(change, words):
     do, q, k, v = _backward_call(change.get("d", 64), change.get("n"))
     if change.get("offset"):
@@ -281,16 +286,17 @@ def test_long_head_dim_64_backwards_run_the_hopper_backward(causal, counted):
 @pytest.mark.gpu
 @on_hopper
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_long_head_dim_128_backwards_run_the_two_gluon_kernels(causal, counted):
+def test_long_head_dim_128_backwards_run_the_hopper_backward(causal, counted):
     """head_dim 128 from BACKWARD_MIN_KEYS[128] keys on, as a user calls it — (B, N, H, d) buffers,
-    grouped-query heads, tied maxima, N not a multiple of a block: the Gluon forward and backward,
-    within 1.25× (+1e-4) the Triton kernels' error against float64; with
-    torch.use_deterministic_algorithms still the Gluon backward (its sums in one fixed order), bit
-    for bit the same in two runs."""
+    grouped-query heads, tied maxima, N not a multiple of a block: the Gluon forward and the Gluon
+    backward with atomic dQ, within 1.25× (+1e-4) the Triton kernels' error against float64; with
+    torch.use_deterministic_algorithms from DETERMINISTIC_MIN_KEYS[128] keys still a Gluon backward
+    (the two kernels, their sums in one fixed order), bit for bit the same in two runs."""
     n = route.BACKWARD_MIN_KEYS[128] + 37
     gen = torch.Generator(device="cuda").manual_seed(128 + causal)
     q, k, v, do = _inputs(1, 2, 1, n, 128, True, gen, "bnhd")
     _routed_within_portable_error(q, k, v, do, causal, counted, {"forward": 1, "backward": 1})
+    q, k, v, do = _inputs(1, 2, 1, route.DETERMINISTIC_MIN_KEYS[128] + 37, 128, True, gen, "bnhd")
     with deterministic():
         first, again = _run(q, k, v, do, causal=causal), _run(q, k, v, do, causal=causal)
     assert counted == {"forward": 3, "backward": 3}

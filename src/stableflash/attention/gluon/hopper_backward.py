@@ -58,11 +58,17 @@ shared memory (read transposed), B the resident K; the wait for dPᵀ also compl
 tile is staged while dV computes, this block's dS̄ᵀ replaces the previous one under the same
 fence, and the reduce-add is issued while dK computes — every product still waited for within the
 step. Issued after dK and waited for at once, the share cost 0.8 ms of the kernel's 2.0 at
-8×16×4096×64, most of it the serial fp32 staging (docs/kernels.md). At head_dim 128 the share is
-taken transposed, dQᵀ = Kᵀ·dS̄ᵀ (``_dq_share``; the buffer is then dQᵀ, (B, H, d, N_q)): its rows
-are d, so query blocks of 32 rows (the dK, dV accumulators take 128 fp32 registers a thread, 64-row
-blocks leave no room beside them) can add their share, 32 fp32 registers a thread; the route does
-not run it (docs/kernels.md: no faster than the two kernels, loop addresses spill).
+8×16×4096×64, most of it the serial fp32 staging (docs/kernels.md).
+
+At head_dim 128 the dK, dV accumulators take 128 fp32 registers a thread, and a consumer's own
+share of dQ (64 query rows × 128 columns) would take 64 more. With 64-row query blocks (what the
+route runs: ``atomic_backward_tiles(128)``, ``_dkdv_split_step``) the share is split by columns
+instead: both consumers put their dS̄ᵀ (64 keys each) into one shared-memory slot, meet on a "ds
+ready" barrier, and each computes columns [64·W, 64·W + 64) of dS̄·K over all 128 keys (32
+registers a thread) and reduce-adds them; δ is the dPᵀ product's starting accumulator (dPᵀ − δ
+comes out of the product), so that no δ registers live beside P. With narrower query blocks (16
+or 32 rows) the share is taken transposed, dQᵀ = Kᵀ·dS̄ᵀ (``_dq_share``; the buffer is then dQᵀ,
+(B, H, d, N_q)), whose products are too narrow to be fast (docs/kernels.md).
 
 The TMA and CTA-barrier spellings of the triton release at hand are those bound in
 ``hopper_forward`` (``tma_load``, ``tma_store``, ``tma_atomic_add``, ``cta_barrier``), whose K/V
@@ -136,6 +142,19 @@ class BackwardTiles(NamedTuple):
             options["maxnreg"] = self.max_registers
         return options
 
+    def dq_tile(self, head_dim: int) -> tuple[int, int]:
+        """With ``atomic_dq``: (rows, columns) of the fp32 tile one reduce-add adds into the dQ buffer —
+        (block_m, d) at head_dim 64; at 128 with 64-row query blocks (block_m, 64), each consumer
+        warpgroup adding its half of the columns (``_dkdv_split_step``); at 128 with narrower blocks
+        (d, block_m), the share transposed (``_dq_share``; the buffer is then dQᵀ)."""
+        if head_dim != 128:
+            return self.block_m, head_dim
+        return (self.block_m, 64) if self.block_m == 64 else (head_dim, self.block_m)
+
+    def dq_transposed(self, head_dim: int) -> bool:
+        """Whether the dQ buffer these tiles add into is dQᵀ, (B, H, d, N_q) (``dq_tile``)."""
+        return self.atomic_dq and head_dim == 128 and self.block_m != 64
+
     def check(self, head_dim: int | None = None) -> None:
         """ValueError for tiles the kernels have no schedule for (at ``head_dim``, where given: with
         ``atomic_dq`` the query block is a warpgroup product's rows at head_dim 64, 64 or 128, and its
@@ -144,13 +163,15 @@ class BackwardTiles(NamedTuple):
         if (self.block_n not in (64, 128) or self.dq_block_m not in (64, 128) or self.block_m not in (16, 32, 64, 128)
                 or self.dq_block_n not in (16, 32, 64, 128) or not 2 <= self.stages <= 4
                 or not 2 <= self.dq_stages <= 4 or (self.atomic_dq and self.block_m not in atomic_rows)
+                or (self.atomic_dq and head_dim == 128 and self.block_m == 64 and self.block_n != 128)
                 or (self.max_registers is not None and (isinstance(self.max_registers, bool)
                                                         or not isinstance(self.max_registers, int)
                                                         or not 64 <= self.max_registers <= 255))):
             where = "" if head_dim is None else f" at head_dim {head_dim}"
             raise ValueError(f"{self}{where} is invalid; accepted: block_n and dq_block_m 64 or 128 (one or two "
                              "consumer warpgroups), block_m and dq_block_n 16, 32, 64 or 128 (with atomic_dq: block_m "
-                             "64 or 128 at head_dim 64, 16, 32 or 64 at head_dim 128), 2-4 stages each, "
+                             "64 or 128 at head_dim 64, 16, 32 or 64 at head_dim 128, 64 there with block_n 128), "
+                             "2-4 stages each, "
                              "max_registers None or an int from 64 to 255")
 
 
@@ -173,13 +194,13 @@ def atomic_backward_tiles(head_dim: int) -> BackwardTiles:
     registers a thread at launch, so that two programs share an SM (one program per SM at the
     compiler's 255, or with two consumer warpgroups over 128 keys: slower at every shape timed,
     docs/kernels.md). Head_dim 128: 128 keys per program (two consumer warpgroups), query blocks of
-    32 rows in three slots, the dQ share taken transposed (``_dq_share``): the dK, dV accumulators
-    take 128 fp32 registers a thread, and 64-row query blocks would leave no room for Sᵀ, dPᵀ and
-    the share beside them."""
+    64 rows in two slots, each block's dQ share split by columns between the two warpgroups
+    (``_dkdv_split_step``; 32-row blocks with the share transposed were slower than the two
+    kernels, docs/kernels.md)."""
     if head_dim == 64:
         return BackwardTiles(64, 64, 3, 128, 128, 2, atomic_dq=True, max_registers=128)
     if head_dim == 128:
-        return BackwardTiles(128, 32, 3, 128, 128, 2, atomic_dq=True)
+        return BackwardTiles(128, 64, 2, 128, 128, 2, atomic_dq=True)
     raise ValueError(f"head_dim {head_dim} is invalid for the backward with atomic dQ; accepted: 64 or 128")
 
 
@@ -205,10 +226,116 @@ def _qdo_producer(q_desc, do_desc, q_smem, do_smem, q_ready, do_ready, free, b, 
 
 
 @gluon.jit
-def _dkdv_step(k, v, q_smem, do_smem, lse_ptr, delta_ptr, q_ready, do_ready, free, dk, dv, zero_t, t,
-               start_n, start_m, row0, n_q, qk_scale, dq_desc, ds_smem, dq_smem, dq_slot0, zero_q, b, h, prev_h,
-               prev_m, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-               MASKED: gl.constexpr, ATOMIC_DQ: gl.constexpr, mma_t: gl.constexpr, mma_d: gl.constexpr):
+def _dkdv_step(k, v, k_all, q_smem, do_smem, lse_ptr, delta_ptr, q_ready, do_ready, free, dk, dv, zero_t, t,
+               start_n, start_m, row0, n_q, qk_scale, dq_desc, ds_smem, ds_bar, dq_smem, W: gl.constexpr, zero_q, b,
+               h, prev_h, prev_m, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+               CAUSAL: gl.constexpr, MASKED: gl.constexpr, ATOMIC_DQ: gl.constexpr, SPLIT: gl.constexpr,
+               mma_t: gl.constexpr, mma_d: gl.constexpr):
+    """The t-th streamed block of consumer W's loop: ``_dkdv_split_step`` where dQ's shares are split
+    by columns between the consumers (SPLIT), else ``_dkdv_pipelined_step``. Returns (dK, dV, h, start_m)
+    of the block whose dQ share is still to be added (the pipelined step's previous block)."""
+    if SPLIT:
+        dk, dv = _dkdv_split_step(k, v, k_all, q_smem, do_smem, lse_ptr, delta_ptr, q_ready, do_ready, free, dk,
+                                  dv, zero_t, t, start_n, start_m, row0, n_q, qk_scale, dq_desc, ds_smem, ds_bar,
+                                  dq_smem.index(W), b, h, W, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, MASKED, mma_t, mma_d)
+        prev_h = h
+        prev_m = start_m
+    else:
+        dk, dv, prev_h, prev_m = _dkdv_pipelined_step(
+            k, v, q_smem, do_smem, lse_ptr, delta_ptr, q_ready, do_ready, free, dk, dv, zero_t, t, start_n, start_m,
+            row0, n_q, qk_scale, dq_desc, ds_smem, dq_smem, 2 * W, zero_q, b, h, prev_h, prev_m, HEAD_DIM, BLOCK_M,
+            STAGES, CAUSAL, MASKED, ATOMIC_DQ, mma_t, mma_d)
+    return dk, dv, prev_h, prev_m
+
+
+@gluon.jit
+def _column_values(at, cols, n_q, MASKED: gl.constexpr):
+    """The values at ``at`` of a block's query columns (L or δ of its rows): 0 past N_q where MASKED."""
+    if MASKED:
+        x = gl.load(at, mask=cols < n_q, other=0.0)
+    else:
+        x = gl.load(at)
+    return x
+
+
+@gluon.jit
+def _probabilities_t(s, qk_scale, lse2, cols, n_q, start_n, CAUSAL: gl.constexpr, MASKED: gl.constexpr,
+                     mma_t: gl.constexpr):
+    """Pᵀ = exp2(Sᵀ·c − L·log2 e) of 64 keys from start_n × the block's query columns ``cols``; where
+    MASKED, 0 for columns past N_q and (CAUSAL) for keys past the query."""
+    p = gl.exp2(s * qk_scale - lse2[None, :])
+    if MASKED:
+        keep = cols[None, :] < n_q
+        if CAUSAL:
+            rows = start_n + gl.arange(0, 64, layout=gl.SliceLayout(1, mma_t))
+            keep = keep & (rows[:, None] <= cols[None, :])
+        p = gl.where(keep, p, 0.0)
+    return p
+
+
+@gluon.jit
+def _dkdv_split_step(k, v, k_all, q_smem, do_smem, lse_ptr, delta_ptr, q_ready, do_ready, free, dk, dv, zero_t, t,
+                     start_n, start_m, row0, n_q, qk_scale, dq_desc, ds_all, ds_bar, dq_buf, b, h, W: gl.constexpr,
+                     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                     MASKED: gl.constexpr, mma_t: gl.constexpr, mma_d: gl.constexpr):
+    """The t-th streamed block of consumer W (keys start_n …, 64 of the program's 128) where dQ's
+    share is split by columns (head_dim 128, 64 query rows): Sᵀ and dPᵀ − δ (δ the product's starting
+    accumulator) issued back to back, Pᵀ while dPᵀ computes, dV += P̄ᵀ·dO, dSᵀ, dK += dS̄ᵀ·Q; this
+    consumer's dS̄ᵀ goes to its half of ``ds_all``'s slot t % 2, which the other consumer's half
+    completes ("ds ready", two arrivals); then columns [64·W, 64·W + 64) of the block's dQ share,
+    dS̄·K over both consumers' 128 keys (two products of 64 keys), 32 fp32 registers a thread, are
+    added into the fp32 dQ buffer by a TMA reduce-add from ``dq_buf``. A slot is written again two
+    blocks later, when the other consumer's arrival for the block between has shown its products
+    of this one complete (each consumer waits for all its products within the step)."""
+    slot = t % STAGES
+    phase = (t // STAGES) & 1
+    ds_slot = t % 2
+    col_t: gl.constexpr = gl.SliceLayout(0, mma_t)
+    q = q_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
+    do = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
+    offs = gl.arange(0, BLOCK_M, layout=col_t)
+    cols = start_m + offs
+    row = row0 + start_m
+    lse2 = _column_values(lse_ptr + row + offs, cols, n_q, MASKED) * LOG2E
+    delta = _column_values(delta_ptr + row + offs, cols, n_q, MASKED)
+    mbarrier.wait(q_ready.index(slot), phase)              # both before either product: a barrier's wait loop
+    mbarrier.wait(do_ready.index(slot), phase)             # between them would complete the first product
+    s_tok = warpgroup_mma(k, q.permute((1, 0)), zero_t, use_acc=False, is_async=True)
+    dp_tok = warpgroup_mma(v, do.permute((1, 0)), zero_t - delta[None, :], is_async=True)   # dPᵀ − δ
+    s = warpgroup_mma_wait(1, deps=[s_tok])                 # Sᵀ done, dPᵀ still in flight
+    p = _probabilities_t(s, qk_scale, lse2, cols, n_q, start_n, CAUSAL, MASKED, mma_t)
+    p_bar = _a_operand(p, mma_d)
+    dv_tok = warpgroup_mma(p_bar, do, dv, is_async=True)
+    dp = warpgroup_mma_wait(1, deps=[dp_tok])               # dPᵀ done, P̄ᵀ·dO still in flight
+    ds = (p * dp).to(gl.bfloat16)
+    ds_bar_ = _a_operand(ds, mma_d)
+    dk_tok = warpgroup_mma(ds_bar_, q, dk, is_async=True)
+    ds_all.index(2 * ds_slot + W).store(ds)
+    fence_async_shared()
+    cta_barrier()                                           # the whole warpgroup's half written
+    mbarrier.arrive(ds_bar.index(ds_slot), count=1)
+    mbarrier.wait(ds_bar.index(ds_slot), (t // 2) & 1)      # and the other consumer's
+    k0 = k_all.index(0).reshape([64, HEAD_DIM]).slice(W * 64, 64, dim=1)
+    k1 = k_all.index(1).reshape([64, HEAD_DIM]).slice(W * 64, 64, dim=1)
+    dq_tok = warpgroup_mma(ds_all.index(2 * ds_slot).permute((1, 0)), k0, zero_t, use_acc=False, is_async=True)
+    dq_tok = warpgroup_mma(ds_all.index(2 * ds_slot + 1).permute((1, 0)), k1, dq_tok, is_async=True)
+    dv, dk, dq, p_bar, ds_bar_ = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, dq_tok, p_bar, ds_bar_])
+    mbarrier.arrive(free.index(slot), count=1)
+    tma.store_wait(0)                                       # the previous block's reduce-add has read dq_buf
+    cta_barrier()
+    dq_buf.reshape([BLOCK_M, 64]).store(dq)
+    fence_async_shared()
+    cta_barrier()
+    tma_atomic_add(dq_desc, [b, h, start_m, W * 64], dq_buf)
+    return dk, dv
+
+
+@gluon.jit
+def _dkdv_pipelined_step(k, v, q_smem, do_smem, lse_ptr, delta_ptr, q_ready, do_ready, free, dk, dv, zero_t, t,
+                         start_n, start_m, row0, n_q, qk_scale, dq_desc, ds_smem, dq_smem, dq_slot0, zero_q, b, h,
+                         prev_h, prev_m, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+                         CAUSAL: gl.constexpr, MASKED: gl.constexpr, ATOMIC_DQ: gl.constexpr, mma_t: gl.constexpr,
+                         mma_d: gl.constexpr):
     """The t-th streamed block (query rows start_m … of head h, slot t % STAGES) of a consumer's loop:
     L of its rows (entries row0 + start_m …) loaded before the wait for Q, Sᵀ and dPᵀ issued back to
     back, Pᵀ while dPᵀ computes, dV += P̄ᵀ·dO issued, δ loaded and dSᵀ formed while it computes,
@@ -229,10 +356,7 @@ def _dkdv_step(k, v, q_smem, do_smem, lse_ptr, delta_ptr, q_ready, do_ready, fre
     offs = gl.arange(0, BLOCK_M, layout=col_t)
     cols = start_m + offs
     row = row0 + start_m
-    if MASKED:
-        lse2 = gl.load(lse_ptr + row + offs, mask=cols < n_q, other=0.0) * LOG2E
-    else:
-        lse2 = gl.load(lse_ptr + row + offs) * LOG2E
+    lse2 = _column_values(lse_ptr + row + offs, cols, n_q, MASKED) * LOG2E
     mbarrier.wait(q_ready.index(slot), phase)
     s_tok = warpgroup_mma(k, q.permute((1, 0)), zero_t, use_acc=False, is_async=True)
     mbarrier.wait(do_ready.index(slot), phase)
@@ -242,19 +366,10 @@ def _dkdv_step(k, v, q_smem, do_smem, lse_ptr, delta_ptr, q_ready, do_ready, fre
         s = warpgroup_mma_wait(2, deps=[s_tok])             # Sᵀ done; dPᵀ, the previous dQ share in flight
     else:
         s = warpgroup_mma_wait(1, deps=[s_tok])             # Sᵀ done, dPᵀ still in flight
-    p = gl.exp2(s * qk_scale - lse2[None, :])
-    if MASKED:
-        keep = cols[None, :] < n_q
-        if CAUSAL:
-            rows = start_n + gl.arange(0, 64, layout=gl.SliceLayout(1, mma_t))
-            keep = keep & (rows[:, None] <= cols[None, :])
-        p = gl.where(keep, p, 0.0)
+    p = _probabilities_t(s, qk_scale, lse2, cols, n_q, start_n, CAUSAL, MASKED, mma_t)
     p_bar = _a_operand(p, mma_d)
     dv_tok = warpgroup_mma(p_bar, do, dv, is_async=True)
-    if MASKED:
-        delta = gl.load(delta_ptr + row + offs, mask=cols < n_q, other=0.0)
-    else:
-        delta = gl.load(delta_ptr + row + offs)
+    delta = _column_values(delta_ptr + row + offs, cols, n_q, MASKED)
     if ATOMIC_DQ:
         dp, dq = warpgroup_mma_wait(1, deps=[dp_tok, dq_tok])   # dPᵀ and the dQ share done, P̄ᵀ·dO in flight
         buf = dq_smem.index(dq_slot0 + t % 2)
@@ -308,14 +423,19 @@ def _add_dq_share(dq_desc, buf, b, h, m, HEAD_DIM: gl.constexpr):
 
 
 @gluon.jit
-def _dkdv_consumer(dk_desc, dv_desc, dq_desc, lse_ptr, delta_ptr, k_smem, v_smem, q_smem, do_smem, ds_smem,
-                   dq_smem, dq_slot0, kv_bar, q_ready, do_ready, free, b, hk, start_n, group, n_heads, n_q, m_lo,
-                   diag_end, full_end, per_head, qk_scale, scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                   STAGES: gl.constexpr, CAUSAL: gl.constexpr, ATOMIC_DQ: gl.constexpr):
-    """One consumer warpgroup: keys [start_n, start_n + 64) (its K and V tiles ``k_smem``,
-    ``v_smem``). Per query head of the group: the masked diagonal blocks [m_lo, diag_end), the whole
+def _dkdv_consumer(dk_desc, dv_desc, dq_desc, lse_ptr, delta_ptr, k_all, v_all, q_smem, do_smem, ds_smem, ds_bar,
+                   dq_smem, W: gl.constexpr, kv_bar, q_ready, do_ready, free, b, hk, start_n, group, n_heads, n_q,
+                   m_lo, diag_end, full_end, per_head, qk_scale, scale, HEAD_DIM: gl.constexpr,
+                   BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, ATOMIC_DQ: gl.constexpr,
+                   SPLIT: gl.constexpr):
+    """Consumer warpgroup W: keys [start_n, start_n + 64) (its K and V tiles ``k_all.index(W)``,
+    ``v_all.index(W)``). Per query head of the group: the masked diagonal blocks [m_lo, diag_end), the whole
     blocks [diag_end, full_end), the ragged tail [full_end, m_lo + per_head); then dK·scale and dV
-    in bf16 through its K and V tiles and TMA stores (rows past N_k are not written)."""
+    in bf16 through its K and V tiles and TMA stores (rows past N_k are not written). SPLIT: both
+    consumers meet once more after their last block ("ds ready" of the block after it), before
+    either overwrites its K tile, which the other's dQ products read."""
+    k_smem = k_all.index(W)
+    v_smem = v_all.index(W)
     mma_t: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                     instr_shape=[16, BLOCK_M, 16])
     mma_d: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -332,9 +452,11 @@ def _dkdv_consumer(dk_desc, dv_desc, dq_desc, lse_ptr, delta_ptr, k_smem, v_smem
             zero_q = gl.zeros([HEAD_DIM, BLOCK_M], gl.float32, layout=mma_t)
         else:
             zero_q = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=mma_d)
-        ds_smem.store(gl.zeros([64, BLOCK_M], gl.bfloat16, layout=mma_t))
-        fence_async_shared()
-        cta_barrier()
+        if not SPLIT:                                       # the pipelined step's share before the first
+            ds_smem = ds_smem.index(W)
+            ds_smem.store(gl.zeros([64, BLOCK_M], gl.bfloat16, layout=mma_t))
+            fence_async_shared()
+            cta_barrier()
     else:
         zero_q = dv
     mbarrier.wait(kv_bar, 0)
@@ -345,22 +467,27 @@ def _dkdv_consumer(dk_desc, dv_desc, dq_desc, lse_ptr, delta_ptr, k_smem, v_smem
         if CAUSAL:
             for m in range(m_lo, diag_end):
                 dk, dv, prev_h, prev_m = _dkdv_step(
-                    k, v, q_smem, do_smem, lse_ptr, delta_ptr, q_ready, do_ready, free, dk, dv, zero_t, base + m,
-                    start_n, m * BLOCK_M, row0, n_q, qk_scale, dq_desc, ds_smem, dq_smem, dq_slot0, zero_q, b, h,
-                    prev_h, prev_m, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, True, ATOMIC_DQ, mma_t, mma_d)
+                    k, v, k_all, q_smem, do_smem, lse_ptr, delta_ptr, q_ready, do_ready, free, dk, dv, zero_t,
+                    base + m, start_n, m * BLOCK_M, row0, n_q, qk_scale, dq_desc, ds_smem, ds_bar, dq_smem, W, zero_q,
+                    b, h, prev_h, prev_m, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, True, ATOMIC_DQ, SPLIT, mma_t, mma_d)
         for m in range(diag_end, full_end):
             dk, dv, prev_h, prev_m = _dkdv_step(
-                k, v, q_smem, do_smem, lse_ptr, delta_ptr, q_ready, do_ready, free, dk, dv, zero_t, base + m,
-                start_n, m * BLOCK_M, row0, n_q, qk_scale, dq_desc, ds_smem, dq_smem, dq_slot0, zero_q, b, h,
-                prev_h, prev_m, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, False, ATOMIC_DQ, mma_t, mma_d)
+                k, v, k_all, q_smem, do_smem, lse_ptr, delta_ptr, q_ready, do_ready, free, dk, dv, zero_t, base + m,
+                start_n, m * BLOCK_M, row0, n_q, qk_scale, dq_desc, ds_smem, ds_bar, dq_smem, W, zero_q, b, h,
+                prev_h, prev_m, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, False, ATOMIC_DQ, SPLIT, mma_t, mma_d)
         for m in range(full_end, m_lo + per_head):
             dk, dv, prev_h, prev_m = _dkdv_step(
-                k, v, q_smem, do_smem, lse_ptr, delta_ptr, q_ready, do_ready, free, dk, dv, zero_t, base + m,
-                start_n, m * BLOCK_M, row0, n_q, qk_scale, dq_desc, ds_smem, dq_smem, dq_slot0, zero_q, b, h,
-                prev_h, prev_m, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, True, ATOMIC_DQ, mma_t, mma_d)
-    if ATOMIC_DQ:                                           # the last block's dQ share
+                k, v, k_all, q_smem, do_smem, lse_ptr, delta_ptr, q_ready, do_ready, free, dk, dv, zero_t, base + m,
+                start_n, m * BLOCK_M, row0, n_q, qk_scale, dq_desc, ds_smem, ds_bar, dq_smem, W, zero_q, b, h,
+                prev_h, prev_m, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, True, ATOMIC_DQ, SPLIT, mma_t, mma_d)
+    if SPLIT:
+        last = group * per_head
+        mbarrier.arrive(ds_bar.index(last % 2), count=1)
+        mbarrier.wait(ds_bar.index(last % 2), (last // 2) & 1)
+        tma.store_wait(0)
+    elif ATOMIC_DQ:                                         # the last block's dQ share
         dq = _dq_share(k, ds_smem, zero_q, HEAD_DIM, False)
-        buf = dq_smem.index(dq_slot0 + (group * per_head) % 2)
+        buf = dq_smem.index(2 * W + (group * per_head) % 2)
         _stage_dq_share(dq, buf)
         _add_dq_share(dq_desc, buf, b, prev_h, prev_m, HEAD_DIM)
         tma.store_wait(0)
@@ -407,6 +534,7 @@ def _key_program(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse
                  STAGES: gl.constexpr, CAUSAL: gl.constexpr, ATOMIC_DQ: gl.constexpr):
     """The program of both kernels above: shared memory, barriers, the partitions."""
     CONSUMERS: gl.constexpr = BLOCK_N // 64
+    SPLIT: gl.constexpr = ATOMIC_DQ and HEAD_DIM == 128 and BLOCK_M == 64   # dQ's shares split by columns
     start_n = gl.program_id(0) * BLOCK_N
     bhk = gl.program_id(1)
     n_kv_heads = n_heads // group
@@ -433,7 +561,15 @@ def _key_program(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse
     q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    if ATOMIC_DQ:
+    ds_bar = kv_bar
+    if SPLIT:                                               # two slots of both consumers' dS̄ᵀ; a dQ tile each
+        ds_smem = gl.allocate_shared_memory(gl.bfloat16, [2 * CONSUMERS, 64, BLOCK_M],
+                                            gl.NVMMASharedLayout.get_default_for([64, BLOCK_M], gl.bfloat16))
+        dq_smem = gl.allocate_shared_memory(gl.float32, [CONSUMERS, 1, 1, BLOCK_M, 64], dq_desc.layout)
+        ds_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):
+            mbarrier.init(ds_bar.index(i), count=CONSUMERS)
+    elif ATOMIC_DQ:
         ds_smem = gl.allocate_shared_memory(gl.bfloat16, [CONSUMERS, 64, BLOCK_M],
                                             gl.NVMMASharedLayout.get_default_for([64, BLOCK_M], gl.bfloat16))
         if HEAD_DIM == 128:                                 # dQᵀ shares: (d, query rows) tiles
@@ -457,23 +593,23 @@ def _key_program(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse
     # (Gluon's frontend takes no starred arguments: each partition's list is written out)
     if CONSUMERS == 2:
         gl.warp_specialize([
-            (_dkdv_consumer, (dk_desc, dv_desc, dq_desc, lse_ptr, delta_ptr, k_smem.index(0), v_smem.index(0),
-                              q_smem, do_smem, ds_smem.index(0), dq_smem, 0, kv_bar, q_ready, do_ready, free, b, hk,
-                              start_n, group, n_heads, n_q, m_lo, diag_end, full_end, per_head, qk_scale, scale,
-                              HEAD_DIM, BLOCK_M, STAGES, CAUSAL, ATOMIC_DQ)),
-            (_dkdv_consumer, (dk_desc, dv_desc, dq_desc, lse_ptr, delta_ptr, k_smem.index(1), v_smem.index(1),
-                              q_smem, do_smem, ds_smem.index(1), dq_smem, 2, kv_bar, q_ready, do_ready, free, b, hk,
-                              start_n + 64, group, n_heads, n_q, m_lo, diag_end, full_end, per_head, qk_scale, scale,
-                              HEAD_DIM, BLOCK_M, STAGES, CAUSAL, ATOMIC_DQ)),
+            (_dkdv_consumer, (dk_desc, dv_desc, dq_desc, lse_ptr, delta_ptr, k_smem, v_smem, q_smem, do_smem,
+                              ds_smem, ds_bar, dq_smem, 0, kv_bar, q_ready, do_ready, free, b, hk, start_n, group,
+                              n_heads, n_q, m_lo, diag_end, full_end, per_head, qk_scale, scale, HEAD_DIM, BLOCK_M,
+                              STAGES, CAUSAL, ATOMIC_DQ, SPLIT)),
+            (_dkdv_consumer, (dk_desc, dv_desc, dq_desc, lse_ptr, delta_ptr, k_smem, v_smem, q_smem, do_smem,
+                              ds_smem, ds_bar, dq_smem, 1, kv_bar, q_ready, do_ready, free, b, hk, start_n + 64, group,
+                              n_heads, n_q, m_lo, diag_end, full_end, per_head, qk_scale, scale, HEAD_DIM, BLOCK_M,
+                              STAGES, CAUSAL, ATOMIC_DQ, SPLIT)),
             (_qdo_producer, (q_desc, do_desc, q_smem, do_smem, q_ready, do_ready, free, b, hk, group, m_lo, per_head,
                              BLOCK_M, HEAD_DIM, STAGES)),
         ], [4, 1], [240, 24])
     else:
         gl.warp_specialize([
-            (_dkdv_consumer, (dk_desc, dv_desc, dq_desc, lse_ptr, delta_ptr, k_smem.index(0), v_smem.index(0),
-                              q_smem, do_smem, ds_smem.index(0), dq_smem, 0, kv_bar, q_ready, do_ready, free, b, hk,
-                              start_n, group, n_heads, n_q, m_lo, diag_end, full_end, per_head, qk_scale, scale,
-                              HEAD_DIM, BLOCK_M, STAGES, CAUSAL, ATOMIC_DQ)),
+            (_dkdv_consumer, (dk_desc, dv_desc, dq_desc, lse_ptr, delta_ptr, k_smem, v_smem, q_smem, do_smem,
+                              ds_smem, ds_bar, dq_smem, 0, kv_bar, q_ready, do_ready, free, b, hk, start_n, group,
+                              n_heads, n_q, m_lo, diag_end, full_end, per_head, qk_scale, scale, HEAD_DIM, BLOCK_M,
+                              STAGES, CAUSAL, ATOMIC_DQ, SPLIT)),
             (_qdo_producer, (q_desc, do_desc, q_smem, do_smem, q_ready, do_ready, free, b, hk, group, m_lo, per_head,
                              BLOCK_M, HEAD_DIM, STAGES)),
         ], [1], [24])
@@ -482,6 +618,9 @@ def _key_program(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse
         mbarrier.invalidate(q_ready.index(i))
         mbarrier.invalidate(do_ready.index(i))
         mbarrier.invalidate(free.index(i))
+    if SPLIT:
+        for i in gl.static_range(2):
+            mbarrier.invalidate(ds_bar.index(i))
 
 
 # --- dQ -------------------------------------------------------------------------------------------

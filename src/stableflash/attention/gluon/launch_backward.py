@@ -73,25 +73,26 @@ def dq_buffer_layout(rows: int, cols: int):
     return gl.NVMMASharedLayout.get_default_for([1, 1, rows, cols], gl.float32)
 
 
-def dq_buffer(q: torch.Tensor) -> torch.Tensor:
+def dq_buffer(q: torch.Tensor, transposed: bool | None = None) -> torch.Tensor:
     """The fp32 buffer into which ``attn_bwd_hopper_kernel`` adds dQ up, seen as (B, H, N_q, d), not
-    yet cleared (the δ kernel clears it: ``_delta``'s ``clear``): contiguous at head_dim 64; at 128,
-    where the kernel adds dQᵀ, the transpose of a (B, H, d, N') tensor whose rows N' = N_q rounded
-    up to a multiple of 4 keep them 16-byte aligned for TMA."""
+    yet cleared (the δ kernel clears it: ``_delta``'s ``clear``): contiguous, or, where the kernel
+    adds dQᵀ (``BackwardTiles.dq_transposed``; None: at head_dim 128), the transpose of a
+    (B, H, d, N') tensor whose rows N' = N_q rounded up to a multiple of 4 keep them 16-byte
+    aligned for TMA."""
     B, H, n_q, d = q.shape
-    if d != 128:
+    if not (d == 128 if transposed is None else transposed):
         return torch.empty(q.shape, dtype=torch.float32, device=q.device)
     padded = torch.empty(B, H, d, -(-n_q // 4) * 4, dtype=torch.float32, device=q.device)
     return padded[..., :n_q].transpose(2, 3)
 
 
-def _dq_buffer_descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
-    """The dQ buffer's descriptor (``dq_buffer``): blocks of (1, 1, rows, d), or at head_dim 128 of
-    dQᵀ (1, 1, d, rows) over the (B, H, d, N_q) tensor underneath."""
-    d = t.shape[3]
-    if d == 128:
-        return tensor_descriptor(t.transpose(2, 3), d, dq_buffer_layout(d, rows), cols=rows)
-    return tensor_descriptor(t, rows, dq_buffer_layout(rows, d))
+def _dq_buffer_descriptor(t: torch.Tensor, tiles: BackwardTiles) -> TensorDescriptor:
+    """The dQ buffer's descriptor (``dq_buffer``), blocks of ``tiles.dq_tile``: (1, 1, rows, cols) of
+    (B, H, N_q, d), or of dQᵀ (1, 1, d, rows) over the (B, H, d, N_q) tensor underneath."""
+    rows, cols = tiles.dq_tile(t.shape[3])
+    if tiles.dq_transposed(t.shape[3]):
+        return tensor_descriptor(t.transpose(2, 3), rows, dq_buffer_layout(rows, cols), cols=cols)
+    return tensor_descriptor(t, rows, dq_buffer_layout(rows, cols), cols=cols)
 
 
 @triton.jit
@@ -131,7 +132,7 @@ def launch_args_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     descriptors = (_descriptor(q, t.block_m), _descriptor(k, 64), _descriptor(v, 64), _descriptor(do, t.block_m),
                    _descriptor(dk, 64), _descriptor(dv, 64))
     if t.atomic_dq:                          # the dK/dV kernel's arguments with dQ's fp32 buffer after dV's
-        descriptors += (_dq_buffer_descriptor(dq, t.block_m),)
+        descriptors += (_dq_buffer_descriptor(dq, t),)
     dkdv = ((triton.cdiv(n_k, t.block_n), B * Hk), (*descriptors, lse, delta, *scalars),
             {**t.dkdv_constexprs(d, causal), **t.options})
     if t.atomic_dq:
@@ -187,7 +188,8 @@ def _atomic_backward(do, q, k, v, o, residual, lse, causal: bool, scale: float |
     by TMA reduce-adds (``attn_bwd_hopper_kernel``) into it, dK and dV written into ``dk``, ``dv``;
     then dQ·scale into ``dq`` in bf16: three launches."""
     B, H, n_q, d = q.shape
-    dq_sum = dq_buffer(q)
+    transposed = tiles.dq_transposed(d)
+    dq_sum = dq_buffer(q, transposed)
     delta = _delta(do, o, residual, clear=dq_sum)
     (grid, args, meta), = launch_args_backward(do, q, k, v, dq_sum, dk, dv, lse, delta, causal, scale,
                                                tiles).values()
@@ -195,21 +197,22 @@ def _atomic_backward(do, q, k, v, o, residual, lse, causal: bool, scale: float |
     rows = B * H * n_q
     launch_cache.launch(scale_dq_kernel, (triton.cdiv(rows, 64),), dq_sum, dq, rows, H, n_q, *dq_sum.stride(),
                         *dq.stride()[:3], 1.0 / math.sqrt(d) if scale is None else float(scale), HEAD_DIM=d,
-                        BLOCK_R=64, SRC_T=d == 128)
+                        BLOCK_R=64, SRC_T=transposed)
 
 
 def backward_into(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                   residual: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float, dq: torch.Tensor,
                   dk: torch.Tensor, dv: torch.Tensor) -> None:
     """The route's backward (``route.why_not_backward`` accepted the call), writing into ``dq``, ``dk``,
-    ``dv`` (views of one packed gradient included: TMA addresses them as they are): at head_dim 64
-    ``_atomic_backward`` with ``atomic_backward_tiles(64)``, at 128 δ from dO·(O + R) by the Triton
-    δ kernel, then the dK/dV and dQ kernels of the default tiles (``backward_tiles_for``)."""
-    if q.shape[3] == 64:
-        _atomic_backward(do, q, k, v, o, residual, lse.contiguous(), causal, scale, dq, dk, dv,
-                         atomic_backward_tiles(64))
-    else:
+    ``dv`` (views of one packed gradient included: TMA addresses them as they are): ``_atomic_backward``
+    with ``atomic_backward_tiles``, or under ``torch.use_deterministic_algorithms`` (head_dim 128) δ
+    from dO·(O + R) by the Triton δ kernel, then the dK/dV and dQ kernels of the default tiles
+    (``backward_tiles_for``)."""
+    if torch.are_deterministic_algorithms_enabled():
         _two_kernel_backward(do, q, k, v, o, residual, lse.contiguous(), causal, scale, dq, dk, dv, None)
+    else:
+        _atomic_backward(do, q, k, v, o, residual, lse.contiguous(), causal, scale, dq, dk, dv,
+                         atomic_backward_tiles(q.shape[3]))
 
 
 def _delta(do: torch.Tensor, o: torch.Tensor, residual: torch.Tensor | None,

@@ -17,16 +17,19 @@ when all of these hold:
 - a CUDA device of compute capability 9.0 (sm_90a), not Triton's interpreter.
 
 ``triton.op._backward_impl`` asks ``why_not_backward``: where it answers None the backward runs on
-``hopper_backward``'s kernels — at head_dim 64 the one that adds dQ up by TMA reduce-adds
-(``BackwardTiles.atomic_dq``), at 128 the dK/dV kernel and the dQ kernel of the default tiles — for
-the same configurations, masks, alignment (dO too) and devices as the forward, and
+``hopper_backward``'s kernels — the one that adds dQ up by TMA reduce-adds (``BackwardTiles.atomic_dq``,
+``atomic_backward_tiles``), or, under ``torch.use_deterministic_algorithms``, at head_dim 128 the
+dK/dV kernel and the dQ kernel of the default tiles, which sum every gradient in one fixed order —
+for the same configurations, masks, alignment (dO too) and devices as the forward, and
 
-- head_dim in ``BACKWARD_HEAD_DIMS`` and at least ``BACKWARD_MIN_KEYS[head_dim]`` keys: where that
-  backward was measured faster than the Triton backward (docs/kernels.md; shorter sequences lose to
-  the Triton kernels' several programs per SM, or tie with them);
-- at head_dim 64 ``torch.use_deterministic_algorithms`` off: its dQ sums come in no fixed order, so
-  dQ may differ in the last bits from run to run; with it on the Triton backward runs, bit for bit
-  repeatable (the two kernels at 128 sum every gradient in one fixed order);
+- head_dim in ``BACKWARD_HEAD_DIMS`` and at least ``BACKWARD_MIN_KEYS[head_dim]`` keys (in
+  deterministic mode ``DETERMINISTIC_MIN_KEYS[head_dim]``): where that backward was measured faster
+  than the Triton backward (docs/kernels.md; shorter sequences lose to the Triton kernels' several
+  programs per SM, or tie with them);
+- in deterministic mode a head_dim of ``DETERMINISTIC_MIN_KEYS``: the reduce-adds' sums come in no
+  fixed order, so dQ may differ in the last bits from run to run; at head_dim 64, with no
+  deterministic Gluon backward faster than the Triton one, the Triton backward runs, bit for bit
+  repeatable;
 - B·H_kv ≤ 65535 (its grid).
 
 Imports nothing from Gluon at module level (the kernel is imported at its first launch).
@@ -45,10 +48,12 @@ from stableflash.attention.gluon.support import unavailable_reason
 ENABLED = True
 # the head dims routed here: where the Gluon forward is faster than the Triton forward
 HEAD_DIMS = (128,)
-# the backward's: where the Gluon backward (head_dim 64: adding dQ up by TMA reduce-adds; 128: two
-# kernels) is faster than the Triton backward, from this many keys on (docs/kernels.md, "Hopper path")
+# the backward's: where the Gluon backward adding dQ up by TMA reduce-adds is faster than the Triton
+# backward, from this many keys on (docs/kernels.md, "Hopper path"); in deterministic mode the two
+# Gluon kernels', per head_dim they run at
 BACKWARD_HEAD_DIMS = (64, 128)
-BACKWARD_MIN_KEYS = {64: 1024, 128: 4096}
+BACKWARD_MIN_KEYS = {64: 1024, 128: 512}
+DETERMINISTIC_MIN_KEYS = {128: 4096}
 MAX_HEAD_PROGRAMS = 65535
 
 
@@ -110,11 +115,15 @@ def why_not_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     d = q.shape[-1]
     if d not in BACKWARD_HEAD_DIMS:
         return f"head_dim {d} (routed backward: {BACKWARD_HEAD_DIMS})"
-    if k.shape[2] < BACKWARD_MIN_KEYS[d]:
+    if torch.are_deterministic_algorithms_enabled():
+        if d not in DETERMINISTIC_MIN_KEYS:
+            return (f"torch.use_deterministic_algorithms is on (the Gluon backward at head_dim {d} adds dQ in no "
+                    "fixed order)")
+        if k.shape[2] < DETERMINISTIC_MIN_KEYS[d]:
+            return (f"{k.shape[2]} keys under torch.use_deterministic_algorithms (the deterministic backward at "
+                    f"head_dim {d} is routed from {DETERMINISTIC_MIN_KEYS[d]} on)")
+    elif k.shape[2] < BACKWARD_MIN_KEYS[d]:
         return f"{k.shape[2]} keys (the backward at head_dim {d} is routed from {BACKWARD_MIN_KEYS[d]} on)"
-    if d == 64 and torch.are_deterministic_algorithms_enabled():
-        return ("torch.use_deterministic_algorithms is on (the Gluon backward at head_dim 64 adds dQ in no "
-                "fixed order)")
     B, Hk = k.shape[:2]
     if B * Hk > MAX_HEAD_PROGRAMS:
         return f"k of shape {tuple(k.shape)} exceeds the backward's grid"

@@ -246,7 +246,7 @@ def compile_backward(head_dim: int, causal: bool, tiles=None) -> dict:
     descriptors = {"q_desc": q, "k_desc": kv, "v_desc": kv, "do_desc": q, "dk_desc": kv, "dv_desc": kv}
     pointers = {"lse_ptr": "*fp32", "delta_ptr": "*fp32", **scalars}
     if t.atomic_dq:
-        rows, cols = (head_dim, t.block_m) if head_dim == 128 else (t.block_m, head_dim)   # dQᵀ at 128
+        rows, cols = t.dq_tile(head_dim)
         dq_sum = f"tensordesc<fp32[1,1,{rows},{cols}],{dq_buffer_layout(rows, cols)!r}>"
         kernels = [("fused", attn_bwd_hopper_kernel, {**descriptors, "dq_desc": dq_sum, **pointers},
                     t.dkdv_constexprs(head_dim, causal))]
@@ -290,7 +290,8 @@ def compile_backward_through_runtime(head_dim: int = 64, causal: bool = True, ti
         q, do = (torch.zeros(2, 200, 4, head_dim, dtype=torch.bfloat16).transpose(1, 2) for _ in range(2))
         k, v = (torch.zeros(2, 2, 150, head_dim, dtype=torch.bfloat16) for _ in range(2))
         lse, delta = torch.zeros(2, 4, 200), torch.zeros(2, 4, 200)
-        dq = dq_buffer(q) if tiles is not None and tiles.atomic_dq else torch.empty_like(q)
+        atomic = tiles is not None and tiles.atomic_dq
+        dq = dq_buffer(q, tiles.dq_transposed(head_dim)) if atomic else torch.empty_like(q)
         launches = launch_args_backward(do, q, k, v, dq, torch.empty_like(k), torch.empty_like(v), lse, delta, causal,
                                         None, tiles)
         kernels = {name: functions[name].warmup(*args, grid=grid, **meta)
