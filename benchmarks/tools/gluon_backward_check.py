@@ -1,7 +1,7 @@
 """The Gluon Hopper attention backward: its sm_90a SASS without a GPU, and (on an H100/H200) its accuracy and speed.
 
-    python benchmarks/tools/gluon_backward_check.py [--variants] [--json OUT.json]
-    python benchmarks/tools/gluon_backward_check.py --time [--variants] [--non-causal] [--shapes 32,12,1024,64 ...] [--json OUT.json]
+    python benchmarks/tools/gluon_backward_check.py [--variants] [--tiles SPEC ...] [--json OUT.json]
+    python benchmarks/tools/gluon_backward_check.py --time [--variants] [--tiles SPEC ...] [--non-causal] [--shapes 32,12,1024,64 ...] [--json OUT.json]
 
 Without --time: compiles ``stableflash.attention.gluon``'s backward — the dK/dV kernel and the dQ
 kernel, and the one kernel adding dQ up by TMA reduce-adds with the route's tiles
@@ -43,20 +43,44 @@ VARIANTS = {64: [(128, 64, 2, 128, 64, 2), (128, 64, 3, 128, 128, 2), (128, 128,
                   (64, 32, 3, 128, 128, 2, True, 128)]}
 
 
-def _tiles(d: int, causal: bool, variants: bool) -> list:
+TILES_FORM = ("BLOCK_NxBLOCK_MxSTAGES with a for atomic dQ (its dQ fields unused) or "
+              "BLOCK_NxBLOCK_MxSTAGES/DQ_BLOCK_MxDQ_BLOCK_NxDQ_STAGES, then rNNN for a register cap, "
+              "e.g. 128x64x3a or 128x64x2/128x64x2")
+
+
+def parse_tiles(text: str):
+    """One --tiles value (``TILES_FORM``) as ``BackwardTiles``; ValueError naming what is accepted."""
+    from stableflash.attention.gluon.hopper_backward import BackwardTiles
+    body, _, cap = text.partition("r")
+    atomic = body.endswith("a")
+    parts = [p.split("x") for p in body.rstrip("a").split("/")]
+    dq = parts[1] if len(parts) == 2 and not atomic else ["128", "128", "2"] if len(parts) == 1 else []
+    fields = parts[0] + dq
+    if len(fields) != 6 or not all(f.isdigit() for f in fields) or (cap and not cap.isdigit()):
+        raise ValueError(f"expected {TILES_FORM}")
+    tiles = BackwardTiles(*(int(f) for f in fields), atomic_dq=atomic, max_registers=int(cap) if cap else None)
+    tiles.check()
+    return tiles
+
+
+def _tiles(d: int, causal: bool, variants: bool, tiles: list = ()) -> list:
     """The two kernels' default tiles, the atomic-dQ kernel's (``atomic_backward_tiles``), with
-    ``variants`` the other tiles of ``VARIANTS``."""
+    ``variants`` the other tiles of ``VARIANTS``, then ``tiles`` (--tiles)."""
     from stableflash.attention.gluon.hopper_backward import BackwardTiles, atomic_backward_tiles, backward_tiles_for
     base = [backward_tiles_for(d, causal), atomic_backward_tiles(d)]
-    return base + ([BackwardTiles(*t) for t in VARIANTS[d] if BackwardTiles(*t) not in base] if variants else [])
+    more = [BackwardTiles(*t) for t in VARIANTS[d]] if variants else []
+    for t in more + list(tiles):
+        if t not in base:
+            base.append(t)
+    return base
 
 
-def compile_rows(variants: bool) -> list[dict]:
+def compile_rows(variants: bool, tiles: list = ()) -> list[dict]:
     from stableflash.attention.gluon import sass
     rows = []
     for d in (64, 128):
         for causal in (False, True):
-            for t in _tiles(d, causal, variants):
+            for t in _tiles(d, causal, variants, tiles):
                 rows += sass.check_backward(d, causal, t)
     return rows
 
@@ -81,7 +105,7 @@ def print_compile(rows: list[dict]) -> None:
         print("| " + " | ".join(str(c) for c in cells) + " |")
 
 
-def _providers(d: int, causal: bool, variants: bool):
+def _providers(d: int, causal: bool, variants: bool, extra: list = ()):
     """name → setup(q, k, v, do) giving a closure that runs the backward alone and returns (dQ, dK, dV)."""
     import torch
     import torch.nn.functional as F
@@ -120,7 +144,7 @@ def _providers(d: int, causal: bool, variants: bool):
             return run
         return setup
 
-    tiles = _tiles(d, causal, variants)
+    tiles = _tiles(d, causal, variants, extra)
     out = {"gluon": gluon(tiles[0])}
     for t in tiles[1:]:
         cap = f" r{t.max_registers}" if t.max_registers else ""
@@ -132,7 +156,7 @@ def _providers(d: int, causal: bool, variants: bool):
     return out
 
 
-def time_rows(shapes: list[tuple[int, ...]], causal: bool, variants: bool) -> list[dict]:
+def time_rows(shapes: list[tuple[int, ...]], causal: bool, variants: bool, tiles: list = ()) -> list[dict]:
     import torch
     from triton.testing import do_bench
 
@@ -143,7 +167,7 @@ def time_rows(shapes: list[tuple[int, ...]], causal: bool, variants: bool) -> li
     for d in sorted({s[3] for s in shapes}):
         q, k, v, do = (torch.randn(2, 4, 509, d, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(4))
         _, *refs = reference.forward_backward(q, k, v, do, causal=causal)
-        for name, setup in _providers(d, causal, variants).items():
+        for name, setup in _providers(d, causal, variants, tiles).items():
             got = setup(q, k, v, do)()
             errs = {f"rel_err_{n}": ((x.double() - ref).norm() / ref.norm()).item()
                     for n, x, ref in zip(("dQ", "dK", "dV"), got, refs)}
@@ -151,7 +175,7 @@ def time_rows(shapes: list[tuple[int, ...]], causal: bool, variants: bool) -> li
     for B, H, N, d in shapes:
         q, k, v, do = (torch.randn(B, H, N, d, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(4))
         flops = 10 * B * H * N * N * d * (0.5 if causal else 1.0)
-        for name, setup in _providers(d, causal, variants).items():
+        for name, setup in _providers(d, causal, variants, tiles).items():
             run = setup(q, k, v, do)
             run()                                     # compile, autotune
             ms = do_bench(run)
@@ -165,7 +189,8 @@ def time_rows(shapes: list[tuple[int, ...]], causal: bool, variants: bool) -> li
 def main(argv=None) -> int:
     return gluon_check_cli.main(argv, doc=__doc__, kernel="backward", compile_rows=compile_rows,
                                 print_compile=print_compile, variants_help="also compile (or time) other tiles",
-                                time_rows=time_rows, time_label="backward", width=34)
+                                time_rows=time_rows, time_label="backward", width=34, tiles_type=parse_tiles,
+                                tiles_help=f"more tiles to compile or time: {TILES_FORM}")
 
 
 if __name__ == "__main__":

@@ -105,7 +105,7 @@ def test_atomic_dq_tiles():
             t._replace(max_registers=bad).check()
     wide = atomic_backward_tiles(128)
     wide.check(128)
-    assert wide.atomic_dq and (wide.block_n, wide.block_m, wide.stages, wide.max_registers) == (128, 64, 2, None)
+    assert wide.atomic_dq and (wide.block_n, wide.block_m, wide.stages, wide.max_registers) == (128, 64, 3, None)
     assert (wide.dq_tile(128), wide.dq_transposed(128), t.dq_tile(64), t.dq_transposed(64)) == ((64, 64), False,
                                                                                                   (64, 64), False)
     narrow = wide._replace(block_m=32, stages=3)

@@ -194,13 +194,13 @@ def atomic_backward_tiles(head_dim: int) -> BackwardTiles:
     registers a thread at launch, so that two programs share an SM (one program per SM at the
     compiler's 255, or with two consumer warpgroups over 128 keys: slower at every shape timed,
     docs/kernels.md). Head_dim 128: 128 keys per program (two consumer warpgroups), query blocks of
-    64 rows in two slots, each block's dQ share split by columns between the two warpgroups
-    (``_dkdv_split_step``; 32-row blocks with the share transposed were slower than the two
-    kernels, docs/kernels.md)."""
+    64 rows in three slots (224 KiB of shared memory; two slots: 5% slower at 4×16×8192×128 causal),
+    each block's dQ share split by columns between the two warpgroups (``_dkdv_split_step``;
+    32-row blocks with the share transposed were slower than the two kernels, docs/kernels.md)."""
     if head_dim == 64:
         return BackwardTiles(64, 64, 3, 128, 128, 2, atomic_dq=True, max_registers=128)
     if head_dim == 128:
-        return BackwardTiles(128, 64, 2, 128, 128, 2, atomic_dq=True)
+        return BackwardTiles(128, 64, 3, 128, 128, 2, atomic_dq=True)
     raise ValueError(f"head_dim {head_dim} is invalid for the backward with atomic dQ; accepted: 64 or 128")
 
 
