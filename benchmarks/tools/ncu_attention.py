@@ -2,7 +2,7 @@
 and cuDNN's (torch's default SDPA on Hopper), one causal forward + backward each, read by Nsight Compute.
 
     ncu --profile-from-start off --clock-control none --set full -o REPORT \
-        python benchmarks/tools/ncu_attention.py run [--shape 16,12,1024,64] [--fwd-tile 64,64,4,3]
+        python benchmarks/tools/ncu_attention.py run [--shape 16,12,1024,64] [--fwd-tile 64,64,4,3] [--no-causal]
     ncu --import REPORT.ncu-rep --page raw --csv > RAW.csv
     python benchmarks/tools/ncu_attention.py table RAW.csv [RAW2.csv ...]
 
@@ -12,7 +12,7 @@ and cuDNN's (torch's default SDPA on Hopper), one causal forward + backward each
     python benchmarks/tools/ncu_attention.py source SOURCE.csv [--top 12]
 
 ``run`` warms both calls up (the Triton tuners pick their tiles there, and print them as
-``CHOICES``), then profiles exactly one call of each between ``cudaProfilerStart`` and
+``CHOICES``), then profiles exactly one call of each (causal unless ``--no-causal``) between ``cudaProfilerStart`` and
 ``cudaProfilerStop``; ``--fwd-tile BLOCK_M,BLOCK_N,WARPS,STAGES`` gives the forward's tuner that one
 tile (pointer loads) instead of its list. ``table`` prints, per attention kernel of a raw CSV
 export: time, warp instructions issued, issue-slot and warp occupancy, registers and the programs
@@ -39,6 +39,8 @@ import sys
 from pathlib import Path
 
 KERNELS = (("attn_fwd_kernel", "ours fwd"), ("attn_fwd_hopper_kernel", "Gluon fwd"),
+           ("attn_bwd_dkdv_hopper_kernel", "Gluon dK/dV"), ("attn_bwd_dq_hopper_kernel", "Gluon dQ"),
+           ("attn_bwd_hopper_kernel", "Gluon bwd (atomic dQ)"), ("scale_dq_kernel", "Gluon dQ scaling"),
            ("attn_bwd_dkdv_kernel", "ours dK/dV"), ("attn_bwd_dq_kernel", "ours dQ"), ("delta", "ours δ"),
            ("flash_fprop", "cuDNN fprop"), ("flash_bprop", "cuDNN bprop"), ("dot_do_o", "cuDNN δ"),
            ("convert_dq", "cuDNN dQ convert"))
@@ -117,7 +119,7 @@ def table(paths: list[str]) -> None:
                   f"{k['grid']:6.0f}  {pipes} | {stalls}")
 
 
-def run(shape: tuple[int, int, int, int], fwd_tile: tuple[int, int, int, int] | None) -> None:
+def run(shape: tuple[int, int, int, int], fwd_tile: tuple[int, int, int, int] | None, causal: bool = True) -> None:
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -135,12 +137,12 @@ def run(shape: tuple[int, int, int, int], fwd_tile: tuple[int, int, int, int] | 
     do = torch.randn(B, N, H, D, device="cuda", generator=gen).bfloat16()
 
     def ours():
-        sf.flash_attn_qkvpacked_func(qkv, causal=True).backward(do)
+        sf.flash_attn_qkvpacked_func(qkv, causal=causal).backward(do)
 
     def cudnn():
         q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(do.transpose(1, 2))
+            F.scaled_dot_product_attention(q, k, v, is_causal=causal).backward(do.transpose(1, 2))
     _profile_once(ours, cudnn, before=lambda: print("CHOICES", json.dumps(op.tuned_choices())))
 
 
@@ -263,6 +265,7 @@ def main(argv=None) -> int:
                    help="B,H,N,head_dim (default 16,12,1024,64: GPT-2 small at batch 16)")
     r.add_argument("--fwd-tile", type=lambda s: _ints(s, 4, "--fwd-tile"), default=None,
                    help="BLOCK_M,BLOCK_N,WARPS,STAGES: the forward's only tile")
+    r.add_argument("--no-causal", action="store_true", help="non-causal attention (default: causal)")
     t = sub.add_parser("table", help="summarize `ncu --page raw --csv` exports")
     t.add_argument("csv", nargs="+")
     f = sub.add_parser("forward", help="the profiled program for one provider's causal forward (start it under ncu)")
@@ -275,7 +278,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     try:
         if args.cmd == "run":
-            run(args.shape, args.fwd_tile)
+            run(args.shape, args.fwd_tile, not args.no_causal)
         elif args.cmd == "forward":
             forward(args.provider, args.shape)
         elif args.cmd == "source":
