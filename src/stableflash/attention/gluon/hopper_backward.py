@@ -46,14 +46,15 @@ products less than in the dK/dV kernel (``sass.check_backward``'s "ex2_in_flight
 overlap comes from the other warpgroup. L and δ of the program's rows are loaded once.
 
 dK, dV and dQ in one kernel (``attn_bwd_hopper_kernel``, tiles with ``atomic_dq``: what the route
-runs at head_dim 64 from 1024 keys on): the dK/dV kernel above, each consumer warpgroup also
+runs, at head_dim 64 from 1024 keys on and at 128 from 512): the dK/dV kernel above, each consumer warpgroup also
 adding its 64 keys' share of dQ, dS̄·K, to an fp32 (B, H, N_q, d) buffer that the δ kernel zeroed
 (``launch_backward.dq_buffer``), by a
 TMA reduce-add (``cp.reduce.async.bulk.tensor``, UTMAREDG) from an fp32 tile in shared memory: 5
 products per block pair instead of 7, and a pass afterwards scaling the sums into bf16 dQ
 (``launch_backward.scale_dq_kernel``). The additions come in no fixed order, so dQ may differ in
-its last bits from run to run (``torch.use_deterministic_algorithms`` keeps the route off). Per
-step the previous block's share is issued beside Sᵀ and dPᵀ, A being the dS̄ᵀ that block left in
+its last bits from run to run (under ``torch.use_deterministic_algorithms`` the route runs the
+two kernels above at head_dim 128, the Triton backward at 64). At head_dim 64, per step the
+previous block's share is issued beside Sᵀ and dPᵀ, A being the dS̄ᵀ that block left in
 shared memory (read transposed), B the resident K; the wait for dPᵀ also completes it, its fp32
 tile is staged while dV computes, this block's dS̄ᵀ replaces the previous one under the same
 fence, and the reduce-add is issued while dK computes — every product still waited for within the
