@@ -228,8 +228,28 @@ def test_the_compile_tools_give_the_forward_every_switch_it_takes():
         assert set(const) | {"HEAD_DIM", "BLOCK_M", "BLOCK_N", "CAUSAL"} == wanted, name
 
 
+def test_gluon_backward_check_takes_tiles_by_name_and_names_what_it_accepts(capsys):
+    """--tiles BLOCK_NxBLOCK_MxSTAGES[a] or .../DQ_BLOCK_MxDQ_BLOCK_NxDQ_STAGES, then [rNNN], becomes
+    the backward's BackwardTiles (checked by BackwardTiles.check); a bad value stops the command line
+    with an error naming --tiles, the value and the accepted form."""
+    pytest.importorskip("triton.experimental.gluon")
+    gbc = load("tools/gluon_backward_check")
+    from stableflash.attention.gluon.hopper_backward import BackwardTiles, atomic_backward_tiles
+    assert gbc.parse_tiles("128x64x3a") == atomic_backward_tiles(128)
+    assert gbc.parse_tiles("64x64x3ar128") == atomic_backward_tiles(64)
+    assert gbc.parse_tiles("128x64x2/128x64x2") == BackwardTiles(128, 64, 2, 128, 64, 2)
+    for bad, said in (("128x64", "BLOCK_NxBLOCK_MxSTAGES"), ("96x64x3a", "block_n and dq_block_m 64 or 128"),
+                      ("128x64x3ar", "BLOCK_NxBLOCK_MxSTAGES"), ("128x64x3a/128x64x2", "BLOCK_NxBLOCK_MxSTAGES"),
+                      ("128x64x3ar300", "max_registers None or an int")):
+        with pytest.raises(SystemExit) as exc:
+            gbc.main(["--tiles", bad])
+        assert exc.value.code == 2
+        err = capsys.readouterr().err
+        assert f"--tiles '{bad}'" in err and said in err, err
+
+
 def test_gluon_forward_check_takes_tiles_by_name_and_names_what_it_accepts(capsys):
-    """--tiles BLOCK_MxBLOCK_NxSTAGES[p|n] becomes the kernel's Tiles (checked by Tiles.check); a bad
+    """--tiles BLOCK_MxBLOCK_NxSTAGES[p|n][rNNN] becomes the kernel's Tiles (checked by Tiles.check); a bad
     value stops the command line with an error naming --tiles, the value and the accepted form."""
     pytest.importorskip("triton.experimental.gluon")
     gfc = load("tools/gluon_forward_check")
@@ -237,11 +257,14 @@ def test_gluon_forward_check_takes_tiles_by_name_and_names_what_it_accepts(capsy
     assert gfc.parse_tiles("64x128x3") == Tiles(64, 128, 3)
     assert gfc.parse_tiles("128x128x3p") == tiles_for(64, True)
     assert gfc.parse_tiles("64x128x2n") == Tiles(64, 128, 2, warp_specialize=False)
-    assert [gfc.tiles_name(gfc.parse_tiles(t)) for t in ("128x64x2p", "64x128x2n", "64x64x4")] == [
-        "gluon-128x64x2p", "gluon-64x128x2n", "gluon-64x64x4"]
+    assert gfc.parse_tiles("64x128x2r128") == Tiles(64, 128, 2, max_registers=128)
+    assert Tiles(64, 128, 2, max_registers=128).options == {"num_warps": 4, "enable_fp_fusion": True, "maxnreg": 128}
+    assert [gfc.tiles_name(gfc.parse_tiles(t)) for t in ("128x64x2p", "64x128x2n", "64x64x4", "64x64x3r128")] == [
+        "gluon-128x64x2p", "gluon-64x128x2n", "gluon-64x64x4", "gluon-64x64x3r128"]
     for bad, said in (("64x128", "BLOCK_MxBLOCK_NxSTAGES"), ("64x100x3", "block_n 16-256 in steps of 16"),
                       ("64x128x3p", "ping-pong takes block_m=128"), ("64x128xthree", "BLOCK_MxBLOCK_NxSTAGES"),
-                      ("64x128x3q", "BLOCK_MxBLOCK_NxSTAGES")):
+                      ("64x128x3q", "BLOCK_MxBLOCK_NxSTAGES"), ("64x128x3r", "BLOCK_MxBLOCK_NxSTAGES"),
+                      ("64x128x3r12x", "BLOCK_MxBLOCK_NxSTAGES"), ("64x128x3r300", "max_registers None or an int")):
         with pytest.raises(SystemExit) as exc:
             gfc.main(["--tiles", bad])
         assert exc.value.code == 2

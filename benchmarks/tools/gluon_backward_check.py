@@ -51,12 +51,12 @@ TILES_FORM = ("BLOCK_NxBLOCK_MxSTAGES with a for atomic dQ (its dQ fields unused
 def parse_tiles(text: str):
     """One --tiles value (``TILES_FORM``) as ``BackwardTiles``; ValueError naming what is accepted."""
     from stableflash.attention.gluon.hopper_backward import BackwardTiles
-    body, _, cap = text.partition("r")
+    body, sep, cap = text.partition("r")
     atomic = body.endswith("a")
     parts = [p.split("x") for p in body.rstrip("a").split("/")]
     dq = parts[1] if len(parts) == 2 and not atomic else ["128", "128", "2"] if len(parts) == 1 else []
     fields = parts[0] + dq
-    if len(fields) != 6 or not all(f.isdigit() for f in fields) or (cap and not cap.isdigit()):
+    if len(fields) != 6 or not all(f.isdigit() for f in fields) or (sep and not cap.isdigit()):
         raise ValueError(f"expected {TILES_FORM}")
     tiles = BackwardTiles(*(int(f) for f in fields), atomic_dq=atomic, max_registers=int(cap) if cap else None)
     tiles.check()

@@ -36,27 +36,30 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gluon_check_cli  # noqa: E402  (this folder's shared command line)
 
 TILES_FORM = ("BLOCK_MxBLOCK_NxSTAGES, then p for ping-pong or n for no warp specialisation (the consumers "
-              "issue the loads), e.g. 64x128x3, 128x128x3p, 64x128x2n")
+              "issue the loads), then rNNN for a register cap, e.g. 64x128x3, 128x128x3p, 64x128x2n, 64x128x2r128")
 
 
 def parse_tiles(text: str):
     """One --tiles value (``TILES_FORM``) as a ``Tiles`` with the fence; ValueError naming what is
     accepted."""
     from stableflash.attention.gluon.hopper_forward import Tiles
+    text, sep, cap = text.partition("r")
     suffix = text[-1:] if text[-1:] in ("p", "n") else ""
     parts = text[:len(text) - len(suffix)].split("x")
-    if len(parts) != 3 or not all(p.isdigit() for p in parts):
+    if len(parts) != 3 or not all(p.isdigit() for p in parts) or (sep and not cap.isdigit()):
         raise ValueError(f"expected {TILES_FORM}")
-    tiles = Tiles(*(int(p) for p in parts), warp_specialize=suffix != "n", pingpong=suffix == "p")
+    tiles = Tiles(*(int(p) for p in parts), warp_specialize=suffix != "n", pingpong=suffix == "p",
+                  max_registers=int(cap) if cap else None)
     tiles.check()
     return tiles
 
 
 def tiles_name(t) -> str:
     """The provider name of --tiles' ``t``: gluon-BMxBNxS, then p (ping-pong) or n (no warp
-    specialisation)."""
+    specialisation), then rNNN (a register cap)."""
     suffix = "p" if t.pingpong else "" if t.warp_specialize else "n"
-    return f"gluon-{t.block_m}x{t.block_n}x{t.stages}{suffix}"
+    cap = f"r{t.max_registers}" if t.max_registers else ""
+    return f"gluon-{t.block_m}x{t.block_n}x{t.stages}{suffix}{cap}"
 
 
 def compile_rows(variants: bool, tiles: list = ()) -> list[dict]:

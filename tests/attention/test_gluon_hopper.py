@@ -187,6 +187,9 @@ def test_tiles_the_kernel_has_no_schedule_for_are_refused():
     with pytest.raises(ValueError, match="ping-pong takes block_m=128 and warp_specialize=True"):
         Tiles(128, 128, 2, warp_specialize=False, pingpong=True).check()
     Tiles(128, 128, 2, pingpong=True).check()
+    for bad in (63, 256, 128.0, True):
+        with pytest.raises(ValueError, match="max_registers None or an int from 64 to 255"):
+            Tiles(64, 128, 2, max_registers=bad).check()
 
 
 # --- on a Hopper GPU -----------------------------------------------------------------------------

@@ -83,13 +83,18 @@ class Tiles(NamedTuple):
     """A launch's tiles and schedule: BLOCK_M query rows (64 per consumer warpgroup), BLOCK_N keys per
     block, STAGES ring slots for K and V; whether a producer warp issues the loads (warp_specialize),
     the scheduling fence (sched_fence), and ping-pong: the two consumer warpgroups as partitions of
-    their own, taking turns to issue their products."""
+    their own, taking turns to issue their products. ``max_registers``: a cap on the registers per
+    thread at launch (triton's ``maxnreg``; None: the compiler's choice), so that more programs share
+    an SM (a warp-specialised program of one consumer warpgroup is launched as 256 threads, the
+    producer warp's warpgroup counting whole: two fit at 128, the consumer raised to what the
+    producer gives up)."""
     block_m: int
     block_n: int
     stages: int
     warp_specialize: bool = True
     sched_fence: bool = True
     pingpong: bool = False
+    max_registers: int | None = None
 
     @property
     def num_warps(self) -> int:
@@ -113,8 +118,11 @@ class Tiles(NamedTuple):
     def options(self) -> dict:
         """The compile options: num_warps, and floating-point contraction asked for explicitly (S·c − m
         and ℓ·α + Σ P as FMAs, as the Triton kernels compile them under triton 3.6-3.9's default, which
-        3.10 turns off)."""
-        return {"num_warps": self.num_warps, "enable_fp_fusion": True}
+        3.10 turns off); ``maxnreg`` where ``max_registers`` caps the registers."""
+        options = {"num_warps": self.num_warps, "enable_fp_fusion": True}
+        if self.max_registers is not None:
+            options["maxnreg"] = self.max_registers
+        return options
 
     def check(self) -> None:
         """ValueError for tiles the kernel has no schedule for (the loads without warp specialisation
@@ -125,6 +133,10 @@ class Tiles(NamedTuple):
                              "of 16, 2-4 stages")
         if self.pingpong and (self.block_m != 128 or not self.warp_specialize):
             raise ValueError(f"{self} is invalid; ping-pong takes block_m=128 and warp_specialize=True")
+        if self.max_registers is not None and (isinstance(self.max_registers, bool)
+                                               or not isinstance(self.max_registers, int)
+                                               or not 64 <= self.max_registers <= 255):
+            raise ValueError(f"{self} is invalid; accepted: max_registers None or an int from 64 to 255")
 
 
 def tiles_for(head_dim: int, causal: bool) -> Tiles:
