@@ -71,5 +71,5 @@ def main(argv, *, doc: str, kernel: str, variants_help: str, compile_rows: Calla
         rows = compile_rows(args.variants, **extra)
         print_compile(rows)
     if args.json:
-        args.json.write_text(json.dumps({"triton": triton.__version__, "rows": rows}, indent=1) + "\n")
+        args.json.write_text(json.dumps({"triton": triton.__version__, "rows": rows}, separators=(",", ":")) + "\n")
     return 0
