@@ -63,13 +63,22 @@ def parse_tiles(text: str):
     return tiles
 
 
+def _valid_at(t, d: int) -> bool:
+    try:
+        t.check(d)
+    except ValueError:
+        return False
+    return True
+
+
 def _tiles(d: int, causal: bool, variants: bool, tiles: list = ()) -> list:
     """The two kernels' default tiles, the atomic-dQ kernel's (``atomic_backward_tiles``), with
-    ``variants`` the other tiles of ``VARIANTS``, then ``tiles`` (--tiles)."""
+    ``variants`` the other tiles of ``VARIANTS``, then those of ``tiles`` (--tiles) that head_dim d
+    takes (an atomic-dQ query block of 16 or 32 rows, for one, has a schedule at 128 only)."""
     from stableflash.attention.gluon.hopper_backward import BackwardTiles, atomic_backward_tiles, backward_tiles_for
     base = [backward_tiles_for(d, causal), atomic_backward_tiles(d)]
     more = [BackwardTiles(*t) for t in VARIANTS[d]] if variants else []
-    for t in more + list(tiles):
+    for t in more + [t for t in tiles if _valid_at(t, d)]:
         if t not in base:
             base.append(t)
     return base

@@ -127,13 +127,13 @@ def test_atomic_dq_tiles():
 def test_dq_scaling_kernel_writes_strided_bf16(transposed):
     """``scale_dq_kernel`` (Triton; the interpreter runs it without a GPU): dQ = bf16(sums · scale), rounded as
     torch rounds, into a (B, N, H, d) buffer seen as (B, H, N, d), the rows beside it untouched; the sums
-    contiguous, or (``dq_buffer`` at head_dim 128) the transpose of a (B, H, d, N') tensor with N' > N."""
+    contiguous, or (``dq_buffer`` for transposed tiles) the transpose of a (B, H, d, N') tensor with N' > N."""
     from stableflash.attention.gluon.launch_backward import dq_buffer, scale_dq_kernel
     from stableflash.attention.triton.op import interpreting
     device = "cpu" if interpreting() else "cuda"
     gen = torch.Generator().manual_seed(0)
     B, H, N, d = 2, 3, 37, 128 if transposed else 64
-    sums = dq_buffer(torch.empty(B, H, N, d, device=device))
+    sums = dq_buffer(torch.empty(B, H, N, d, device=device), transposed)
     assert sums.shape == (B, H, N, d) and sums.dtype == torch.float32
     assert sums.stride() == ((H * d * 40, d * 40, 1, 40) if transposed else (H * N * d, N * d, d, 1))
     sums.copy_(torch.randn(B, H, N, d, generator=gen))
@@ -157,7 +157,7 @@ def test_delta_kernel_clears_the_dq_buffer(d):
     gen = torch.Generator().manual_seed(d)
     B, H, N = 2, 3, 70
     o, r, do = (torch.randn(B, H, N, d, generator=gen).to(torch.bfloat16).to(device) for _ in range(3))
-    sums = dq_buffer(o)
+    sums = dq_buffer(o, d == 128)                       # the transposed layout at 128, rows at 64
     sums.fill_(float("nan"))
     delta = _delta(do, o, r, clear=sums)
     assert torch.equal(sums, torch.zeros_like(sums))

@@ -252,6 +252,19 @@ def _dkdv_step(k, v, k_all, q_smem, do_smem, lse_ptr, delta_ptr, q_ready, do_rea
 
 
 @gluon.jit
+def _streamed_block(q_smem, do_smem, t, start_m, row0, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                    STAGES: gl.constexpr, mma_t: gl.constexpr):
+    """The t-th streamed block of a dK/dV consumer: its ring slot and phase, its Q and dO tiles, the
+    offsets and indices of its query columns in the transposed tiles' layout ``mma_t``, and the
+    entry of its first row in L and δ."""
+    slot = t % STAGES
+    q = q_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
+    do = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
+    offs = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma_t))
+    return slot, (t // STAGES) & 1, q, do, offs, start_m + offs, row0 + start_m
+
+
+@gluon.jit
 def _column_values(at, cols, n_q, MASKED: gl.constexpr):
     """The values at ``at`` of a block's query columns (L or δ of its rows): 0 past N_q where MASKED."""
     if MASKED:
@@ -290,15 +303,9 @@ def _dkdv_split_step(k, v, k_all, q_smem, do_smem, lse_ptr, delta_ptr, q_ready, 
     added into the fp32 dQ buffer by a TMA reduce-add from ``dq_buf``. A slot is written again two
     blocks later, when the other consumer's arrival for the block between has shown its products
     of this one complete (each consumer waits for all its products within the step)."""
-    slot = t % STAGES
-    phase = (t // STAGES) & 1
+    slot, phase, q, do, offs, cols, row = _streamed_block(q_smem, do_smem, t, start_m, row0, HEAD_DIM, BLOCK_M,
+                                                          STAGES, mma_t)
     ds_slot = t % 2
-    col_t: gl.constexpr = gl.SliceLayout(0, mma_t)
-    q = q_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
-    do = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
-    offs = gl.arange(0, BLOCK_M, layout=col_t)
-    cols = start_m + offs
-    row = row0 + start_m
     lse2 = _column_values(lse_ptr + row + offs, cols, n_q, MASKED) * LOG2E
     delta = _column_values(delta_ptr + row + offs, cols, n_q, MASKED)
     mbarrier.wait(q_ready.index(slot), phase)              # both before either product: a barrier's wait loop
@@ -351,14 +358,8 @@ def _dkdv_pipelined_step(k, v, q_smem, do_smem, lse_ptr, delta_ptr, q_ready, do_
     compute) it goes to shared memory in fp32 and a TMA reduce-add, and this block's dS̄ᵀ takes
     its place in ``ds_smem``. Every product is waited for within the step (ptxas waits at the
     loop's back edge anyway). Returns (dK, dV, h, start_m)."""
-    slot = t % STAGES
-    phase = (t // STAGES) & 1
-    col_t: gl.constexpr = gl.SliceLayout(0, mma_t)
-    q = q_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
-    do = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
-    offs = gl.arange(0, BLOCK_M, layout=col_t)
-    cols = start_m + offs
-    row = row0 + start_m
+    slot, phase, q, do, offs, cols, row = _streamed_block(q_smem, do_smem, t, start_m, row0, HEAD_DIM, BLOCK_M,
+                                                          STAGES, mma_t)
     lse2 = _column_values(lse_ptr + row + offs, cols, n_q, MASKED) * LOG2E
     mbarrier.wait(q_ready.index(slot), phase)
     s_tok = warpgroup_mma(k, q.permute((1, 0)), zero_t, use_acc=False, is_async=True)
@@ -522,10 +523,12 @@ def attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq
                            HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                            STAGES: gl.constexpr, CAUSAL: gl.constexpr):
     """``attn_bwd_dkdv_hopper_kernel`` that also adds each block pair's share of dQ, dS̄·K unscaled, to
-    an fp32 (B, H, N_q, d) buffer that starts at zero: ``dq_desc``, a rank-4 descriptor of fp32
-    (1, 1, BLOCK_M, d) blocks — at head_dim 128 of dQᵀ, (1, 1, d, BLOCK_M) blocks of a (B, H, d, N_q)
-    buffer (``_dq_share``) — through TMA reduce-adds (one per consumer warpgroup and streamed block;
-    the order of the additions is not fixed)."""
+    an fp32 (B, H, N_q, d) buffer that starts at zero: ``dq_desc``, a rank-4 descriptor of fp32 blocks
+    of ``BackwardTiles.dq_tile`` — (1, 1, BLOCK_M, d); at head_dim 128 (1, 1, 64, 64), each consumer
+    warpgroup adding half the columns (``_dkdv_split_step``), or with query blocks under 64 rows of
+    dQᵀ, (1, 1, d, BLOCK_M) blocks of a (B, H, d, N_q) buffer (``_dq_share``) — through TMA
+    reduce-adds (one per consumer warpgroup and streamed block; the order of the additions is not
+    fixed)."""
     _key_program(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse_ptr, delta_ptr, n_q, n_k, n_heads,
                  group, qk_scale, scale, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, True)
 

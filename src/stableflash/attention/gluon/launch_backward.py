@@ -73,14 +73,13 @@ def dq_buffer_layout(rows: int, cols: int):
     return gl.NVMMASharedLayout.get_default_for([1, 1, rows, cols], gl.float32)
 
 
-def dq_buffer(q: torch.Tensor, transposed: bool | None = None) -> torch.Tensor:
+def dq_buffer(q: torch.Tensor, transposed: bool) -> torch.Tensor:
     """The fp32 buffer into which ``attn_bwd_hopper_kernel`` adds dQ up, seen as (B, H, N_q, d), not
     yet cleared (the δ kernel clears it: ``_delta``'s ``clear``): contiguous, or, where the kernel
-    adds dQᵀ (``BackwardTiles.dq_transposed``; None: at head_dim 128), the transpose of a
-    (B, H, d, N') tensor whose rows N' = N_q rounded up to a multiple of 4 keep them 16-byte
-    aligned for TMA."""
+    adds dQᵀ (``transposed``: ``BackwardTiles.dq_transposed``), the transpose of a (B, H, d, N')
+    tensor whose rows N' = N_q rounded up to a multiple of 4 keep them 16-byte aligned for TMA."""
     B, H, n_q, d = q.shape
-    if not (d == 128 if transposed is None else transposed):
+    if not transposed:
         return torch.empty(q.shape, dtype=torch.float32, device=q.device)
     padded = torch.empty(B, H, d, -(-n_q // 4) * 4, dtype=torch.float32, device=q.device)
     return padded[..., :n_q].transpose(2, 3)

@@ -181,8 +181,8 @@ def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
              residual: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float, dq: torch.Tensor,
              dk: torch.Tensor, dv: torch.Tensor) -> None:
     """The Gluon backward into ``dq`` (q's shape), ``dk`` and ``dv`` (k's), any TMA-aligned layouts
-    (views of one packed gradient included), for a call ``why_not_backward`` accepted (its kernels
-    by head_dim: ``launch_backward.backward_into``)."""
+    (views of one packed gradient included), for a call ``why_not_backward`` accepted (its kernels,
+    atomic or in deterministic mode the two: ``launch_backward.backward_into``)."""
     from stableflash.attention.gluon.launch_backward import backward_into
     backward_into(do, q, k, v, o, residual, lse, causal, scale, dq, dk, dv)
 
