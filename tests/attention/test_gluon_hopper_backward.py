@@ -123,6 +123,27 @@ def test_atomic_dq_tiles():
             tiles.check(d)
 
 
+@needs_gluon
+def test_l_and_delta_descriptors_keep_their_rows_aligned_for_tma():
+    """``launch.vector_descriptor``: L or δ (B, H, N_q) fp32 as (B·H, N_q) rows, blocks of (1, block) —
+    the tensor itself where N_q is a multiple of 4 and the base 16-byte aligned, otherwise a copy in
+    rows padded to a multiple of 4 entries holding the same values; ``BackwardTiles.vector_block``:
+    block_m, at least 32 (ring slots of 128 bytes)."""
+    from stableflash.attention.gluon.hopper_backward import BackwardTiles, atomic_backward_tiles
+    from stableflash.attention.gluon.launch import vector_descriptor
+    gen = torch.Generator().manual_seed(3)
+    t = torch.randn(2, 3, 8, generator=gen)
+    d = vector_descriptor(t, 64)
+    assert d.base.data_ptr() == t.data_ptr() and (d.shape, d.strides, d.block_shape) == ([6, 8], [8, 1], [1, 64])
+    for odd in (torch.randn(2, 3, 509, generator=gen), torch.randn(49, generator=gen)[1:].view(2, 3, 8)):
+        d = vector_descriptor(odd, 32)
+        n = odd.shape[2]
+        assert d.shape == [6, n] and d.strides == [-(-n // 4) * 4, 1] and d.base.data_ptr() % 16 == 0, d
+        assert d.base.data_ptr() != odd.data_ptr() and torch.equal(d.base, odd.reshape(6, n))
+    assert BackwardTiles(64, 16, 4, 64, 32, 3).vector_block == 32
+    assert (atomic_backward_tiles(64).vector_block, atomic_backward_tiles(128).vector_block) == (64, 64)
+
+
 @pytest.mark.parametrize("transposed", [False, True], ids=["rows", "dq-transposed"])
 def test_dq_scaling_kernel_writes_strided_bf16(transposed):
     """``scale_dq_kernel`` (Triton; the interpreter runs it without a GPU): dQ = bf16(sums · scale), rounded as
@@ -224,8 +245,8 @@ def _check_fused(r, t, d):
     diagonal, whole and masked tail blocks) Sᵀ and dPᵀ (d/16 HGMMA each), the previous block's dQ
     share (64 keys: 4), dV and dK (block_m/16 each), then the last dQ share; the wait for Sᵀ
     leaves dPᵀ and the dQ share in flight, the wait for both leaves P̄ᵀ·dO, one waits for all, and
-    the last share is waited for alone; a reduce-add per loop and one for the last share. Loop
-    bounds and addresses spill a few registers (at most 32 stores). Launched at the tiles' register
+    the last share is waited for alone; a reduce-add per loop and one for the last share; no spills
+    (L and δ arrive in shared memory with Q and dO: no addresses of theirs held). Launched at the tiles' register
     cap, the producer lowered to 24 and the consumers raised to the rest (232 with one consumer
     warpgroup at 128: (256 · 128 − 128 · 24) / 128)."""
     consumers, loops = t.block_n // 64, 3
@@ -233,7 +254,7 @@ def _check_fused(r, t, d):
     assert r["wait_depths"] == {0: consumers * (loops + 1), 1: consumers * loops, 2: consumers * loops}, r
     assert r["ex2"] == consumers * loops * t.block_m // 2 and r["ex2_in_flight"] == r["ex2"], r
     assert r["tma_reduces"] == consumers * (loops + 1) and r["tma_stores"] == 2 * consumers, r
-    assert r["half_swaps"] == 0 and r["stl"] <= 32 and r["ldl"] <= 48, r
+    assert r["half_swaps"] == 0 and r["stl"] == 0 and r["ldl"] == 0, r
     assert t.max_registers == 128 and r["registers"] == 128 and r["setmaxnreg"] == [24, 232], r
 
 
@@ -242,14 +263,16 @@ def _check_split(r, t, d):
     partition and loop Sᵀ and dPᵀ (d/16 HGMMA each), dV and dK (block_m/16 each) and its half of
     dS̄·K as two products over the two warpgroups' 64 keys (64/16 each); two waits per step leave a
     product in flight (dPᵀ while Pᵀ's exponentials run, P̄ᵀ·dO while dSᵀ is formed), most of the
-    exponentials placed there; a reduce-add per loop; no half-swapping PRMT."""
+    exponentials placed there; a reduce-add per loop; no half-swapping PRMT. The dK and dV
+    accumulators with dQ's half share leave some scalars to local memory (at most 80 stores and 80
+    loads; 166 / 193 with L and δ loaded from global memory by the consumers)."""
     consumers, loops = t.block_n // 64, 3
     assert t.block_m == 64 and consumers == 2 and t.dq_tile(d) == (64, 64) and not t.dq_transposed(d)
     assert r["hgmma"] == consumers * loops * (2 * d // 16 + 2 * t.block_m // 16 + 2 * 64 // 16), r
     assert r["wait_depths"].get(1, 0) == 2 * consumers * loops, r
     assert r["ex2"] == consumers * loops * t.block_m // 2 and r["ex2_in_flight"] >= r["ex2"] * 3 // 4, r
     assert r["tma_reduces"] == consumers * loops and r["tma_stores"] == 2 * consumers, r
-    assert r["half_swaps"] == 0, r
+    assert r["half_swaps"] == 0 and r["stl"] <= 80 and r["ldl"] <= 80, r
     assert 24 in r["setmaxnreg"] and 240 in r["setmaxnreg"], r
 
 

@@ -154,6 +154,13 @@ class BackwardTiles(NamedTuple):
             return self.block_m, head_dim
         return (self.block_m, 64) if self.block_m == 64 else (head_dim, self.block_m)
 
+    @property
+    def vector_block(self) -> int:
+        """Entries of L and δ the dK/dV producer loads per query block (TMA, with its Q and dO tiles):
+        block_m, at least 32, so that every ring slot of them starts 128-byte aligned in shared
+        memory, as TMA writes it (16-row blocks read the first 16)."""
+        return max(self.block_m, 32)
+
     def dq_transposed(self, head_dim: int) -> bool:
         """Whether the dQ buffer these tiles add into is dQᵀ, (B, H, d, N_q) (``dq_tile``)."""
         return self.atomic_dq and head_dim == 128 and self.block_m != 64
@@ -210,27 +217,32 @@ def atomic_backward_tiles(head_dim: int) -> BackwardTiles:
 # --- dK, dV ---------------------------------------------------------------------------------------
 
 @gluon.jit
-def _qdo_producer(q_desc, do_desc, q_smem, do_smem, q_ready, do_ready, free, b, hk, group, m_lo, per_head,
-                  BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+def _qdo_producer(q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem, q_ready, do_ready,
+                  free, b, hk, group, m_lo, per_head, n_heads, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
+                  STAGES: gl.constexpr):
     """The dK/dV kernel's producer partition (one warp): the u-th streamed block — query head
-    hk·group + u // per_head, query block m_lo + u % per_head — into slot u % STAGES, Q completing
-    "Q ready", dO "dO ready" (transaction counts of whole tiles: TMA counts the zeros it fills in);
-    a slot's r-th reuse (r ≥ 1) waits for the consumers' r-th release of it ("free" phase r − 1)."""
+    hk·group + u // per_head, query block m_lo + u % per_head — into slot u % STAGES, Q and L of its
+    rows completing "Q ready", dO and δ "dO ready" (transaction counts of whole tiles: TMA counts the
+    zeros it fills in); a slot's r-th reuse (r ≥ 1) waits for the consumers' r-th release of it
+    ("free" phase r − 1)."""
     for u in range(group * per_head):
         slot = u % STAGES
         if u >= STAGES:
             mbarrier.wait(free.index(slot), ((u // STAGES) & 1) ^ 1)
         h = hk * group + u // per_head
         start_m = (m_lo + u % per_head) * BLOCK_M
-        mbarrier.expect(q_ready.index(slot), BLOCK_M * HEAD_DIM * 2)
+        bh = b * n_heads + h
+        mbarrier.expect(q_ready.index(slot), BLOCK_M * HEAD_DIM * 2 + lse_desc.block_shape[1] * 4)
         tma_load(q_desc, [b, h, start_m, 0], q_ready.index(slot), q_smem.index(slot))
-        mbarrier.expect(do_ready.index(slot), BLOCK_M * HEAD_DIM * 2)
+        tma_load(lse_desc, [bh, start_m], q_ready.index(slot), lse_smem.index(slot))
+        mbarrier.expect(do_ready.index(slot), BLOCK_M * HEAD_DIM * 2 + delta_desc.block_shape[1] * 4)
         tma_load(do_desc, [b, h, start_m, 0], do_ready.index(slot), do_smem.index(slot))
+        tma_load(delta_desc, [bh, start_m], do_ready.index(slot), delta_smem.index(slot))
 
 
 @gluon.jit
-def _dkdv_step(k, v, k_all, q_smem, do_smem, lse_ptr, delta_ptr, q_ready, do_ready, free, dk, dv, zero_t, t,
-               start_n, start_m, row0, n_q, qk_scale, dq_desc, ds_smem, ds_bar, dq_smem, W: gl.constexpr, zero_q, b,
+def _dkdv_step(k, v, k_all, q_smem, do_smem, lse_smem, delta_smem, q_ready, do_ready, free, dk, dv, zero_t, t,
+               start_n, start_m, n_q, qk_scale, dq_desc, ds_smem, ds_bar, dq_smem, W: gl.constexpr, zero_q, b,
                h, prev_h, prev_m, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
                CAUSAL: gl.constexpr, MASKED: gl.constexpr, ATOMIC_DQ: gl.constexpr, SPLIT: gl.constexpr,
                mma_t: gl.constexpr, mma_d: gl.constexpr):
@@ -238,40 +250,40 @@ def _dkdv_step(k, v, k_all, q_smem, do_smem, lse_ptr, delta_ptr, q_ready, do_rea
     by columns between the consumers (SPLIT), else ``_dkdv_pipelined_step``. Returns (dK, dV, h, start_m)
     of the block whose dQ share is still to be added (the pipelined step's previous block)."""
     if SPLIT:
-        dk, dv = _dkdv_split_step(k, v, k_all, q_smem, do_smem, lse_ptr, delta_ptr, q_ready, do_ready, free, dk,
-                                  dv, zero_t, t, start_n, start_m, row0, n_q, qk_scale, dq_desc, ds_smem, ds_bar,
+        dk, dv = _dkdv_split_step(k, v, k_all, q_smem, do_smem, lse_smem, delta_smem, q_ready, do_ready, free, dk,
+                                  dv, zero_t, t, start_n, start_m, n_q, qk_scale, dq_desc, ds_smem, ds_bar,
                                   dq_smem.index(W), b, h, W, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, MASKED, mma_t, mma_d)
         prev_h = h
         prev_m = start_m
     else:
         dk, dv, prev_h, prev_m = _dkdv_pipelined_step(
-            k, v, q_smem, do_smem, lse_ptr, delta_ptr, q_ready, do_ready, free, dk, dv, zero_t, t, start_n, start_m,
-            row0, n_q, qk_scale, dq_desc, ds_smem, dq_smem, 2 * W, zero_q, b, h, prev_h, prev_m, HEAD_DIM, BLOCK_M,
+            k, v, q_smem, do_smem, lse_smem, delta_smem, q_ready, do_ready, free, dk, dv, zero_t, t, start_n, start_m,
+            n_q, qk_scale, dq_desc, ds_smem, dq_smem, 2 * W, zero_q, b, h, prev_h, prev_m, HEAD_DIM, BLOCK_M,
             STAGES, CAUSAL, MASKED, ATOMIC_DQ, mma_t, mma_d)
     return dk, dv, prev_h, prev_m
 
 
 @gluon.jit
-def _streamed_block(q_smem, do_smem, t, start_m, row0, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                    STAGES: gl.constexpr, mma_t: gl.constexpr):
-    """The t-th streamed block of a dK/dV consumer: its ring slot and phase, its Q and dO tiles, the
-    offsets and indices of its query columns in the transposed tiles' layout ``mma_t``, and the
-    entry of its first row in L and δ."""
+def _streamed_block(q_smem, do_smem, lse_smem, delta_smem, t, start_m, HEAD_DIM: gl.constexpr,
+                    BLOCK_M: gl.constexpr, STAGES: gl.constexpr, mma_t: gl.constexpr):
+    """The t-th streamed block of a dK/dV consumer: its ring slot and phase, its Q and dO tiles, its L
+    and δ (shared-memory vectors, read as ``_column_values``), and the indices of its query columns in
+    the transposed tiles' layout ``mma_t``."""
     slot = t % STAGES
     q = q_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
     do = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
-    offs = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma_t))
-    return slot, (t // STAGES) & 1, q, do, offs, start_m + offs, row0 + start_m
+    cols = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma_t))
+    vec: gl.constexpr = lse_smem.shape[2]                  # ≥ BLOCK_M (``BackwardTiles.vector_block``)
+    lse = lse_smem.index(slot).reshape([vec]).slice(0, BLOCK_M)
+    delta = delta_smem.index(slot).reshape([vec]).slice(0, BLOCK_M)
+    return slot, (t // STAGES) & 1, q, do, lse, delta, cols
 
 
 @gluon.jit
-def _column_values(at, cols, n_q, MASKED: gl.constexpr):
-    """The values at ``at`` of a block's query columns (L or δ of its rows): 0 past N_q where MASKED."""
-    if MASKED:
-        x = gl.load(at, mask=cols < n_q, other=0.0)
-    else:
-        x = gl.load(at)
-    return x
+def _column_values(vector, mma_t: gl.constexpr):
+    """A block's L or δ (its shared-memory vector, landed with its Q or dO tile) along the query columns
+    of the transposed tiles' layout ``mma_t``; zeros past N_q."""
+    return vector.load(gl.SliceLayout(0, mma_t))
 
 
 @gluon.jit
@@ -290,8 +302,8 @@ def _probabilities_t(s, qk_scale, lse2, cols, n_q, start_n, CAUSAL: gl.constexpr
 
 
 @gluon.jit
-def _dkdv_split_step(k, v, k_all, q_smem, do_smem, lse_ptr, delta_ptr, q_ready, do_ready, free, dk, dv, zero_t, t,
-                     start_n, start_m, row0, n_q, qk_scale, dq_desc, ds_all, ds_bar, dq_buf, b, h, W: gl.constexpr,
+def _dkdv_split_step(k, v, k_all, q_smem, do_smem, lse_smem, delta_smem, q_ready, do_ready, free, dk, dv, zero_t,
+                     t, start_n, start_m, n_q, qk_scale, dq_desc, ds_all, ds_bar, dq_buf, b, h, W: gl.constexpr,
                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                      MASKED: gl.constexpr, mma_t: gl.constexpr, mma_d: gl.constexpr):
     """The t-th streamed block of consumer W (keys start_n …, 64 of the program's 128) where dQ's
@@ -303,15 +315,15 @@ def _dkdv_split_step(k, v, k_all, q_smem, do_smem, lse_ptr, delta_ptr, q_ready, 
     added into the fp32 dQ buffer by a TMA reduce-add from ``dq_buf``. A slot is written again two
     blocks later, when the other consumer's arrival for the block between has shown its products
     of this one complete (each consumer waits for all its products within the step)."""
-    slot, phase, q, do, offs, cols, row = _streamed_block(q_smem, do_smem, t, start_m, row0, HEAD_DIM, BLOCK_M,
-                                                          STAGES, mma_t)
+    slot, phase, q, do, lse_s, delta_s, cols = _streamed_block(q_smem, do_smem, lse_smem, delta_smem, t, start_m,
+                                                               HEAD_DIM, BLOCK_M, STAGES, mma_t)
     ds_slot = t % 2
-    lse2 = _column_values(lse_ptr + row + offs, cols, n_q, MASKED) * LOG2E
-    delta = _column_values(delta_ptr + row + offs, cols, n_q, MASKED)
     mbarrier.wait(q_ready.index(slot), phase)              # both before either product: a barrier's wait loop
     mbarrier.wait(do_ready.index(slot), phase)             # between them would complete the first product
+    delta = _column_values(delta_s, mma_t)
     s_tok = warpgroup_mma(k, q.permute((1, 0)), zero_t, use_acc=False, is_async=True)
     dp_tok = warpgroup_mma(v, do.permute((1, 0)), zero_t - delta[None, :], is_async=True)   # dPᵀ − δ
+    lse2 = _column_values(lse_s, mma_t) * LOG2E
     s = warpgroup_mma_wait(1, deps=[s_tok])                 # Sᵀ done, dPᵀ still in flight
     p = _probabilities_t(s, qk_scale, lse2, cols, n_q, start_n, CAUSAL, MASKED, mma_t)
     p_bar = _a_operand(p, mma_d)
@@ -341,14 +353,14 @@ def _dkdv_split_step(k, v, k_all, q_smem, do_smem, lse_ptr, delta_ptr, q_ready, 
 
 
 @gluon.jit
-def _dkdv_pipelined_step(k, v, q_smem, do_smem, lse_ptr, delta_ptr, q_ready, do_ready, free, dk, dv, zero_t, t,
-                         start_n, start_m, row0, n_q, qk_scale, dq_desc, ds_smem, dq_smem, dq_slot0, zero_q, b, h,
+def _dkdv_pipelined_step(k, v, q_smem, do_smem, lse_smem, delta_smem, q_ready, do_ready, free, dk, dv, zero_t, t,
+                         start_n, start_m, n_q, qk_scale, dq_desc, ds_smem, dq_smem, dq_slot0, zero_q, b, h,
                          prev_h, prev_m, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
                          CAUSAL: gl.constexpr, MASKED: gl.constexpr, ATOMIC_DQ: gl.constexpr, mma_t: gl.constexpr,
                          mma_d: gl.constexpr):
     """The t-th streamed block (query rows start_m … of head h, slot t % STAGES) of a consumer's loop:
-    L of its rows (entries row0 + start_m …) loaded before the wait for Q, Sᵀ and dPᵀ issued back to
-    back, Pᵀ while dPᵀ computes, dV += P̄ᵀ·dO issued, δ loaded and dSᵀ formed while it computes,
+    Sᵀ and dPᵀ issued back to back, L of its rows read while they compute, Pᵀ while dPᵀ computes,
+    dV += P̄ᵀ·dO issued, δ read and dSᵀ formed while it computes,
     dK += dS̄ᵀ·Q, then the slot released (this warpgroup's products that read it are complete).
     MASKED (compile time): the block holds the causal diagonal or query rows past N_q, whose
     entries of Pᵀ (and so of dSᵀ) are set to zero.
@@ -358,22 +370,23 @@ def _dkdv_pipelined_step(k, v, q_smem, do_smem, lse_ptr, delta_ptr, q_ready, do_
     compute) it goes to shared memory in fp32 and a TMA reduce-add, and this block's dS̄ᵀ takes
     its place in ``ds_smem``. Every product is waited for within the step (ptxas waits at the
     loop's back edge anyway). Returns (dK, dV, h, start_m)."""
-    slot, phase, q, do, offs, cols, row = _streamed_block(q_smem, do_smem, t, start_m, row0, HEAD_DIM, BLOCK_M,
-                                                          STAGES, mma_t)
-    lse2 = _column_values(lse_ptr + row + offs, cols, n_q, MASKED) * LOG2E
+    slot, phase, q, do, lse_s, delta_s, cols = _streamed_block(q_smem, do_smem, lse_smem, delta_smem, t, start_m,
+                                                               HEAD_DIM, BLOCK_M, STAGES, mma_t)
     mbarrier.wait(q_ready.index(slot), phase)
     s_tok = warpgroup_mma(k, q.permute((1, 0)), zero_t, use_acc=False, is_async=True)
     mbarrier.wait(do_ready.index(slot), phase)
     dp_tok = warpgroup_mma(v, do.permute((1, 0)), zero_t, use_acc=False, is_async=True)
     if ATOMIC_DQ:
         dq_tok = _dq_share(k, ds_smem, zero_q, HEAD_DIM, True)
+    lse2 = _column_values(lse_s, mma_t) * LOG2E
+    if ATOMIC_DQ:
         s = warpgroup_mma_wait(2, deps=[s_tok])             # Sᵀ done; dPᵀ, the previous dQ share in flight
     else:
         s = warpgroup_mma_wait(1, deps=[s_tok])             # Sᵀ done, dPᵀ still in flight
     p = _probabilities_t(s, qk_scale, lse2, cols, n_q, start_n, CAUSAL, MASKED, mma_t)
     p_bar = _a_operand(p, mma_d)
     dv_tok = warpgroup_mma(p_bar, do, dv, is_async=True)
-    delta = _column_values(delta_ptr + row + offs, cols, n_q, MASKED)
+    delta = _column_values(delta_s, mma_t)
     if ATOMIC_DQ:
         dp, dq = warpgroup_mma_wait(1, deps=[dp_tok, dq_tok])   # dPᵀ and the dQ share done, P̄ᵀ·dO in flight
         buf = dq_smem.index(dq_slot0 + t % 2)
@@ -427,7 +440,7 @@ def _add_dq_share(dq_desc, buf, b, h, m, HEAD_DIM: gl.constexpr):
 
 
 @gluon.jit
-def _dkdv_consumer(dk_desc, dv_desc, dq_desc, lse_ptr, delta_ptr, k_all, v_all, q_smem, do_smem, ds_smem, ds_bar,
+def _dkdv_consumer(dk_desc, dv_desc, dq_desc, lse_smem, delta_smem, k_all, v_all, q_smem, do_smem, ds_smem, ds_bar,
                    dq_smem, W: gl.constexpr, kv_bar, q_ready, do_ready, free, b, hk, start_n, group, n_heads, n_q,
                    m_lo, diag_end, full_end, per_head, qk_scale, scale, HEAD_DIM: gl.constexpr,
                    BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, ATOMIC_DQ: gl.constexpr,
@@ -467,22 +480,21 @@ def _dkdv_consumer(dk_desc, dv_desc, dq_desc, lse_ptr, delta_ptr, k_all, v_all, 
     for g in range(group):
         base = g * per_head - m_lo                          # block m of head g is streamed block base + m
         h = hk * group + g
-        row0 = (b * n_heads + h) * n_q                      # L and δ of head h
         if CAUSAL:
             for m in range(m_lo, diag_end):
                 dk, dv, prev_h, prev_m = _dkdv_step(
-                    k, v, k_all, q_smem, do_smem, lse_ptr, delta_ptr, q_ready, do_ready, free, dk, dv, zero_t,
-                    base + m, start_n, m * BLOCK_M, row0, n_q, qk_scale, dq_desc, ds_smem, ds_bar, dq_smem, W, zero_q,
+                    k, v, k_all, q_smem, do_smem, lse_smem, delta_smem, q_ready, do_ready, free, dk, dv, zero_t,
+                    base + m, start_n, m * BLOCK_M, n_q, qk_scale, dq_desc, ds_smem, ds_bar, dq_smem, W, zero_q,
                     b, h, prev_h, prev_m, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, True, ATOMIC_DQ, SPLIT, mma_t, mma_d)
         for m in range(diag_end, full_end):
             dk, dv, prev_h, prev_m = _dkdv_step(
-                k, v, k_all, q_smem, do_smem, lse_ptr, delta_ptr, q_ready, do_ready, free, dk, dv, zero_t, base + m,
-                start_n, m * BLOCK_M, row0, n_q, qk_scale, dq_desc, ds_smem, ds_bar, dq_smem, W, zero_q, b, h,
+                k, v, k_all, q_smem, do_smem, lse_smem, delta_smem, q_ready, do_ready, free, dk, dv, zero_t, base + m,
+                start_n, m * BLOCK_M, n_q, qk_scale, dq_desc, ds_smem, ds_bar, dq_smem, W, zero_q, b, h,
                 prev_h, prev_m, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, False, ATOMIC_DQ, SPLIT, mma_t, mma_d)
         for m in range(full_end, m_lo + per_head):
             dk, dv, prev_h, prev_m = _dkdv_step(
-                k, v, k_all, q_smem, do_smem, lse_ptr, delta_ptr, q_ready, do_ready, free, dk, dv, zero_t, base + m,
-                start_n, m * BLOCK_M, row0, n_q, qk_scale, dq_desc, ds_smem, ds_bar, dq_smem, W, zero_q, b, h,
+                k, v, k_all, q_smem, do_smem, lse_smem, delta_smem, q_ready, do_ready, free, dk, dv, zero_t, base + m,
+                start_n, m * BLOCK_M, n_q, qk_scale, dq_desc, ds_smem, ds_bar, dq_smem, W, zero_q, b, h,
                 prev_h, prev_m, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, True, ATOMIC_DQ, SPLIT, mma_t, mma_d)
     if SPLIT:
         last = group * per_head
@@ -501,24 +513,25 @@ def _dkdv_consumer(dk_desc, dv_desc, dq_desc, lse_ptr, delta_ptr, k_all, v_all, 
 
 
 @gluon.jit
-def attn_bwd_dkdv_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr, delta_ptr,
+def attn_bwd_dkdv_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc,
                                 n_q, n_k, n_heads, group, qk_scale, scale,
                                 HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                                 STAGES: gl.constexpr, CAUSAL: gl.constexpr):
     """One program: dK and dV of keys [start_n, start_n + BLOCK_N) of one batch·kv-head, on a grid of
     (key blocks, B·H_kv) taken in ``_launch_order`` (with BLOCK_N 128, under a causal mask the first
     key blocks, which see the most queries, of four heads at a time start first). Descriptors: rank 4 over (B, H, N, d) — k, v, dk, dv with 64-row blocks (one
-    per consumer warpgroup), q and do with BLOCK_M-row blocks. ``lse_ptr``, ``delta_ptr``:
-    (B, H, N_q) fp32, contiguous. ``group``: query heads per key/value head;
+    per consumer warpgroup), q and do with BLOCK_M-row blocks; ``lse_desc``, ``delta_desc``: rank 2
+    over L and δ as (B·H, N_q) fp32 (``launch.vector_descriptor``), blocks of (1, max(BLOCK_M, 32))
+    (``BackwardTiles.vector_block``). ``group``: query heads per key/value head;
     ``qk_scale``: scale·log2 e; ``scale``: the softmax scale (dK's factor). Launch with
     num_warps = 4: the first consumer warpgroup; the second (BLOCK_N = 128) and the producer warp
     are worker partitions."""
-    _key_program(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dk_desc, lse_ptr, delta_ptr, n_q, n_k, n_heads,
+    _key_program(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dk_desc, lse_desc, delta_desc, n_q, n_k, n_heads,
                  group, qk_scale, scale, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, False)
 
 
 @gluon.jit
-def attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse_ptr, delta_ptr,
+def attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse_desc, delta_desc,
                            n_q, n_k, n_heads, group, qk_scale, scale,
                            HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                            STAGES: gl.constexpr, CAUSAL: gl.constexpr):
@@ -529,7 +542,7 @@ def attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq
     dQᵀ, (1, 1, d, BLOCK_M) blocks of a (B, H, d, N_q) buffer (``_dq_share``) — through TMA
     reduce-adds (one per consumer warpgroup and streamed block; the order of the additions is not
     fixed)."""
-    _key_program(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse_ptr, delta_ptr, n_q, n_k, n_heads,
+    _key_program(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse_desc, delta_desc, n_q, n_k, n_heads,
                  group, qk_scale, scale, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, True)
 
 
@@ -552,7 +565,7 @@ def _launch_order(HEADS: gl.constexpr):
 
 
 @gluon.jit
-def _key_program(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse_ptr, delta_ptr,
+def _key_program(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse_desc, delta_desc,
                  n_q, n_k, n_heads, group, qk_scale, scale,
                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                  STAGES: gl.constexpr, CAUSAL: gl.constexpr, ATOMIC_DQ: gl.constexpr):
@@ -583,6 +596,8 @@ def _key_program(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse
     v_smem = gl.allocate_shared_memory(gl.bfloat16, [CONSUMERS, 1, 1, 64, HEAD_DIM], v_desc.layout)
     q_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 1, 1, BLOCK_M, HEAD_DIM], q_desc.layout)
     do_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 1, 1, BLOCK_M, HEAD_DIM], do_desc.layout)
+    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, lse_desc.block_shape[1]], lse_desc.layout)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, delta_desc.block_shape[1]], delta_desc.layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -619,25 +634,25 @@ def _key_program(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse
     # (Gluon's frontend takes no starred arguments: each partition's list is written out)
     if CONSUMERS == 2:
         gl.warp_specialize([
-            (_dkdv_consumer, (dk_desc, dv_desc, dq_desc, lse_ptr, delta_ptr, k_smem, v_smem, q_smem, do_smem,
+            (_dkdv_consumer, (dk_desc, dv_desc, dq_desc, lse_smem, delta_smem, k_smem, v_smem, q_smem, do_smem,
                               ds_smem, ds_bar, dq_smem, 0, kv_bar, q_ready, do_ready, free, b, hk, start_n, group,
                               n_heads, n_q, m_lo, diag_end, full_end, per_head, qk_scale, scale, HEAD_DIM, BLOCK_M,
                               STAGES, CAUSAL, ATOMIC_DQ, SPLIT)),
-            (_dkdv_consumer, (dk_desc, dv_desc, dq_desc, lse_ptr, delta_ptr, k_smem, v_smem, q_smem, do_smem,
+            (_dkdv_consumer, (dk_desc, dv_desc, dq_desc, lse_smem, delta_smem, k_smem, v_smem, q_smem, do_smem,
                               ds_smem, ds_bar, dq_smem, 1, kv_bar, q_ready, do_ready, free, b, hk, start_n + 64, group,
                               n_heads, n_q, m_lo, diag_end, full_end, per_head, qk_scale, scale, HEAD_DIM, BLOCK_M,
                               STAGES, CAUSAL, ATOMIC_DQ, SPLIT)),
-            (_qdo_producer, (q_desc, do_desc, q_smem, do_smem, q_ready, do_ready, free, b, hk, group, m_lo, per_head,
-                             BLOCK_M, HEAD_DIM, STAGES)),
+            (_qdo_producer, (q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem, q_ready,
+                             do_ready, free, b, hk, group, m_lo, per_head, n_heads, BLOCK_M, HEAD_DIM, STAGES)),
         ], [4, 1], [240, 24])
     else:
         gl.warp_specialize([
-            (_dkdv_consumer, (dk_desc, dv_desc, dq_desc, lse_ptr, delta_ptr, k_smem, v_smem, q_smem, do_smem,
+            (_dkdv_consumer, (dk_desc, dv_desc, dq_desc, lse_smem, delta_smem, k_smem, v_smem, q_smem, do_smem,
                               ds_smem, ds_bar, dq_smem, 0, kv_bar, q_ready, do_ready, free, b, hk, start_n, group,
                               n_heads, n_q, m_lo, diag_end, full_end, per_head, qk_scale, scale, HEAD_DIM, BLOCK_M,
                               STAGES, CAUSAL, ATOMIC_DQ, SPLIT)),
-            (_qdo_producer, (q_desc, do_desc, q_smem, do_smem, q_ready, do_ready, free, b, hk, group, m_lo, per_head,
-                             BLOCK_M, HEAD_DIM, STAGES)),
+            (_qdo_producer, (q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem, q_ready,
+                             do_ready, free, b, hk, group, m_lo, per_head, n_heads, BLOCK_M, HEAD_DIM, STAGES)),
         ], [1], [24])
     mbarrier.invalidate(kv_bar)
     for i in gl.static_range(STAGES):

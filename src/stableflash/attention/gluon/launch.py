@@ -7,6 +7,7 @@ import math
 
 import torch
 import triton
+from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from stableflash.attention.gluon.hopper_forward import Tiles, attn_fwd_hopper_kernel, descriptor_layout, tiles_for
@@ -96,6 +97,29 @@ def tensor_descriptor(t: torch.Tensor, rows: int, layout, cols: int | None = Non
     desc = object.__new__(TensorDescriptor)
     desc.__dict__.update(_DESCRIPTOR_DEFAULTS, base=t, shape=list(t.shape), strides=list(t.stride()),
                          block_shape=[1, 1, rows, t.shape[3] if cols is None else cols], layout=layout)
+    return desc
+
+
+@functools.cache
+def vector_layout(block: int):
+    """The shared-memory layout of a (1, block) fp32 block of L or δ (unswizzled)."""
+    return gl.NVMMASharedLayout.get_default_for([1, block], gl.float32)
+
+
+def vector_descriptor(t: torch.Tensor, block: int) -> TensorDescriptor:
+    """A rank-2 TMA descriptor over fp32 t (L or δ, (B, H, N_q), contiguous) as (B·H, N_q), blocks of
+    (1, ``block``): the dK/dV kernels' producer loads each query block's L and δ with its Q and dO
+    tiles (entries past N_q: TMA's zeros). Rows of N_q entries stay 16-byte aligned where N_q is a
+    multiple of 4 and the base is aligned; otherwise t is copied into rows padded to a multiple of 4."""
+    B, H, n_q = t.shape
+    rows = t.reshape(B * H, n_q)
+    if n_q % 4 or rows.data_ptr() % 16:
+        padded = t.new_empty(B * H, -(-n_q // 4) * 4)
+        padded[:, :n_q] = rows
+        rows = padded[:, :n_q]
+    desc = object.__new__(TensorDescriptor)
+    desc.__dict__.update(_DESCRIPTOR_DEFAULTS, base=rows, shape=list(rows.shape), strides=list(rows.stride()),
+                         block_shape=[1, block], layout=vector_layout(block))
     return desc
 
 

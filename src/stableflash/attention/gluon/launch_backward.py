@@ -13,7 +13,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from stableflash.attention.gluon.hopper_backward import (BackwardTiles, attn_bwd_dkdv_hopper_kernel,
                                                          atomic_backward_tiles, attn_bwd_dq_hopper_kernel,
                                                          attn_bwd_hopper_kernel, backward_tiles_for)
-from stableflash.attention.gluon.launch import LOG2E, _descriptor, check_inputs, tensor_descriptor
+from stableflash.attention.gluon.launch import LOG2E, _descriptor, check_inputs, tensor_descriptor, vector_descriptor
 from stableflash.attention.triton import launch_cache
 from stableflash.attention.triton.common import cast
 from stableflash.attention.triton.op import delta_dot
@@ -121,7 +121,7 @@ def launch_args_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
                          scale: float | None, tiles: BackwardTiles | None = None) -> dict:
     """{"dkdv": (grid, arguments, compile-time arguments), "dq": (...)} of the two kernels for checked
     inputs, the outputs they write (dq like q, dk and dv like k) and L, δ (B, H, N_q) fp32
-    contiguous, with ``BackwardTiles``' constexprs and options."""
+    contiguous (the dK/dV kernel reads them through rank-1 descriptors, ``vector_descriptor``), with ``BackwardTiles``' constexprs and options."""
     B, H, n_q, d = q.shape
     Hk, n_k = k.shape[1], k.shape[2]
     t = tiles or backward_tiles_for(d, causal)
@@ -132,7 +132,8 @@ def launch_args_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
                    _descriptor(dk, 64), _descriptor(dv, 64))
     if t.atomic_dq:                          # the dK/dV kernel's arguments with dQ's fp32 buffer after dV's
         descriptors += (_dq_buffer_descriptor(dq, t),)
-    dkdv = ((triton.cdiv(n_k, t.block_n), B * Hk), (*descriptors, lse, delta, *scalars),
+    vectors = (vector_descriptor(lse, t.vector_block), vector_descriptor(delta, t.vector_block))
+    dkdv = ((triton.cdiv(n_k, t.block_n), B * Hk), (*descriptors, *vectors, *scalars),
             {**t.dkdv_constexprs(d, causal), **t.options})
     if t.atomic_dq:
         return {"fused": dkdv}

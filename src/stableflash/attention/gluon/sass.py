@@ -238,6 +238,7 @@ def compile_backward(head_dim: int, causal: bool, tiles=None) -> dict:
     with ``atomic_dq`` (triton ``CompiledKernel``s; never launched)."""
     from stableflash.attention.gluon.hopper_backward import (attn_bwd_dkdv_hopper_kernel, attn_bwd_dq_hopper_kernel,
                                                              attn_bwd_hopper_kernel, backward_tiles_for)
+    from stableflash.attention.gluon.launch import vector_layout
     from stableflash.attention.gluon.launch_backward import dq_buffer_layout
     t = tiles or backward_tiles_for(head_dim, causal)
     t.check(head_dim)
@@ -245,15 +246,17 @@ def compile_backward(head_dim: int, causal: bool, tiles=None) -> dict:
     q, kv = _desc(t.block_m, head_dim), _desc(64, head_dim)
     descriptors = {"q_desc": q, "k_desc": kv, "v_desc": kv, "do_desc": q, "dk_desc": kv, "dv_desc": kv}
     pointers = {"lse_ptr": "*fp32", "delta_ptr": "*fp32", **scalars}
+    vector = f"tensordesc<fp32[1,{t.vector_block}],{vector_layout(t.vector_block)!r}>"
+    vectors = {"lse_desc": vector, "delta_desc": vector, **scalars}
     if t.atomic_dq:
         rows, cols = t.dq_tile(head_dim)
         dq_sum = f"tensordesc<fp32[1,1,{rows},{cols}],{dq_buffer_layout(rows, cols)!r}>"
-        kernels = [("fused", attn_bwd_hopper_kernel, {**descriptors, "dq_desc": dq_sum, **pointers},
+        kernels = [("fused", attn_bwd_hopper_kernel, {**descriptors, "dq_desc": dq_sum, **vectors},
                     t.dkdv_constexprs(head_dim, causal))]
     else:
         q, kv = _desc(64, head_dim), _desc(t.dq_block_n, head_dim)
         dq = {"q_desc": q, "k_desc": kv, "v_desc": kv, "do_desc": q, "dq_desc": q, **pointers}
-        kernels = [("dkdv", attn_bwd_dkdv_hopper_kernel, {**descriptors, **pointers},
+        kernels = [("dkdv", attn_bwd_dkdv_hopper_kernel, {**descriptors, **vectors},
                     t.dkdv_constexprs(head_dim, causal)),
                    ("dq", attn_bwd_dq_hopper_kernel, dq, t.dq_constexprs(head_dim, causal))]
     out = {}
