@@ -204,7 +204,7 @@ def atomic_backward_tiles(head_dim: int) -> BackwardTiles:
     registers a thread at launch, so that two programs share an SM (one program per SM at the
     compiler's 255, or with two consumer warpgroups over 128 keys: slower at every shape timed,
     docs/kernels.md). Head_dim 128: 128 keys per program (two consumer warpgroups), query blocks of
-    64 rows in three slots (224 KiB of shared memory; two slots: 5% slower at 4×16×8192×128 causal),
+    64 rows in three slots (226 KiB of shared memory; two slots: 5% slower at 4×16×8192×128 causal),
     each block's dQ share split by columns between the two warpgroups (``_dkdv_split_step``;
     32-row blocks with the share transposed were slower than the two kernels, docs/kernels.md)."""
     if head_dim == 64:
