@@ -82,7 +82,8 @@ def test_argument_errors_name_the_argument_and_what_is_accepted(args, error, mat
 @pytest.fixture(scope="module")
 def offline():
     """The sm_90a compile checks of head_dim 64, causal — the default tiles' shape with one consumer
-    partition of 128 rows, and with ping-pong (the default) — and the launcher's arguments compiled
+    partition of 128 rows, and with ping-pong (the default), storing R or not (``stabilize=True`` or
+    ``False``) — and the launcher's arguments compiled
     through triton's runtime, in one go (in a process of their own when this one runs Triton's
     interpreter: ``sass.offline_checks``)."""
     from stableflash.attention.gluon import sass
@@ -92,15 +93,16 @@ def offline():
     t = tiles_for(64, True)
     assert t.pingpong
     single = t._replace(pingpong=False)
-    result = sass.offline_checks([(64, True, single), (64, True, t)], runtime=True)
+    result = sass.offline_checks([(64, True, single), (64, True, t), (64, True, t, False)], runtime=True)
     return {"single": (single, result["rows"][0]), "pingpong": (t, result["rows"][1]),
-            "runtime": result["runtime"]}
+            "pingpong-no-residual": (t, result["rows"][2]), "runtime": result["runtime"]}
 
 
 @needs_gluon
-@pytest.mark.parametrize("variant", ["single", "pingpong"])
+@pytest.mark.parametrize("variant", ["single", "pingpong", "pingpong-no-residual"])
 def test_compiles_for_sm90_without_a_gpu(offline, variant):
-    """head_dim 64, causal, the default tiles (ping-pong consumers) and one consumer partition: HGMMA at the three S
+    """head_dim 64, causal, the default tiles (ping-pong consumers), without R (one TMA store per
+    consumer: O), and one consumer partition: HGMMA at the three S
     sites (d/16 each) and the three P̄V sites (BLOCK_N/16 each) of each consumer partition; a wait
     that leaves a product in flight, with the softmax's exponentials placed before the next wait;
     TMA loads and stores; the producer/consumer register split; no local-memory spills; P̄ packed to bf16 in
@@ -113,7 +115,8 @@ def test_compiles_for_sm90_without_a_gpu(offline, variant):
     assert r["hgmma"] == consumers * (3 * (64 // 16) + 3 * (t.block_n // 16)), r
     assert r["wait_depths"].get(1, 0) >= 2 * consumers, r  # per loop: S_j done, P̄V still in flight
     assert r["ex2_in_flight"] >= consumers * t.block_n, r    # the softmax of both loops between the waits
-    assert r["tma_loads"] > 0 and r["tma_stores"] == 2 * consumers, r
+    assert r["residual"] == (variant != "pingpong-no-residual"), r
+    assert r["tma_loads"] > 0 and r["tma_stores"] == (2 if r["residual"] else 1) * consumers, r
     assert r["stl"] == 0 and r["ldl"] == 0, r
     assert r["half_swaps"] == 0 and r["sleeps"] == 0, r
     assert 24 in r["setmaxnreg"] and 240 in r["setmaxnreg"], r
@@ -262,7 +265,7 @@ def test_variants_and_layouts_agree_bit_for_bit(d, causal):
     """The same arithmetic in the same order whatever issues the loads (warp specialisation on or
     off), whether the scheduling fence is there and whether the two consumer warpgroups take turns
     as partitions of their own (ping-pong); q, k, v as (B, N, H, d) buffers seen as (B, H, N, d)
-    give what their contiguous copies give."""
+    give what their contiguous copies give; without R (``residual=False``) O and L are the same."""
     from stableflash.attention.gluon.hopper_forward import tiles_for
     gen = torch.Generator(device="cuda").manual_seed(7)
     q, k, v = (torch.randn(2, 333, 4, d, generator=gen, device="cuda").to(torch.bfloat16).transpose(1, 2)
@@ -277,3 +280,5 @@ def test_variants_and_layouts_agree_bit_for_bit(d, causal):
                   sg.flash_forward_hopper(*(x.contiguous() for x in (q, k, v)), causal)):
         for a, b in zip(base, other):
             assert torch.equal(a, b)
+    o, lse, r = sg.flash_forward_hopper(q, k, v, causal, residual=False)       # stabilize=False: no R stored
+    assert torch.equal(o, base[0]) and torch.equal(lse, base[1]) and r.numel() == 0

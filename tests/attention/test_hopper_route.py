@@ -63,23 +63,34 @@ def test_a_qualifying_call_is_refused_for_its_device_alone():
     from dataclasses import replace
     custom = replace(CONFIG, beta=3.0, eps=1e-2)         # unused by the standard row maximum
     assert route.why_not(q, k, v, custom, Masks()) == "the tensors are on cpu, not CUDA"
+    unstabilized = _config_of(False)                       # δ from dO·O: the forward stores no R
+    assert unstabilized.delta.name == "DO_O"
+    assert route.why_not(q, k, v, unstabilized, Masks()) == "the tensors are on cpu, not CUDA"
+    do, *qkv = _backward_call()
+    assert route.why_not_backward(do, *qkv, unstabilized, Masks()) == "the tensors are on cpu, not CUDA"
+
+
+def _config_of(stabilize):
+    """The kernels' configuration of ``flash_attention(q, k, v, stabilize=...)`` for bf16 inputs."""
+    from stableflash.attention.policy import resolve_policy
+    from stableflash.attention.stabilization import parse_stabilize
+    from stableflash.attention.triton.launch import kernel_config
+    stab = parse_stabilize(stabilize)
+    return kernel_config(stab.policy_for(resolve_policy(None, torch.bfloat16)), stab.rule, torch.bfloat16)
 
 
 @needs_gluon
 @pytest.mark.parametrize("change, words", [
     (dict(config=stabilized_config(torch.float16)), "not flash_attention's default for bf16"),
-    (dict(config="none"), "not flash_attention's default for bf16"),
+    (dict(config="tie-shift"), "not flash_attention's default for bf16"),
     (dict(dtype=torch.float16), "dtype torch.float16"),
     (dict(d=64), "head_dim 64"),
     (dict(masks=Masks(dropout_p=0.1)), "window, attn_mask, varlen batch or dropout"),
     (dict(masks=Masks(band=(8, 0, False))), "window, attn_mask, varlen batch or dropout"),
     (dict(offset=True), "is not TMA-aligned"),
     (dict(heads=70000), "exceeds the kernels' grid"),
-], ids=["fp16-config", "stabilize-none", "fp16", "d64", "dropout", "window", "misaligned", "grid"])
+], ids=["fp16-config", "stabilize-tie-shift", "fp16", "d64", "dropout", "window", "misaligned", "grid"])
 def test_each_unsupported_feature_is_named(change, words):
-    from stableflash.attention.policy import resolve_policy
-    from stableflash.attention.shift import ShiftRule
-    from stableflash.attention.triton.launch import kernel_config
     d = change.get("d", 128)
     q, k, v = _qkv(d)
     if "dtype" in change:
@@ -89,8 +100,8 @@ def test_each_unsupported_feature_is_named(change, words):
     if "heads" in change:
         q = torch.empty_strided((1, change["heads"], 1, d), (change["heads"] * d, d, d, 1), dtype=torch.bfloat16)
     config = change.get("config", CONFIG)
-    if config == "none":
-        config = kernel_config(resolve_policy(None, torch.bfloat16), ShiftRule(), torch.bfloat16)
+    if config == "tie-shift":
+        config = _config_of("tie-shift")
     reason = route.why_not(q, k, v, config, change.get("masks", Masks()))
     assert reason is not None and words in reason, reason
 
@@ -243,6 +254,24 @@ def test_unsupported_calls_stay_on_the_triton_kernels(kw, counted):
     assert counted == {"forward": 0, "backward": 0}
     for a, b in zip(got, portable):
         assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@on_hopper
+@pytest.mark.parametrize("d", [64, 128])
+def test_stabilize_false_runs_the_hopper_kernels_without_the_residual(d, counted):
+    """``flash_attention(..., stabilize=False, backend="triton")`` (δ from dO·O as stored; "auto" hands
+    it to SDPA) takes the route as the default does — at head_dim 128 the Gluon forward, storing no R, and from ``BACKWARD_MIN_KEYS`` keys the
+    Gluon backward, whose δ kernel then reads O alone — (B, N, H, d) buffers, grouped-query heads,
+    tied maxima, causal: within 1.25× (+1e-4) the switched-off route's error against float64."""
+    n = route.BACKWARD_MIN_KEYS[d] + 37
+    gen = torch.Generator(device="cuda").manual_seed(7 + d)
+    q, k, v, do = _inputs(1, 4, 2, n, d, True, gen, "bnhd")
+    got = _run(q, k, v, do, causal=True, stabilize=False, backend="triton")
+    assert counted == {"forward": int(d in route.HEAD_DIMS), "backward": 1}
+    with route.triton_only():
+        portable = _run(q, k, v, do, causal=True, stabilize=False, backend="triton")
+    _within_portable_error(got, portable, expanded_reference(q, k, v, do, True), (q, q, k, v))
 
 
 def _routed_within_portable_error(q, k, v, do, causal, counted, launches):

@@ -35,7 +35,7 @@ How (one program per BLOCK_M query rows of one batch·head, the last query block
   P̄V (``_schedule_fence``), without which ptxas schedules that wait above the softmax and nothing
   overlaps.
 - Epilogue: O and R go through shared memory (Q's tile, and one more) and TMA stores; L through
-  ordinary stores.
+  ordinary stores. STORE_R off (``stabilize=False``: δ from dO·O as stored): O alone, no R.
 
 Gluon's spellings that differ between the triton releases the project meets (3.6 on the GPU
 machines, 3.9 in CI) are bound once below: the TMA copies (``async_copy_global_to_shared`` /
@@ -107,12 +107,12 @@ class Tiles(NamedTuple):
         """The rows of a Q, O or R block (a TMA descriptor's block): each consumer's share."""
         return self.block_m // 2 if self.pingpong else self.block_m
 
-    def constexprs(self, head_dim: int, causal: bool) -> dict:
+    def constexprs(self, head_dim: int, causal: bool, residual: bool = True) -> dict:
         """The kernel's compile-time arguments for these tiles: what the launcher passes and the sm_90a
-        compile check compiles."""
+        compile check compiles. ``residual``: whether the kernel stores R (``stabilize=True``)."""
         return {"HEAD_DIM": head_dim, "BLOCK_M": self.block_m, "BLOCK_N": self.block_n, "STAGES": self.stages,
                 "CAUSAL": causal, "WARP_SPECIALIZE": self.warp_specialize, "SCHED_FENCE": self.sched_fence,
-                "PINGPONG": self.pingpong}
+                "PINGPONG": self.pingpong, "STORE_R": residual}
 
     @property
     def options(self) -> dict:
@@ -366,11 +366,11 @@ def _consumer(k_desc, v_desc, o_desc, r_desc, lse_ptr, q_smem, k_smem, v_smem, r
               b, h, hk, start_m, n_q, n_k, n_blocks, full, lse_row0, qk_scale,
               HEAD_DIM: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
               CAUSAL: gl.constexpr, WARP_SPECIALIZE: gl.constexpr, SCHED_FENCE: gl.constexpr,
-              PINGPONG: gl.constexpr):
+              PINGPONG: gl.constexpr, STORE_R: gl.constexpr):
     """ROWS query rows from start_m (ROWS / 64 warpgroups, the warps of the partition it runs in):
     Algorithm 1's loop over key blocks 0 .. n_blocks − 1 (blocks from ``full`` on masked),
-    software-pipelined so that block j's softmax overlaps block j − 1's P̄V, then the epilogue (O, R
-    through shared memory and TMA; L). Without WARP_SPECIALIZE it also issues the loads: slot
+    software-pipelined so that block j's softmax overlaps block j − 1's P̄V, then the epilogue (O, and
+    R where STORE_R, through shared memory and TMA; L). Without WARP_SPECIALIZE it also issues the loads: slot
     (j − 1) % STAGES is refilled with block j − 1 + STAGES once every warpgroup is done with it.
     PINGPONG: one of two such consumers, each its own partition, taking turns to issue products
     (``sched_mine`` / ``sched_other``) so that one's softmax runs while the other's products do."""
@@ -425,21 +425,26 @@ def _consumer(k_desc, v_desc, o_desc, r_desc, lse_ptr, q_smem, k_smem, v_smem, r
     l_o = gl.convert_layout(l_i, row_o)
     o = acc / l_o[:, None]
     o16 = o.to(gl.bfloat16)
-    r16 = (o - o16.to(gl.float32)).to(gl.bfloat16)
     lse = (m_i + gl.log2(l_i)) * 0.6931471805599453
     rows = start_m + gl.arange(0, ROWS, layout=row_s)
     gl.store(lse_ptr + lse_row0 + rows, lse, mask=rows < n_q)
     cta_barrier()                                           # every warpgroup's last S is done: Q's tile is free
     q.store(o16)
-    r_smem.reshape([ROWS, HEAD_DIM]).store(r16)
-    _store_tile_pair(o_desc, q_smem, r_desc, r_smem, b, h, start_m)
+    if STORE_R:
+        r_smem.reshape([ROWS, HEAD_DIM]).store((o - o16.to(gl.float32)).to(gl.bfloat16))
+        _store_tile_pair(o_desc, q_smem, r_desc, r_smem, b, h, start_m)
+    else:
+        fence_async_shared()
+        cta_barrier()
+        tma_store(o_desc, [b, h, start_m, 0], q_smem)
+        tma.store_wait(0)
 
 
 @gluon.jit
 def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, r_desc, lse_ptr, n_q, n_k, n_heads, group, qk_scale,
                            HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                            STAGES: gl.constexpr, CAUSAL: gl.constexpr, WARP_SPECIALIZE: gl.constexpr,
-                           SCHED_FENCE: gl.constexpr, PINGPONG: gl.constexpr):
+                           SCHED_FENCE: gl.constexpr, PINGPONG: gl.constexpr, STORE_R: gl.constexpr):
     """One program: query rows [start_m, start_m + BLOCK_M) of batch·head program_id(1), on a grid of
     (query blocks, B·H) whose first axis runs longest-first (the last query blocks see the most
     keys under a causal mask). Descriptors: rank 4 over (B, H, N, d), blocks (1, 1, rows, d): k_desc
@@ -448,14 +453,18 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, r_desc, lse_ptr, n_q,
     ``qk_scale``: the softmax scale times log2 e. Launch with num_warps = BLOCK_M // 16 (the
     consumer warpgroups; WARP_SPECIALIZE adds a producer warp), or 4 with PINGPONG (the first
     consumer warpgroup; the second and the producer are worker partitions). PINGPONG needs
-    WARP_SPECIALIZE and BLOCK_M = 128."""
+    WARP_SPECIALIZE and BLOCK_M = 128. STORE_R off: O alone (r_desc unused; the launcher passes
+    o's)."""
     start_m, b, h, hk, n_blocks, full, lse_row0 = _query_program(n_q, n_k, n_heads, group, BLOCK_M, BLOCK_N,
                                                                  CAUSAL)
 
     CONSUMERS: gl.constexpr = 2 if PINGPONG else 1          # partitions computing (each frees a slot)
     ROWS: gl.constexpr = BLOCK_M // CONSUMERS                # query rows per computing partition
     q_smem = gl.allocate_shared_memory(gl.bfloat16, [CONSUMERS, 1, 1, ROWS, HEAD_DIM], q_desc.layout)
-    r_smem = gl.allocate_shared_memory(gl.bfloat16, [CONSUMERS, 1, 1, ROWS, HEAD_DIM], r_desc.layout)
+    if STORE_R:
+        r_smem = gl.allocate_shared_memory(gl.bfloat16, [CONSUMERS, 1, 1, ROWS, HEAD_DIM], r_desc.layout)
+    else:
+        r_smem = q_smem
     k_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], v_desc.layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
@@ -480,11 +489,11 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, r_desc, lse_ptr, n_q,
             (_consumer, (k_desc, v_desc, o_desc, r_desc, lse_ptr, q_smem.index(0), k_smem, v_smem, r_smem.index(0),
                          q_bar.index(0), k_ready, v_ready, k_free, v_free, sched.index(0), sched.index(1),
                          b, h, hk, start_m, n_q, n_k, n_blocks, full, lse_row0, qk_scale,
-                         HEAD_DIM, ROWS, BLOCK_N, STAGES, CAUSAL, True, SCHED_FENCE, True)),
+                         HEAD_DIM, ROWS, BLOCK_N, STAGES, CAUSAL, True, SCHED_FENCE, True, STORE_R)),
             (_consumer, (k_desc, v_desc, o_desc, r_desc, lse_ptr, q_smem.index(1), k_smem, v_smem, r_smem.index(1),
                          q_bar.index(1), k_ready, v_ready, k_free, v_free, sched.index(1), sched.index(0),
                          b, h, hk, start_m + ROWS, n_q, n_k, n_blocks, full, lse_row0, qk_scale,
-                         HEAD_DIM, ROWS, BLOCK_N, STAGES, CAUSAL, True, SCHED_FENCE, True)),
+                         HEAD_DIM, ROWS, BLOCK_N, STAGES, CAUSAL, True, SCHED_FENCE, True, STORE_R)),
             (_producer, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_free, v_free, b, hk, n_blocks,
                          BLOCK_N, HEAD_DIM, STAGES)),
         ], [4, 1], [240, 24])
@@ -493,7 +502,7 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, r_desc, lse_ptr, n_q,
             (_consumer, (k_desc, v_desc, o_desc, r_desc, lse_ptr, q_smem.index(0), k_smem, v_smem, r_smem.index(0),
                          q_bar.index(0), k_ready, v_ready, k_free, v_free, sched.index(0), sched.index(1),
                          b, h, hk, start_m, n_q, n_k, n_blocks, full, lse_row0, qk_scale,
-                         HEAD_DIM, ROWS, BLOCK_N, STAGES, CAUSAL, True, SCHED_FENCE, False)),
+                         HEAD_DIM, ROWS, BLOCK_N, STAGES, CAUSAL, True, SCHED_FENCE, False, STORE_R)),
             (_producer, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_free, v_free, b, hk, n_blocks,
                          BLOCK_N, HEAD_DIM, STAGES)),
         ], [1], [24])
@@ -504,7 +513,7 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, r_desc, lse_ptr, n_q,
         _consumer(k_desc, v_desc, o_desc, r_desc, lse_ptr, q_smem.index(0), k_smem, v_smem, r_smem.index(0),
                   q_bar.index(0), k_ready, v_ready, k_free, v_free, sched.index(0), sched.index(1),
                   b, h, hk, start_m, n_q, n_k, n_blocks, full, lse_row0, qk_scale,
-                  HEAD_DIM, ROWS, BLOCK_N, STAGES, CAUSAL, False, SCHED_FENCE, False)
+                  HEAD_DIM, ROWS, BLOCK_N, STAGES, CAUSAL, False, SCHED_FENCE, False, STORE_R)
     for i in gl.static_range(CONSUMERS):
         mbarrier.invalidate(q_bar.index(i))
     for i in gl.static_range(2):

@@ -129,7 +129,7 @@ def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
 
 
 def flash_forward_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
-                         scale: float | None = None, *, tiles: Tiles | None = None
+                         scale: float | None = None, *, tiles: Tiles | None = None, residual: bool = True
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The attention forward of ``hopper_forward.attn_fwd_hopper_kernel`` on a Hopper GPU.
 
@@ -139,14 +139,17 @@ def flash_forward_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caus
     policy (``triton.op._forward`` with δ source "dO·(O+R)"): O like q (bf16), the log-sum-exp
     (B, H, N_q) fp32 in natural log, and R (B, H, N_q, d) bf16 contiguous, the residual of the O
     store (O as computed − O as stored, rounded to bf16). ``tiles``: a ``Tiles`` other than
-    ``tiles_for(d, causal)`` (for timing variants)."""
+    ``tiles_for(d, causal)`` (for timing variants). ``residual`` False: what it returns for
+    ``stabilize=False`` (δ source "dO·O"), R an empty tensor, not computed."""
     check_inputs(q, k, v, causal, scale)
+    if not isinstance(residual, bool):
+        raise TypeError(f"residual={residual!r} is invalid; accepted: True or False")
     o = torch.empty_like(q)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-    residual = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    grid, args, meta = launch_args(q, k, v, o, lse, residual, causal, scale, tiles)
+    r = torch.empty(q.shape if residual else (0,), dtype=q.dtype, device=q.device)
+    grid, args, meta = launch_args(q, k, v, o, lse, r, causal, scale, tiles)
     launch_cache.launch(attn_fwd_hopper_kernel, grid, *args, **meta)
-    return o, lse, residual
+    return o, lse, r
 
 
 def launch_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
@@ -154,11 +157,15 @@ def launch_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tens
                 ) -> tuple[tuple[int, int], tuple, dict]:
     """(grid, arguments, compile-time arguments) of ``attn_fwd_hopper_kernel`` for checked inputs and
     the outputs it writes (o like q, lse (B, H, N_q) fp32 contiguous, residual (B, H, N_q, d) bf16
-    contiguous), with ``Tiles.constexprs`` and ``Tiles.options``."""
+    contiguous, or an empty tensor: no R stored, ``stabilize=False``), with ``Tiles.constexprs`` and
+    ``Tiles.options``."""
     B, H, n_q, d = q.shape
     t = tiles or tiles_for(d, causal)
     t.check()
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    args = (_descriptor(q, t.q_rows), _descriptor(k, t.block_n), _descriptor(v, t.block_n), _descriptor(o, t.q_rows),
-            _descriptor(residual, t.q_rows), lse, n_q, k.shape[2], H, H // k.shape[1], scale * LOG2E)
-    return (triton.cdiv(n_q, t.block_m), B * H), args, {**t.constexprs(d, causal), **t.options}
+    store_r = residual.numel() > 0
+    o_desc = _descriptor(o, t.q_rows)
+    args = (_descriptor(q, t.q_rows), _descriptor(k, t.block_n), _descriptor(v, t.block_n), o_desc,
+            _descriptor(residual, t.q_rows) if store_r else o_desc, lse, n_q, k.shape[2], H, H // k.shape[1],
+            scale * LOG2E)
+    return (triton.cdiv(n_q, t.block_m), B * H), args, {**t.constexprs(d, causal, store_r), **t.options}

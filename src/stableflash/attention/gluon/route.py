@@ -8,7 +8,9 @@ when all of these hold:
 
 - the switch ``ENABLED`` is on and this triton has the Gluon Hopper API (``support``);
 - the configuration is ``flash_attention``'s default for bf16 (``stabilize=True``: the standard
-  row maximum, δ from dO·(O + R), no policy, soft-cap or key block of its own) — any ``beta``/``eps``;
+  row maximum, δ from dO·(O + R), no policy, soft-cap or key block of its own) — any ``beta``/``eps`` —
+  or the same with ``stabilize=False`` (δ from dO·O as stored: the forward stores no R, the
+  backward's δ kernel reads O alone);
 - bf16 inputs at a head_dim of ``HEAD_DIMS``: where the Gluon forward was measured faster than
   the Triton forward (head_dim 64 is not: docs/kernels.md);
 - no mask beyond top-left causal (no window, ``attn_mask``, varlen or dropout);
@@ -76,10 +78,14 @@ def _capability(index: int) -> tuple[int, int]:
 
 @functools.lru_cache(maxsize=64)
 def _config_reason(config) -> str | None:
+    from stableflash.attention.triton.config import DeltaSource
     from stableflash.attention.triton.launch import stabilized_config
     ref = stabilized_config(torch.bfloat16)
-    if replace(config, beta=ref.beta, eps=ref.eps, min_shift=ref.min_shift, max_shift=ref.max_shift) != ref:
-        return "the configuration is not flash_attention's default for bf16 (stabilize=True, no policy)"
+    # δ's sources the Gluon kernels compute: dO·(O + R) (stabilize=True) and dO·O (stabilize=False)
+    if replace(config, beta=ref.beta, eps=ref.eps, min_shift=ref.min_shift, max_shift=ref.max_shift,
+               delta=ref.delta) != ref or config.delta not in (DeltaSource.DO_O_R, DeltaSource.DO_O):
+        return ("the configuration is not flash_attention's default for bf16 (stabilize=True or stabilize=False, "
+                "no policy)")
     return None
 
 

@@ -65,14 +65,15 @@ def _desc(rows: int, head_dim: int) -> str:
     return f"tensordesc<bf16[1,1,{rows},{head_dim}],{descriptor_layout(rows, head_dim)!r}>"
 
 
-def compile_forward(head_dim: int, causal: bool, tiles: Tiles | None = None):
-    """The forward's kernel compiled for sm_90a (a triton ``CompiledKernel``; never launched)."""
+def compile_forward(head_dim: int, causal: bool, tiles: Tiles | None = None, residual: bool = True):
+    """The forward's kernel compiled for sm_90a (a triton ``CompiledKernel``; never launched); ``residual``
+    False: the kernel that stores no R (``stabilize=False``)."""
     t = tiles or tiles_for(head_dim, causal)
     t.check()
     q, kv = _desc(t.q_rows, head_dim), _desc(t.block_n, head_dim)
     signature = {"q_desc": q, "k_desc": kv, "v_desc": kv, "o_desc": q, "r_desc": q, "lse_ptr": "*fp32",
                  "n_q": "i32", "n_k": "i32", "n_heads": "i32", "group": "i32", "qk_scale": "fp32"}
-    constexprs = t.constexprs(head_dim, causal)
+    constexprs = t.constexprs(head_dim, causal, residual)
     signature.update({name: "constexpr" for name in constexprs})
     src = gluon._runtime.GluonASTSource(attn_fwd_hopper_kernel, signature=signature, constexprs=constexprs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=t.options)
@@ -127,12 +128,13 @@ def sass_summary(kernel) -> dict:
             "registers": int(regs.group(1)) if regs else None, "shared_bytes": kernel.metadata.shared}
 
 
-def check(head_dim: int, causal: bool, tiles: Tiles | None = None) -> dict:
-    """Compile one configuration and summarise it, with the triton version and the tiles."""
+def check(head_dim: int, causal: bool, tiles: Tiles | None = None, residual: bool = True) -> dict:
+    """Compile one configuration and summarise it, with the triton version, the tiles and whether the
+    kernel stores R (``residual``)."""
     t = tiles or tiles_for(head_dim, causal)
-    summary = sass_summary(compile_forward(head_dim, causal, t))
+    summary = sass_summary(compile_forward(head_dim, causal, t, residual))
     return {"triton": triton.__version__, "target": "sm_90a", "head_dim": head_dim, "causal": causal,
-            **t._asdict(), **summary}
+            "residual": residual, **t._asdict(), **summary}
 
 
 class _StandInDriver:
@@ -205,15 +207,15 @@ def interpreting() -> bool:
 
 
 def _checks_here(configs: list, runtime: bool) -> dict:
-    rows = [check(d, causal, Tiles(*t) if t is not None else None) for d, causal, t in configs]
+    rows = [check(d, causal, Tiles(*t) if t is not None else None, *rest) for d, causal, t, *rest in configs]
     return {"rows": rows, "runtime": compile_through_runtime() if runtime else None}
 
 
 def offline_checks(configs: list, runtime: bool = False, isolate: bool | None = None) -> dict:
-    """{"rows": ``check`` of each (head_dim, causal, tiles or None), "runtime": ``compile_through_runtime()``
+    """{"rows": ``check`` of each (head_dim, causal, tiles or None[, residual]), "runtime": ``compile_through_runtime()``
     if asked}. ``isolate`` (default: when this process runs Triton's interpreter): in a fresh Python
     process without TRITON_INTERPRET (the module docstring says why)."""
-    configs = [(d, causal, None if t is None else list(t)) for d, causal, t in configs]
+    configs = [(d, causal, None if t is None else list(t), *rest) for d, causal, t, *rest in configs]
     if isolate is None:
         isolate = interpreting()
     if not isolate:
