@@ -79,6 +79,13 @@ def test_argument_errors_name_the_argument_and_what_is_accepted(args, error, mat
         sg.flash_forward_hopper(*args)
 
 
+@needs_gluon
+def test_residual_must_be_a_bool():
+    q = _bf16(1, 2, 8, 64)
+    with pytest.raises(TypeError, match="residual='no' is invalid; accepted: True or False"):
+        sg.flash_forward_hopper(q, q, q, True, residual="no")
+
+
 @pytest.fixture(scope="module")
 def offline():
     """The sm_90a compile checks of head_dim 64, causal — the default tiles' shape with one consumer
@@ -234,7 +241,8 @@ def against_float64(test):
 @against_float64
 def test_forward_against_float64(case, d, causal, tied):
     """B×H×H_kv×N_q×N_k cases: none a multiple of the 128-row blocks but the second, grouped-query
-    heads in the second, fewer keys than queries in the last (causal: top-left aligned)."""
+    heads in the second, fewer keys than queries in the last (causal: top-left aligned). The kernel
+    without R (``residual=False``, what ``stabilize=False`` runs) under the same bounds for O and L."""
     from stableflash.attention import reference
     B, H, Hk, n_q, n_k = case
     gen = torch.Generator(device="cuda").manual_seed(1000 * CASES.index(case) + 10 * d + 2 * causal + tied)
@@ -255,6 +263,10 @@ def test_forward_against_float64(case, d, causal, tied):
     lse_err, lse_err_t = ((x.double() - ref_lse).abs().max().item() for x in (lse, lse_t))
     assert lse_err <= 1.25 * lse_err_t + 1e-6, (lse_err, lse_err_t)
     assert (o.double() - o_t.double()).abs().max().item() <= o_t.double().abs().max().item() / 128
+    o_n, lse_n, r_n = sg.flash_forward_hopper(q, k, v, causal, residual=False)
+    assert r_n.numel() == 0 and o_n.stride() == q.stride()
+    assert err(o_n) <= 1.25 * err(o_t), (err(o_n), err(o_t))
+    assert (lse_n.double() - ref_lse).abs().max().item() <= 1.25 * lse_err_t + 1e-6
 
 
 @pytest.mark.gpu

@@ -1,15 +1,16 @@
 """Attention kernels for Hopper (sm_90a) written in Gluon (``triton.experimental.gluon``).
 
-``flash_forward_hopper(q, k, v, causal, scale=None)``: the attention forward with TMA, mbarriers,
-asynchronous warpgroup products and warp specialisation (``hopper_forward.py``), computing what
-the Triton forward computes for ``stabilize=True`` on the "fa2" policy — O, the log-sum-exp and
-the residual of the O store that the stabilized backward reads. ``flash_attention`` runs it for
-the forwards ``route.why_not`` accepts (head_dim 128, the default configuration, bf16, sm_90).
-``sass.check(head_dim, causal)`` compiles it for sm_90a without a GPU and counts its SASS.
-``flash_backward_hopper(do, q, k, v, o, residual, lse, causal, scale=None)``: its backward, (dQ, dK, dV)
-(``hopper_backward.py``: a dK/dV kernel and a dQ kernel after the Triton δ kernel; a module
-function only, no faster than the Triton backward);
-``sass.check_backward(head_dim, causal)`` compiles and counts it.
+``flash_forward_hopper(q, k, v, causal, scale=None, residual=True)``: the attention forward with TMA,
+mbarriers, asynchronous warpgroup products and warp specialisation (``hopper_forward.py``), computing
+what the Triton forward computes for ``stabilize=True`` on the "fa2" policy — O, the log-sum-exp and
+the residual of the O store that the stabilized backward reads (``residual=False``: no residual, what
+``stabilize=False`` runs). ``flash_attention`` runs it for the forwards ``route.why_not`` accepts
+(head_dim 128, bf16, sm_90). ``sass.check(head_dim, causal)`` compiles it for sm_90a without a GPU
+and counts its SASS. ``flash_backward_hopper(do, q, k, v, o, residual, lse, causal, scale=None)``:
+its backward, (dQ, dK, dV) (``hopper_backward.py``: after the Triton δ kernel, the kernel adding dQ
+up by TMA reduce-adds, or the dK/dV kernel and the dQ kernel; ``route.why_not_backward`` says which
+backwards ``flash_attention`` runs there); ``sass.check_backward(head_dim, causal)`` compiles and
+counts it.
 
 This package imports on any machine: ``available()`` says whether this triton has the Gluon
 Hopper API the kernels use, ``unavailable_reason()`` why not; the kernel modules are imported
@@ -20,14 +21,15 @@ from stableflash.attention.gluon.support import available, unavailable_reason
 __all__ = ["available", "flash_backward_hopper", "flash_forward_hopper", "unavailable_reason"]
 
 
-def flash_forward_hopper(q, k, v, causal: bool = False, scale: float | None = None, *, tiles=None):
-    """(O, LSE, R) of the Gluon Hopper forward (``launch.flash_forward_hopper``); RuntimeError
-    naming the reason where this triton lacks the Gluon Hopper API."""
+def flash_forward_hopper(q, k, v, causal: bool = False, scale: float | None = None, *, tiles=None,
+                         residual: bool = True):
+    """(O, LSE, R) of the Gluon Hopper forward (``launch.flash_forward_hopper``; ``residual`` False: R
+    empty); RuntimeError naming the reason where this triton lacks the Gluon Hopper API."""
     reason = unavailable_reason()
     if reason is not None:
         raise RuntimeError(f"flash_forward_hopper is not available: {reason}")
     from stableflash.attention.gluon.launch import flash_forward_hopper as forward
-    return forward(q, k, v, causal, scale, tiles=tiles)
+    return forward(q, k, v, causal, scale, tiles=tiles, residual=residual)
 
 
 def flash_backward_hopper(do, q, k, v, o, residual, lse, causal: bool = False, scale: float | None = None, *,

@@ -141,9 +141,9 @@ def flash_forward_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caus
     store (O as computed − O as stored, rounded to bf16). ``tiles``: a ``Tiles`` other than
     ``tiles_for(d, causal)`` (for timing variants). ``residual`` False: what it returns for
     ``stabilize=False`` (δ source "dO·O"), R an empty tensor, not computed."""
-    check_inputs(q, k, v, causal, scale)
     if not isinstance(residual, bool):
         raise TypeError(f"residual={residual!r} is invalid; accepted: True or False")
+    check_inputs(q, k, v, causal, scale)
     o = torch.empty_like(q)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     r = torch.empty(q.shape if residual else (0,), dtype=q.dtype, device=q.device)
