@@ -40,7 +40,7 @@ DEVICE = "cuda" if cuda_available() else "cpu"
 
 
 def _interpreter_without_repeated_setup() -> None:
-    """Two costs of Triton's CPU interpreter that repeat work whose result cannot change, removed
+    """Three costs of Triton's CPU interpreter that repeat work whose result cannot change, removed
     for the tests (the interpreted arithmetic stays Triton's own, bit for bit):
 
     - at every call of a @triton.jit helper inside a kernel it patches triton.language again
@@ -51,7 +51,16 @@ def _interpreter_without_repeated_setup() -> None:
       builtin as the first patch set it;
     - ``_get_np_dtype`` builds its table of twenty types at each of its calls (several per operation):
       here each Triton type's numpy type is looked up once, by the type's name (which spells its
-      element type, and for a block its shape; block and pointer types are not hashable).
+      element type, and for a block its shape; block and pointer types are not hashable);
+    - every operation builds the block type of its result (and of each operand it broadcasts or
+      casts) and a tensor of it, and each derives its shape, size and name from the dimensions again
+      (a tl.tuple of them, a check that each is a power of two, the name's string; the tensor's
+      dimensions as constexprs): about a third of an interpreted kernel's time with the two above
+      removed. During a launch, a block type of a scalar or pointer element type and integer
+      dimensions takes these from the first block type of the same class, element type and
+      dimensions (the values Triton computed for it, which nothing changes afterwards), and a tensor
+      of such a block type, or of a scalar or pointer type, the dimensions and size computed once for
+      that shape. Outside a launch (Gluon's and Triton's compilers) both are Triton's own.
 
     Applied once, only where the interpreter has the functions it replaces (triton 3.x), else a no-op."""
     if os.environ.get("TRITON_INTERPRET", "0").lower() not in ("1", "true", "on", "yes"):
@@ -122,6 +131,58 @@ def _interpreter_without_repeated_setup() -> None:
 
         interpreter._get_np_dtype = _get_np_dtype
         _interpreter_without_repeated_setup.originals[(interpreter, "_get_np_dtype")] = np_dtype
+
+    core = getattr(tl, "core", None)
+    block_type, tensor = getattr(core, "block_type", None), getattr(core, "tensor", None)
+    if block_type is None or tensor is None or not all(
+            hasattr(core, name) for name in ("dtype", "pointer_type", "constexpr", "tuple")):
+        return
+    import builtins
+    import math
+    block_init, tensor_init = block_type.__init__, tensor.__init__
+    constexpr, tl_tuple, element_types = core.constexpr, core.tuple, (core.dtype, core.pointer_type)
+    blocks = {}          # (class, element type's class and name, dimensions) -> shape, numel, name (Triton's)
+    tensors = {}         # id of a block type's shape in ``blocks`` -> a tensor's numel and shape
+    scalar = (constexpr(1), tl_tuple([]))       # what a tensor of a scalar or pointer type computes
+
+    def block_type_init(self, element_ty, shape):
+        if getattr(launches, "stack", None) and type(element_ty) in element_types and isinstance(shape, (list, tl_tuple)):
+            key = [type(self), type(element_ty), element_ty.name]
+            for dim in shape:
+                dim = dim.value if type(dim) is constexpr else dim
+                if type(dim) is not int:
+                    break
+                key.append(dim)
+            else:
+                key = tuple(key)
+                found = blocks.get(key)
+                if found is None:
+                    block_init(self, element_ty, shape)
+                    blocks[key] = (self.shape, self.numel, self.name)
+                    tensors[id(self.shape)] = (constexpr(math.prod(self.shape)),
+                                               tl_tuple([constexpr(dim) for dim in self.shape]))
+                    return
+                self.element_ty = element_ty
+                self.shape, self.numel, self.name = found
+                return
+        block_init(self, element_ty, shape)
+
+    def tensor_init_once(self, handle, type):        # Triton's signature (``type`` as it names it)
+        if getattr(launches, "stack", None):
+            kind = builtins.type(type)
+            found = tensors.get(id(type.shape)) if kind is block_type else scalar if kind in element_types else None
+            if found is not None:
+                self.handle = handle
+                self.numel, self.shape = found
+                self.type = type
+                self.dtype = type.scalar
+                return
+        tensor_init(self, handle, type)
+
+    block_type.__init__ = block_type_init
+    tensor.__init__ = tensor_init_once
+    _interpreter_without_repeated_setup.originals[(block_type, "__init__")] = block_init
+    _interpreter_without_repeated_setup.originals[(tensor, "__init__")] = tensor_init
 
 
 def pytest_xdist_auto_num_workers(config) -> int:
