@@ -13,7 +13,8 @@ from tests.conftest import made_once
 @pytest.fixture(scope="session")
 def cpu_demo(shared_tmp):
     """(folder, result) of the cpu-demo reproduction of seeds 0 and 1 for 6 steps, the runs one after
-    another, made once for the run (``made_once``) and read by the two tests below."""
+    another, made once for the run (``made_once``) and read by the two tests below and by the Ctrl-C
+    test (its seed-0 baseline is the uninterrupted run there)."""
     folder = shared_tmp / "cpu-demo-repro-6-steps"
     return folder, made_once(folder, lambda out: run_repro("cpu-demo", out, seeds=(0, 1), steps=6, progress=False))
 
@@ -336,15 +337,16 @@ def test_the_stabilized_run_takes_any_stabilization_by_name():
         dataclasses.replace(REPRO_PRESETS["cpu-demo"], stabilization="ours")
 
 
-def test_a_repro_interrupted_by_ctrl_c_resumes_when_run_again(tmp_path, monkeypatch, ctrl_c):
+def test_a_repro_interrupted_by_ctrl_c_resumes_when_run_again(tmp_path, monkeypatch, ctrl_c, cpu_demo):
     """Ctrl-C during a reproduction saves the run (status "interrupted"); running the same command
-    again resumes it from its checkpoint to the losses of an uninterrupted reproduction, instead of
-    refusing the folder."""
+    again resumes it from its checkpoint to the losses of an uninterrupted reproduction (the shared
+    one's seed-0 baseline: the same run, with the same config), instead of refusing the folder."""
     import os
     import signal
 
     from stableflash.train import loop
-    straight = run_repro("cpu-demo", tmp_path / "straight", seeds=(0,), steps=6, progress=False, roles=("baseline",))
+    _, shared = cpu_demo
+    (straight,) = [r for r in shared["rows"] if (r["seed"], r["role"]) == (0, "baseline")]
     real_lr_at = loop.lr_at
 
     def lr_at(step, cfg):
@@ -360,4 +362,4 @@ def test_a_repro_interrupted_by_ctrl_c_resumes_when_run_again(tmp_path, monkeypa
     monkeypatch.setattr(loop, "lr_at", real_lr_at)
     again = run_repro("cpu-demo", tmp_path / "r", seeds=(0,), steps=6, progress=False, roles=("baseline",))
     assert again["rows"][0]["status"] == "finished"
-    assert again["rows"][0]["final_loss"] == straight["rows"][0]["final_loss"]
+    assert again["rows"][0]["final_loss"] == straight["final_loss"]
