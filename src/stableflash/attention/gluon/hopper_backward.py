@@ -376,10 +376,9 @@ def _dkdv_pipelined_step(k, v, q_smem, do_smem, lse_smem, delta_smem, q_ready, d
     s_tok = warpgroup_mma(k, q.permute((1, 0)), zero_t, use_acc=False, is_async=True)
     mbarrier.wait(do_ready.index(slot), phase)
     dp_tok = warpgroup_mma(v, do.permute((1, 0)), zero_t, use_acc=False, is_async=True)
-    if ATOMIC_DQ:
-        dq_tok = _dq_share(k, ds_smem, zero_q, HEAD_DIM, True)
     lse2 = _column_values(lse_s, mma_t) * LOG2E
     if ATOMIC_DQ:
+        dq_tok = _dq_share(k, ds_smem, zero_q, HEAD_DIM, True)
         s = warpgroup_mma_wait(2, deps=[s_tok])             # Sᵀ done; dPᵀ, the previous dQ share in flight
     else:
         s = warpgroup_mma_wait(1, deps=[s_tok])             # Sᵀ done, dPᵀ still in flight
@@ -441,7 +440,7 @@ def _add_dq_share(dq_desc, buf, b, h, m, HEAD_DIM: gl.constexpr):
 
 @gluon.jit
 def _dkdv_consumer(dk_desc, dv_desc, dq_desc, lse_smem, delta_smem, k_all, v_all, q_smem, do_smem, ds_smem, ds_bar,
-                   dq_smem, W: gl.constexpr, kv_bar, q_ready, do_ready, free, b, hk, start_n, group, n_heads, n_q,
+                   dq_smem, W: gl.constexpr, kv_bar, q_ready, do_ready, free, b, hk, start_n, group, n_q,
                    m_lo, diag_end, full_end, per_head, qk_scale, scale, HEAD_DIM: gl.constexpr,
                    BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, ATOMIC_DQ: gl.constexpr,
                    SPLIT: gl.constexpr):
@@ -636,11 +635,11 @@ def _key_program(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse
         gl.warp_specialize([
             (_dkdv_consumer, (dk_desc, dv_desc, dq_desc, lse_smem, delta_smem, k_smem, v_smem, q_smem, do_smem,
                               ds_smem, ds_bar, dq_smem, 0, kv_bar, q_ready, do_ready, free, b, hk, start_n, group,
-                              n_heads, n_q, m_lo, diag_end, full_end, per_head, qk_scale, scale, HEAD_DIM, BLOCK_M,
+                              n_q, m_lo, diag_end, full_end, per_head, qk_scale, scale, HEAD_DIM, BLOCK_M,
                               STAGES, CAUSAL, ATOMIC_DQ, SPLIT)),
             (_dkdv_consumer, (dk_desc, dv_desc, dq_desc, lse_smem, delta_smem, k_smem, v_smem, q_smem, do_smem,
                               ds_smem, ds_bar, dq_smem, 1, kv_bar, q_ready, do_ready, free, b, hk, start_n + 64, group,
-                              n_heads, n_q, m_lo, diag_end, full_end, per_head, qk_scale, scale, HEAD_DIM, BLOCK_M,
+                              n_q, m_lo, diag_end, full_end, per_head, qk_scale, scale, HEAD_DIM, BLOCK_M,
                               STAGES, CAUSAL, ATOMIC_DQ, SPLIT)),
             (_qdo_producer, (q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem, q_ready,
                              do_ready, free, b, hk, group, m_lo, per_head, n_heads, BLOCK_M, HEAD_DIM, STAGES)),
@@ -649,7 +648,7 @@ def _key_program(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse
         gl.warp_specialize([
             (_dkdv_consumer, (dk_desc, dv_desc, dq_desc, lse_smem, delta_smem, k_smem, v_smem, q_smem, do_smem,
                               ds_smem, ds_bar, dq_smem, 0, kv_bar, q_ready, do_ready, free, b, hk, start_n, group,
-                              n_heads, n_q, m_lo, diag_end, full_end, per_head, qk_scale, scale, HEAD_DIM, BLOCK_M,
+                              n_q, m_lo, diag_end, full_end, per_head, qk_scale, scale, HEAD_DIM, BLOCK_M,
                               STAGES, CAUSAL, ATOMIC_DQ, SPLIT)),
             (_qdo_producer, (q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem, q_ready,
                              do_ready, free, b, hk, group, m_lo, per_head, n_heads, BLOCK_M, HEAD_DIM, STAGES)),

@@ -94,9 +94,15 @@ def tensor_descriptor(t: torch.Tensor, rows: int, layout, cols: int | None = Non
     if t.data_ptr() % 16:
         raise ValueError(f"a tensor at data_ptr % 16 = {t.data_ptr() % 16} is invalid for TMA; accepted: a 16-byte "
                          "aligned base")
+    return _unchecked_descriptor(t, [1, 1, rows, t.shape[3] if cols is None else cols], layout)
+
+
+def _unchecked_descriptor(t: torch.Tensor, block_shape: list, layout) -> TensorDescriptor:
+    """The object ``TensorDescriptor(t, t.shape, t.stride(), block_shape, layout)`` makes, without its
+    constructor's checks (the callers' own: ``tensor_descriptor``, ``vector_descriptor``)."""
     desc = object.__new__(TensorDescriptor)
     desc.__dict__.update(_DESCRIPTOR_DEFAULTS, base=t, shape=list(t.shape), strides=list(t.stride()),
-                         block_shape=[1, 1, rows, t.shape[3] if cols is None else cols], layout=layout)
+                         block_shape=block_shape, layout=layout)
     return desc
 
 
@@ -117,10 +123,7 @@ def vector_descriptor(t: torch.Tensor, block: int) -> TensorDescriptor:
         padded = t.new_empty(B * H, -(-n_q // 4) * 4)
         padded[:, :n_q] = rows
         rows = padded[:, :n_q]
-    desc = object.__new__(TensorDescriptor)
-    desc.__dict__.update(_DESCRIPTOR_DEFAULTS, base=rows, shape=list(rows.shape), strides=list(rows.stride()),
-                         block_shape=[1, block], layout=vector_layout(block))
-    return desc
+    return _unchecked_descriptor(rows, [1, block], vector_layout(block))
 
 
 def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
