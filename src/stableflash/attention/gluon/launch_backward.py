@@ -121,7 +121,8 @@ def launch_args_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
                          scale: float | None, tiles: BackwardTiles | None = None) -> dict:
     """{"dkdv": (grid, arguments, compile-time arguments), "dq": (...)} of the two kernels for checked
     inputs, the outputs they write (dq like q, dk and dv like k) and L, δ (B, H, N_q) fp32
-    contiguous (the dK/dV kernel reads them through rank-1 descriptors, ``vector_descriptor``), with ``BackwardTiles``' constexprs and options."""
+    contiguous (the dK/dV kernel reads them through rank-2 TMA descriptors, ``vector_descriptor``; the
+    dQ kernel through pointers), with ``BackwardTiles``' constexprs and options."""
     B, H, n_q, d = q.shape
     Hk, n_k = k.shape[1], k.shape[2]
     t = tiles or backward_tiles_for(d, causal)
