@@ -35,8 +35,9 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gluon_check_cli  # noqa: E402  (this folder's shared command line)
 
-TILES_FORM = ("BLOCK_MxBLOCK_NxSTAGES, then p for ping-pong or n for no warp specialisation (the consumers "
-              "issue the loads), then rNNN for a register cap, e.g. 64x128x3, 128x128x3p, 64x128x2n, 64x128x2r128")
+TILES_FORM = ("BLOCK_MxBLOCK_NxSTAGES, then p for ping-pong, P for persistent ping-pong or n for no warp "
+              "specialisation (the consumers issue the loads), then rNNN for a register cap, e.g. 64x128x3, "
+              "128x128x3p, 128x128x3P, 64x128x2n, 64x128x2r128")
 
 
 def parse_tiles(text: str):
@@ -44,20 +45,20 @@ def parse_tiles(text: str):
     accepted."""
     from stableflash.attention.gluon.hopper_forward import Tiles
     text, sep, cap = text.partition("r")
-    suffix = text[-1:] if text[-1:] in ("p", "n") else ""
+    suffix = text[-1:] if text[-1:] in ("p", "P", "n") else ""
     parts = text[:len(text) - len(suffix)].split("x")
     if len(parts) != 3 or not all(p.isdigit() for p in parts) or (sep and not cap.isdigit()):
         raise ValueError(f"expected {TILES_FORM}")
-    tiles = Tiles(*(int(p) for p in parts), warp_specialize=suffix != "n", pingpong=suffix == "p",
-                  max_registers=int(cap) if cap else None)
+    tiles = Tiles(*(int(p) for p in parts), warp_specialize=suffix != "n", pingpong=suffix in ("p", "P"),
+                  max_registers=int(cap) if cap else None, persistent=suffix == "P")
     tiles.check()
     return tiles
 
 
 def tiles_name(t) -> str:
-    """The provider name of --tiles' ``t``: gluon-BMxBNxS, then p (ping-pong) or n (no warp
-    specialisation), then rNNN (a register cap)."""
-    suffix = "p" if t.pingpong else "" if t.warp_specialize else "n"
+    """The provider name of --tiles' ``t``: gluon-BMxBNxS, then p (ping-pong), P (persistent
+    ping-pong) or n (no warp specialisation), then rNNN (a register cap)."""
+    suffix = "P" if t.persistent else "p" if t.pingpong else "" if t.warp_specialize else "n"
     cap = f"r{t.max_registers}" if t.max_registers else ""
     return f"gluon-{t.block_m}x{t.block_n}x{t.stages}{suffix}{cap}"
 

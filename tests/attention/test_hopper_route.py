@@ -70,6 +70,22 @@ def test_a_qualifying_call_is_refused_for_its_device_alone():
     assert route.why_not_backward(do, *qkv, unstabilized, Masks()) == "the tensors are on cpu, not CUDA"
 
 
+@needs_gluon
+def test_the_forward_at_head_dim_64_is_routed_from_its_key_counts():
+    """At head_dim 64 the forward takes the route from ``FORWARD_MIN_KEYS`` keys on (causal or not), one
+    key fewer is named; at head_dim 128 from one key on."""
+    for causal in (False, True):
+        least = route.FORWARD_MIN_KEYS[(64, causal)]
+        q, k, v = (_bf16(1, 2, least, 64) for _ in range(3))
+        assert route.why_not(q, k, v, CONFIG, Masks(), causal=causal) == "the tensors are on cpu, not CUDA"
+        short = k[:, :, 1:]
+        reason = route.why_not(q, short, short, CONFIG, Masks(), causal=causal)
+        assert reason == (f"{least - 1} keys (the {'causal ' if causal else ''}forward at head_dim 64 is routed "
+                          f"from {least} on)"), reason
+    q, k, v = (_bf16(1, 2, 1, 128) for _ in range(3))
+    assert route.why_not(q, k, v, CONFIG, Masks(), causal=True) == "the tensors are on cpu, not CUDA"
+
+
 def _config_of(stabilize):
     """The kernels' configuration of ``flash_attention(q, k, v, stabilize=...)`` for bf16 inputs."""
     from stableflash.attention.policy import resolve_policy
@@ -84,7 +100,7 @@ def _config_of(stabilize):
     (dict(config=stabilized_config(torch.float16)), "not flash_attention's default for bf16"),
     (dict(config="tie-shift"), "not flash_attention's default for bf16"),
     (dict(dtype=torch.float16), "dtype torch.float16"),
-    (dict(d=64), "head_dim 64"),
+    (dict(d=64), "the causal forward at head_dim 64 is routed from"),
     (dict(masks=Masks(dropout_p=0.1)), "window, attn_mask, varlen batch or dropout"),
     (dict(masks=Masks(band=(8, 0, False))), "window, attn_mask, varlen batch or dropout"),
     (dict(offset=True), "is not TMA-aligned"),
@@ -268,7 +284,7 @@ def test_stabilize_false_runs_the_hopper_kernels_without_the_residual(d, counted
     gen = torch.Generator(device="cuda").manual_seed(7 + d)
     q, k, v, do = _inputs(1, 4, 2, n, d, True, gen, "bnhd")
     got = _run(q, k, v, do, causal=True, stabilize=False, backend="triton")
-    assert counted == {"forward": int(d in route.HEAD_DIMS), "backward": 1}
+    assert counted == {"forward": int(route.forward_routed(d, True, n)), "backward": 1}
     with route.triton_only():
         portable = _run(q, k, v, do, causal=True, stabilize=False, backend="triton")
     _within_portable_error(got, portable, expanded_reference(q, k, v, do, True), (q, q, k, v))
@@ -295,12 +311,14 @@ def _within_portable_error(got, portable, ref, likes):
 @pytest.mark.gpu
 @on_hopper
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_long_head_dim_64_backwards_run_the_hopper_backward(causal, counted):
+def test_long_head_dim_64_backwards_run_the_hopper_backward(causal, counted, monkeypatch):
     """head_dim 64 from BACKWARD_MIN_KEYS keys on, as a user calls it — (B, N, H, d) buffers,
     grouped-query heads, keys repeating every 16 positions (tied maxima), N not a multiple of a
-    block: the Triton forward, the Gluon backward with atomic dQ, within 1.25× (+1e-4) the Triton
-    backward's error against float64; with torch.use_deterministic_algorithms the Triton backward,
-    bit for bit what the switched-off route gives."""
+    block: the Triton forward (the forward's route held back to isolate the backward's), the Gluon
+    backward with atomic dQ, within 1.25× (+1e-4) the Triton backward's error against float64; with
+    torch.use_deterministic_algorithms the Triton backward, bit for bit what the switched-off route
+    gives."""
+    monkeypatch.setattr(route, "FORWARD_MIN_KEYS", {key: 2**31 for key in route.FORWARD_MIN_KEYS})
     n = route.BACKWARD_MIN_KEYS[64] + 37
     gen = torch.Generator(device="cuda").manual_seed(64 + causal)
     q, k, v, do = _inputs(1, 4, 2, n, 64, True, gen, "bnhd")
@@ -310,6 +328,20 @@ def test_long_head_dim_64_backwards_run_the_hopper_backward(causal, counted):
     assert counted == {"forward": 0, "backward": 1}
     for a, b in zip(repeatable, portable):
         assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@on_hopper
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_long_head_dim_64_forwards_run_the_hopper_forward(causal, counted):
+    """head_dim 64 from FORWARD_MIN_KEYS keys on (fewer causal ones: the Triton forward), as a user calls
+    it — (B, N, H, d) buffers, grouped-query heads, tied maxima, N not a multiple of a block: the Gluon
+    forward and backward within 1.25× (+1e-4) the Triton kernels' error against float64."""
+    n = route.FORWARD_MIN_KEYS[(64, causal)] + 37
+    assert route.forward_routed(64, causal, n) and not route.forward_routed(64, causal, n - 38)
+    gen = torch.Generator(device="cuda").manual_seed(640 + causal)
+    q, k, v, do = _inputs(1, 4, 2, n, 64, True, gen, "bnhd")
+    _routed_within_portable_error(q, k, v, do, causal, counted, {"forward": 1, "backward": 1})
 
 
 @pytest.mark.gpu

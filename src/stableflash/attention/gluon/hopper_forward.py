@@ -83,7 +83,8 @@ class Tiles(NamedTuple):
     """A launch's tiles and schedule: BLOCK_M query rows (64 per consumer warpgroup), BLOCK_N keys per
     block, STAGES ring slots for K and V; whether a producer warp issues the loads (warp_specialize),
     the scheduling fence (sched_fence), and ping-pong: the two consumer warpgroups as partitions of
-    their own, taking turns to issue their products. ``max_registers``: a cap on the registers per
+    their own, taking turns to issue their products; ``persistent`` (with ping-pong): at most one
+    program per SM, each computing many query tiles (``_persistent_kernel``). ``max_registers``: a cap on the registers per
     thread at launch (triton's ``maxnreg``; None: the compiler's choice), so that more programs share
     an SM (a warp-specialised program of one consumer warpgroup is launched as 256 threads, the
     producer warp's warpgroup counting whole: two fit at 128, the consumer raised to what the
@@ -95,6 +96,7 @@ class Tiles(NamedTuple):
     sched_fence: bool = True
     pingpong: bool = False
     max_registers: int | None = None
+    persistent: bool = False
 
     @property
     def num_warps(self) -> int:
@@ -112,7 +114,7 @@ class Tiles(NamedTuple):
         compile check compiles. ``residual``: whether the kernel stores R (``stabilize=True``)."""
         return {"HEAD_DIM": head_dim, "BLOCK_M": self.block_m, "BLOCK_N": self.block_n, "STAGES": self.stages,
                 "CAUSAL": causal, "WARP_SPECIALIZE": self.warp_specialize, "SCHED_FENCE": self.sched_fence,
-                "PINGPONG": self.pingpong, "STORE_R": residual}
+                "PINGPONG": self.pingpong, "STORE_R": residual, "PERSISTENT": self.persistent}
 
     @property
     def options(self) -> dict:
@@ -133,6 +135,8 @@ class Tiles(NamedTuple):
                              "of 16, 2-4 stages")
         if self.pingpong and (self.block_m != 128 or not self.warp_specialize):
             raise ValueError(f"{self} is invalid; ping-pong takes block_m=128 and warp_specialize=True")
+        if self.persistent and not self.pingpong:
+            raise ValueError(f"{self} is invalid; persistent takes pingpong=True")
         if self.max_registers is not None and (isinstance(self.max_registers, bool)
                                                or not isinstance(self.max_registers, int)
                                                or not 64 <= self.max_registers <= 255):
@@ -140,11 +144,11 @@ class Tiles(NamedTuple):
 
 
 def tiles_for(head_dim: int, causal: bool) -> Tiles:
-    """The default tiles: 128 query rows as two ping-pong consumer warpgroups of 64 and 128 keys per
-    block; three ring slots at head_dim 64, two at 128 (shared memory: Q, R and STAGES × (K, V) tiles
-    of 128 × d bf16, 192 KiB at d = 128). Ping-pong was the fastest schedule at each of the seven
-    shapes timed on an H200 (docs/kernels.md, "Hopper path")."""
-    return Tiles(128, 128, 3 if head_dim <= 64 else 2, pingpong=True)
+    """The default tiles: the persistent kernel, 128 query rows as two ping-pong consumer warpgroups
+    of 64 and 128 keys per block, two ring slots (shared memory: Q, O, R and 2 × (K, V) tiles of
+    128 × d bf16, 224 KiB at d = 128). The fastest schedule at every shape timed on an H200
+    (docs/kernels.md, "Hopper path")."""
+    return Tiles(128, 128, 2, pingpong=True, persistent=True)
 
 
 @functools.cache
@@ -170,18 +174,20 @@ def _issue_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, b, hk, j,
 
 @gluon.jit
 def _producer(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_free, v_free, b, hk, n_blocks,
-              BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+              BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, ring0=0):
     """The producer partition (one warp): key blocks 0 .. n_blocks − 1 into the ring, K before V; a
     slot's u-th reuse (u ≥ 1) waits for the consumers' u-th release of its K ("K free" phase u − 1)
-    and of its V ("V free")."""
+    and of its V ("V free"). ``ring0``: the ring position of block 0 (the blocks the program's
+    earlier query tiles streamed; 0 but in the persistent kernel)."""
     for j in range(n_blocks):
-        slot = j % STAGES
-        if j >= STAGES:
-            mbarrier.wait(k_free.index(slot), ((j // STAGES) & 1) ^ 1)
+        g = ring0 + j
+        slot = g % STAGES
+        if g >= STAGES:
+            mbarrier.wait(k_free.index(slot), ((g // STAGES) & 1) ^ 1)
         mbarrier.expect(k_ready.index(slot), BLOCK_N * HEAD_DIM * 2)
         tma_load(k_desc, [b, hk, j * BLOCK_N, 0], k_ready.index(slot), k_smem.index(slot))
-        if j >= STAGES:
-            mbarrier.wait(v_free.index(slot), ((j // STAGES) & 1) ^ 1)
+        if g >= STAGES:
+            mbarrier.wait(v_free.index(slot), ((g // STAGES) & 1) ^ 1)
         mbarrier.expect(v_ready.index(slot), BLOCK_N * HEAD_DIM * 2)
         tma_load(v_desc, [b, hk, j * BLOCK_N, 0], v_ready.index(slot), v_smem.index(slot))
 
@@ -204,11 +210,18 @@ def _mask(s, start_m, start_n, n_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr
 def _query_program(n_q, n_k, n_heads, group, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
     """What a program over BLOCK_M query rows works on, on a grid of (query blocks, B·H) whose first
     axis runs longest-first (the last query blocks see the most keys under a causal mask):
-    (start_m, b, h, hk, n_blocks, full, row0) — its first query row, batch, query head, key/value
-    head, the key blocks it visits, where the whole (unmasked) ones end, and its first row of the
-    (B, H, n_q) log-sum-exp."""
-    start_m = (gl.num_programs(0) - 1 - gl.program_id(0)) * BLOCK_M
-    bh = gl.program_id(1)
+    ``_query_block``'s tuple."""
+    return _query_block(gl.num_programs(0) - 1 - gl.program_id(0), gl.program_id(1), n_q, n_k, n_heads, group,
+                        BLOCK_M, BLOCK_N, CAUSAL)
+
+
+@gluon.jit
+def _query_block(m_block, bh, n_q, n_k, n_heads, group, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                 CAUSAL: gl.constexpr):
+    """Query block ``m_block`` (BLOCK_M rows) of batch·head ``bh``: (start_m, b, h, hk, n_blocks, full,
+    row0) — its first query row, batch, query head, key/value head, the key blocks it visits, where
+    the whole (unmasked) ones end, and its first row of the (B, H, n_q) log-sum-exp."""
+    start_m = m_block * BLOCK_M
     b = bh // n_heads
     h = bh % n_heads
     hk = h // group
@@ -220,6 +233,17 @@ def _query_program(n_q, n_k, n_heads, group, BLOCK_M: gl.constexpr, BLOCK_N: gl.
         full = (n_k // BLOCK_N) * BLOCK_N
     n_blocks = (stop + BLOCK_N - 1) // BLOCK_N
     return start_m, b, h, hk, n_blocks, full, bh * n_q
+
+
+@gluon.jit
+def _pair(u, n_pairs, n_m):
+    """Work unit u of the persistent kernel: batch·head u // n_pairs, query-block pair p = u % n_pairs
+    — blocks n_m − 1 − p and p, the same causal work (n_m + 1 key blocks) in every pair, so that
+    units dealt round-robin keep the programs even — as (bh, the later block, the earlier one, how
+    many blocks: 2, or 1 where they coincide)."""
+    p = u % n_pairs
+    hi = n_m - 1 - p
+    return u // n_pairs, hi, p, 1 + (p < hi).to(gl.int32)
 
 
 @gluon.jit
@@ -302,7 +326,7 @@ def _pass_turn(sched_other, PINGPONG: gl.constexpr):
 
 @gluon.jit
 def _step(q, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_free, v_free, sched_mine, sched_other,
-          p, acc, m_i, l_i, zero_s, start_m, j, b, hk, n_k, n_blocks, qk_scale, HEAD_DIM: gl.constexpr,
+          p, acc, m_i, l_i, zero_s, start_m, j, ring, turn, b, hk, n_k, n_blocks, qk_scale, HEAD_DIM: gl.constexpr,
           ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASKED: gl.constexpr,
           WARP_SPECIALIZE: gl.constexpr, SCHED_FENCE: gl.constexpr, PINGPONG: gl.constexpr, mma_s: gl.constexpr,
           mma_o: gl.constexpr):
@@ -312,16 +336,18 @@ def _step(q, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_free, v_free, s
     and rescale Ō by α_j. A consumer of one warpgroup (PINGPONG) frees K_j as soon as S_j is done,
     as CUTLASS's pipelines do (one thread of the warpgroup arrives once the product it waited for
     is complete); a consumer of several warpgroups first waits for all of them (a barrier of the
-    partition). MASKED (compile time): block j holds the causal diagonal or the ragged tail."""
-    slot = j % STAGES
-    prev = (j - 1) % STAGES
+    partition). MASKED (compile time): block j holds the causal diagonal or the ragged tail. ``ring``:
+    block j's position in the K/V ring, ``turn``: its issue point in the ping-pong order (both j but in
+    the persistent kernel, where they run on across the program's query tiles)."""
+    slot = ring % STAGES
+    prev = (ring - 1) % STAGES
     # P̄_{j−1} is packed to bf16 here, in the block of the product that reads it: carried across the
     # loop's back edge as bf16 halves, ptxas packed them in the other order and swapped every register
     # back (a PRMT per pair) before the product
     p = _a_operand(p, mma_o)
-    mbarrier.wait(k_ready.index(slot), (j // STAGES) & 1)
-    mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
-    _take_turn(sched_mine, j, PINGPONG)
+    mbarrier.wait(k_ready.index(slot), (ring // STAGES) & 1)
+    mbarrier.wait(v_ready.index(prev), ((ring - 1) // STAGES) & 1)
+    _take_turn(sched_mine, turn, PINGPONG)
     s_tok = warpgroup_mma(q, k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), zero_s,
                           use_acc=False, is_async=True)
     o_tok = warpgroup_mma(p, v_smem.index(prev).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
@@ -366,14 +392,19 @@ def _consumer(k_desc, v_desc, o_desc, r_desc, lse_ptr, q_smem, k_smem, v_smem, r
               b, h, hk, start_m, n_q, n_k, n_blocks, full, lse_row0, qk_scale,
               HEAD_DIM: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
               CAUSAL: gl.constexpr, WARP_SPECIALIZE: gl.constexpr, SCHED_FENCE: gl.constexpr,
-              PINGPONG: gl.constexpr, STORE_R: gl.constexpr):
+              PINGPONG: gl.constexpr, STORE_R: gl.constexpr, ring0=0, turn0=0, q_phase=0, q_free=None,
+              o_smem=None, PERSISTENT: gl.constexpr = False):
     """ROWS query rows from start_m (ROWS / 64 warpgroups, the warps of the partition it runs in):
     Algorithm 1's loop over key blocks 0 .. n_blocks − 1 (blocks from ``full`` on masked),
     software-pipelined so that block j's softmax overlaps block j − 1's P̄V, then the epilogue (O, and
     R where STORE_R, through shared memory and TMA; L). Without WARP_SPECIALIZE it also issues the loads: slot
     (j − 1) % STAGES is refilled with block j − 1 + STAGES once every warpgroup is done with it.
     PINGPONG: one of two such consumers, each its own partition, taking turns to issue products
-    (``sched_mine`` / ``sched_other``) so that one's softmax runs while the other's products do."""
+    (``sched_mine`` / ``sched_other``) so that one's softmax runs while the other's products do.
+    PERSISTENT: one query tile of many — block 0 sits at ring position ``ring0`` and issue point
+    ``turn0``, Q's tile arrives with phase ``q_phase`` of ``q_bar`` and is handed back (``q_free``) once
+    the last S is done, and O leaves through ``o_smem``, its store waited for only before the next
+    tile's epilogue writes there; otherwise O leaves through Q's tile and the stores are waited for."""
     WARPS: gl.constexpr = ROWS // 16                        # 4 warps (one warpgroup) per 64 rows
     mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                     instr_shape=[16, BLOCK_N, 16])
@@ -388,16 +419,17 @@ def _consumer(k_desc, v_desc, o_desc, r_desc, lse_ptr, q_smem, k_smem, v_smem, r
     m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=row_s)
     l_i = gl.zeros([ROWS], gl.float32, layout=row_s)
 
-    mbarrier.wait(q_bar, 0)
+    mbarrier.wait(q_bar, q_phase)
     # key block 0: its scores, then its softmax (nothing to overlap with yet)
-    mbarrier.wait(k_ready.index(0), 0)
-    _take_turn(sched_mine, 0, PINGPONG)
-    s = warpgroup_mma(q, k_smem.index(0).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), zero_s, use_acc=False)
+    first = ring0 % STAGES
+    mbarrier.wait(k_ready.index(first), (ring0 // STAGES) & 1)
+    _take_turn(sched_mine, turn0, PINGPONG)
+    s = warpgroup_mma(q, k_smem.index(first).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), zero_s, use_acc=False)
     _pass_turn(sched_other, PINGPONG)
     if WARP_SPECIALIZE:                                     # K_0 is free once every warpgroup's S_0 is done
         if not PINGPONG:
             cta_barrier()
-        mbarrier.arrive(k_free.index(0), count=1)
+        mbarrier.arrive(k_free.index(first), count=1)
     if full <= 0:
         s = _mask(s, start_m, 0, n_k, ROWS, BLOCK_N, CAUSAL, mma_s)
     p, m_i, l_i, _ = _softmax(s, m_i, l_i, qk_scale)
@@ -407,19 +439,23 @@ def _consumer(k_desc, v_desc, o_desc, r_desc, lse_ptr, q_smem, k_smem, v_smem, r
     n_full = gl.maximum(full // BLOCK_N, 1)
     for j in range(1, n_full):
         p, acc, m_i, l_i = _step(q, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_free, v_free, sched_mine,
-                                 sched_other, p, acc, m_i, l_i, zero_s, start_m, j, b, hk, n_k, n_blocks, qk_scale,
-                                 HEAD_DIM, ROWS, BLOCK_N, STAGES, CAUSAL, False, WARP_SPECIALIZE, SCHED_FENCE,
-                                 PINGPONG, mma_s, mma_o)
+                                 sched_other, p, acc, m_i, l_i, zero_s, start_m, j, ring0 + j, turn0 + j, b, hk, n_k,
+                                 n_blocks, qk_scale, HEAD_DIM, ROWS, BLOCK_N, STAGES, CAUSAL, False, WARP_SPECIALIZE,
+                                 SCHED_FENCE, PINGPONG, mma_s, mma_o)
     for j in range(n_full, n_blocks):
         p, acc, m_i, l_i = _step(q, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_free, v_free, sched_mine,
-                                 sched_other, p, acc, m_i, l_i, zero_s, start_m, j, b, hk, n_k, n_blocks, qk_scale,
-                                 HEAD_DIM, ROWS, BLOCK_N, STAGES, CAUSAL, True, WARP_SPECIALIZE, SCHED_FENCE,
-                                 PINGPONG, mma_s, mma_o)
-    last = (n_blocks - 1) % STAGES
-    mbarrier.wait(v_ready.index(last), ((n_blocks - 1) // STAGES) & 1)
-    _take_turn(sched_mine, n_blocks, PINGPONG)
+                                 sched_other, p, acc, m_i, l_i, zero_s, start_m, j, ring0 + j, turn0 + j, b, hk, n_k,
+                                 n_blocks, qk_scale, HEAD_DIM, ROWS, BLOCK_N, STAGES, CAUSAL, True, WARP_SPECIALIZE,
+                                 SCHED_FENCE, PINGPONG, mma_s, mma_o)
+    if PERSISTENT:                                          # the last S is done: the next tile's Q may come
+        mbarrier.arrive(q_free, count=1)
+    last = (ring0 + n_blocks - 1) % STAGES
+    mbarrier.wait(v_ready.index(last), ((ring0 + n_blocks - 1) // STAGES) & 1)
+    _take_turn(sched_mine, turn0 + n_blocks, PINGPONG)
     acc = warpgroup_mma(_a_operand(p, mma_o), v_smem.index(last).reshape([BLOCK_N, HEAD_DIM]), acc)
     _pass_turn(sched_other, PINGPONG)
+    if PERSISTENT:                                          # the last V is read: its slot is free
+        mbarrier.arrive(v_free.index(last), count=1)
 
     # epilogue: O = Ō/ℓ (bf16), its store's residual R (bf16), L = (m + log2 ℓ)·ln 2
     l_o = gl.convert_layout(l_i, row_o)
@@ -428,23 +464,87 @@ def _consumer(k_desc, v_desc, o_desc, r_desc, lse_ptr, q_smem, k_smem, v_smem, r
     lse = (m_i + gl.log2(l_i)) * 0.6931471805599453
     rows = start_m + gl.arange(0, ROWS, layout=row_s)
     gl.store(lse_ptr + lse_row0 + rows, lse, mask=rows < n_q)
-    cta_barrier()                                           # every warpgroup's last S is done: Q's tile is free
-    q.store(o16)
+    if PERSISTENT:
+        out = o_smem
+        tma.store_wait(0)                                   # the last tile's O and R stores have read out, r_smem
+    else:
+        out = q_smem
+    cta_barrier()                                           # (and every warpgroup's last S is done: Q's tile is free)
+    out.reshape([ROWS, HEAD_DIM]).store(o16)
     if STORE_R:
         r_smem.reshape([ROWS, HEAD_DIM]).store((o - o16.to(gl.float32)).to(gl.bfloat16))
-        _store_tile_pair(o_desc, q_smem, r_desc, r_smem, b, h, start_m)
-    else:
-        fence_async_shared()
-        cta_barrier()
-        tma_store(o_desc, [b, h, start_m, 0], q_smem)
+    fence_async_shared()
+    cta_barrier()
+    tma_store(o_desc, [b, h, start_m, 0], out)
+    if STORE_R:
+        tma_store(r_desc, [b, h, start_m, 0], r_smem)
+    if not PERSISTENT:
         tma.store_wait(0)
 
 
 @gluon.jit
-def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, r_desc, lse_ptr, n_q, n_k, n_heads, group, qk_scale,
+def _persistent_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_ready, k_free,
+                         v_free, n_q, n_k, n_heads, group, n_bh, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                         HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+    """The persistent kernel's producer (one warp): for each query tile of the program's units
+    (``_pair``), the two consumers' Q tiles (each once its consumer handed the last one back), then the
+    tile's key blocks into the K/V ring, whose positions run on across tiles."""
+    ROWS: gl.constexpr = BLOCK_M // 2
+    n_m = (n_q + BLOCK_M - 1) // BLOCK_M
+    n_pairs = (n_m + 1) // 2
+    ring = n_q * 0
+    tile = n_q * 0
+    for u in range(gl.program_id(0), n_bh * n_pairs, gl.num_programs(0)):
+        bh, hi, lo, n_tiles = _pair(u, n_pairs, n_m)
+        for t in range(n_tiles):
+            start_m, b, h, hk, n_blocks, full, row0 = _query_block(hi - t * (hi - lo), bh, n_q, n_k, n_heads, group,
+                                                                   BLOCK_M, BLOCK_N, CAUSAL)
+            for i in gl.static_range(2):
+                if tile > 0:
+                    mbarrier.wait(q_free.index(i), (tile - 1) & 1)
+                mbarrier.expect(q_bar.index(i), ROWS * HEAD_DIM * 2)
+                tma_load(q_desc, [b, h, start_m + i * ROWS, 0], q_bar.index(i), q_smem.index(i))
+            _producer(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_free, v_free, b, hk, n_blocks, BLOCK_N,
+                      HEAD_DIM, STAGES, ring)
+            ring += n_blocks
+            tile += 1
+
+
+@gluon.jit
+def _persistent_consumer(k_desc, v_desc, o_desc, r_desc, lse_ptr, q_smem, o_smem, k_smem, v_smem, r_smem,
+                         q_bar, q_free, k_ready, v_ready, k_free, v_free, sched_mine, sched_other,
+                         n_q, n_k, n_heads, group, n_bh, qk_scale, W: gl.constexpr, HEAD_DIM: gl.constexpr,
+                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                         SCHED_FENCE: gl.constexpr, STORE_R: gl.constexpr):
+    """Ping-pong consumer W of the persistent kernel: rows W·BLOCK_M/2 … of each query tile the
+    producer streams (the same sequence of tiles), ring positions and issue points running on across
+    tiles; its last O and R stores waited for at the end."""
+    ROWS: gl.constexpr = BLOCK_M // 2
+    n_m = (n_q + BLOCK_M - 1) // BLOCK_M
+    n_pairs = (n_m + 1) // 2
+    ring = n_q * 0
+    tile = n_q * 0
+    for u in range(gl.program_id(0), n_bh * n_pairs, gl.num_programs(0)):
+        bh, hi, lo, n_tiles = _pair(u, n_pairs, n_m)
+        for t in range(n_tiles):
+            start_m, b, h, hk, n_blocks, full, row0 = _query_block(hi - t * (hi - lo), bh, n_q, n_k, n_heads, group,
+                                                                   BLOCK_M, BLOCK_N, CAUSAL)
+            # issue points: n_blocks + 1 a tile, so block 0's is ring + tile
+            _consumer(k_desc, v_desc, o_desc, r_desc, lse_ptr, q_smem, k_smem, v_smem, r_smem, q_bar, k_ready,
+                      v_ready, k_free, v_free, sched_mine, sched_other, b, h, hk, start_m + W * ROWS, n_q, n_k,
+                      n_blocks, full, row0, qk_scale, HEAD_DIM, ROWS, BLOCK_N, STAGES, CAUSAL, True, SCHED_FENCE,
+                      True, STORE_R, ring, ring + tile, tile & 1, q_free, o_smem, True)
+            ring += n_blocks
+            tile += 1
+    tma.store_wait(0)
+
+
+@gluon.jit
+def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, r_desc, lse_ptr, n_q, n_k, n_heads, group, n_bh, qk_scale,
                            HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                            STAGES: gl.constexpr, CAUSAL: gl.constexpr, WARP_SPECIALIZE: gl.constexpr,
-                           SCHED_FENCE: gl.constexpr, PINGPONG: gl.constexpr, STORE_R: gl.constexpr):
+                           SCHED_FENCE: gl.constexpr, PINGPONG: gl.constexpr, STORE_R: gl.constexpr,
+                           PERSISTENT: gl.constexpr):
     """One program: query rows [start_m, start_m + BLOCK_M) of batch·head program_id(1), on a grid of
     (query blocks, B·H) whose first axis runs longest-first (the last query blocks see the most
     keys under a causal mask). Descriptors: rank 4 over (B, H, N, d), blocks (1, 1, rows, d): k_desc
@@ -454,7 +554,75 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, r_desc, lse_ptr, n_q,
     consumer warpgroups; WARP_SPECIALIZE adds a producer warp), or 4 with PINGPONG (the first
     consumer warpgroup; the second and the producer are worker partitions). PINGPONG needs
     WARP_SPECIALIZE and BLOCK_M = 128. STORE_R off: O alone (r_desc unused; the launcher passes
-    o's)."""
+    o's). ``n_bh``: B·H. PERSISTENT (with PINGPONG): a grid of at most one program per SM, each
+    taking the units ``_pair`` deals round-robin (``_persistent_kernel``)."""
+    if PERSISTENT:
+        _persistent_kernel(q_desc, k_desc, v_desc, o_desc, r_desc, lse_ptr, n_q, n_k, n_heads, group, n_bh, qk_scale,
+                           HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, SCHED_FENCE, STORE_R)
+    else:
+        _program_kernel(q_desc, k_desc, v_desc, o_desc, r_desc, lse_ptr, n_q, n_k, n_heads, group, qk_scale,
+                        HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, WARP_SPECIALIZE, SCHED_FENCE, PINGPONG, STORE_R)
+
+
+@gluon.jit
+def _persistent_kernel(q_desc, k_desc, v_desc, o_desc, r_desc, lse_ptr, n_q, n_k, n_heads, group, n_bh, qk_scale,
+                       HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                       CAUSAL: gl.constexpr, SCHED_FENCE: gl.constexpr, STORE_R: gl.constexpr):
+    """The persistent ping-pong forward: the program's shared memory, barriers and partitions set up
+    once; the producer streams every query tile of the program's units and the two consumers compute
+    them, so one tile's epilogue, the next one's Q load and its first key blocks overlap the other
+    consumer's products instead of a new program's start. Shared memory: Q, O (and R) tiles per
+    consumer, the K/V ring."""
+    ROWS: gl.constexpr = BLOCK_M // 2
+    q_smem = gl.allocate_shared_memory(gl.bfloat16, [2, 1, 1, ROWS, HEAD_DIM], q_desc.layout)
+    o_smem = gl.allocate_shared_memory(gl.bfloat16, [2, 1, 1, ROWS, HEAD_DIM], o_desc.layout)
+    if STORE_R:
+        r_smem = gl.allocate_shared_memory(gl.bfloat16, [2, 1, 1, ROWS, HEAD_DIM], r_desc.layout)
+    else:
+        r_smem = o_smem
+    k_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    sched = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(q_bar.index(i), count=1)
+        mbarrier.init(q_free.index(i), count=1)
+        mbarrier.init(sched.index(i), count=1)
+    _init_kv_ring(k_ready, v_ready, k_free, v_free, STAGES, 2)
+    fence_async_shared()
+
+    mbarrier.arrive(sched.index(0), count=1)               # warpgroup 0 issues first
+    gl.warp_specialize([
+        (_persistent_consumer, (k_desc, v_desc, o_desc, r_desc, lse_ptr, q_smem.index(0), o_smem.index(0), k_smem,
+                                v_smem, r_smem.index(0), q_bar.index(0), q_free.index(0), k_ready, v_ready, k_free,
+                                v_free, sched.index(0), sched.index(1), n_q, n_k, n_heads, group, n_bh, qk_scale, 0,
+                                HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, SCHED_FENCE, STORE_R)),
+        (_persistent_consumer, (k_desc, v_desc, o_desc, r_desc, lse_ptr, q_smem.index(1), o_smem.index(1), k_smem,
+                                v_smem, r_smem.index(1), q_bar.index(1), q_free.index(1), k_ready, v_ready, k_free,
+                                v_free, sched.index(1), sched.index(0), n_q, n_k, n_heads, group, n_bh, qk_scale, 1,
+                                HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, SCHED_FENCE, STORE_R)),
+        (_persistent_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_ready,
+                                k_free, v_free, n_q, n_k, n_heads, group, n_bh, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
+                                CAUSAL)),
+    ], [4, 1], [240, 24])
+    for i in gl.static_range(2):
+        mbarrier.invalidate(q_bar.index(i))
+        mbarrier.invalidate(q_free.index(i))
+        mbarrier.invalidate(sched.index(i))
+    _invalidate_kv_ring(k_ready, v_ready, k_free, v_free, STAGES)
+
+
+@gluon.jit
+def _program_kernel(q_desc, k_desc, v_desc, o_desc, r_desc, lse_ptr, n_q, n_k, n_heads, group, qk_scale,
+                    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                    CAUSAL: gl.constexpr, WARP_SPECIALIZE: gl.constexpr, SCHED_FENCE: gl.constexpr,
+                    PINGPONG: gl.constexpr, STORE_R: gl.constexpr):
+    """The forward of one program per query block (``attn_fwd_hopper_kernel`` without PERSISTENT)."""
     start_m, b, h, hk, n_blocks, full, lse_row0 = _query_program(n_q, n_k, n_heads, group, BLOCK_M, BLOCK_N,
                                                                  CAUSAL)
 

@@ -169,6 +169,19 @@ def launch_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tens
     store_r = residual.numel() > 0
     o_desc = _descriptor(o, t.q_rows)
     args = (_descriptor(q, t.q_rows), _descriptor(k, t.block_n), _descriptor(v, t.block_n), o_desc,
-            _descriptor(residual, t.q_rows) if store_r else o_desc, lse, n_q, k.shape[2], H, H // k.shape[1],
+            _descriptor(residual, t.q_rows) if store_r else o_desc, lse, n_q, k.shape[2], H, H // k.shape[1], B * H,
             scale * LOG2E)
-    return (triton.cdiv(n_q, t.block_m), B * H), args, {**t.constexprs(d, causal, store_r), **t.options}
+    if t.persistent:        # one program per SM at most, each taking units of two query blocks (hopper_forward._pair)
+        grid = (min(B * H * ((triton.cdiv(n_q, t.block_m) + 1) // 2), _processors(q.device)), 1)
+    else:
+        grid = (triton.cdiv(n_q, t.block_m), B * H)
+    return grid, args, {**t.constexprs(d, causal, store_r), **t.options}
+
+
+@functools.cache
+def _processors(device: torch.device) -> int:
+    """The streaming multiprocessors of a CUDA device (132 on an H100 SXM or H200); for a tensor on the
+    CPU (the compile check through triton's runtime, whose grid is never launched), 132."""
+    if device.type != "cuda":
+        return 132
+    return torch.cuda.get_device_properties(device).multi_processor_count

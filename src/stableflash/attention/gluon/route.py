@@ -11,8 +11,9 @@ when all of these hold:
   row maximum, δ from dO·(O + R), no policy, soft-cap or key block of its own) — any ``beta``/``eps`` —
   or the same with ``stabilize=False`` (δ from dO·O as stored: the forward stores no R, the
   backward's δ kernel reads O alone);
-- bf16 inputs at a head_dim of ``HEAD_DIMS``: where the Gluon forward was measured faster than
-  the Triton forward (head_dim 64 is not: docs/kernels.md);
+- bf16 inputs at a head_dim of ``HEAD_DIMS`` with at least ``FORWARD_MIN_KEYS[(head_dim, causal)]``
+  keys: where the Gluon forward was measured faster than the Triton forward (docs/kernels.md; at
+  head_dim 64 short causal sequences lose to the Triton forward's several programs per SM);
 - no mask beyond top-left causal (no window, ``attn_mask``, varlen or dropout);
 - q, k, v TMA-aligned: 16-byte base, strides nonzero multiples of 8 elements, the last one 1;
 - B·H ≤ 65535 and B·H·N_q < 2³¹ (the kernel's grid and indexing);
@@ -48,8 +49,10 @@ from stableflash.attention.gluon.support import unavailable_reason
 
 # off: every call on the Triton kernels (the benchmarks' "stableflash-portable" provider)
 ENABLED = True
-# the head dims routed here: where the Gluon forward is faster than the Triton forward
-HEAD_DIMS = (128,)
+# the head dims routed here, from this many keys (per head_dim and causal) on: where the Gluon forward is
+# faster than the Triton forward
+HEAD_DIMS = (64, 128)
+FORWARD_MIN_KEYS = {(64, True): 2048, (64, False): 1024, (128, True): 0, (128, False): 0}
 # the backward's: where the Gluon backward adding dQ up by TMA reduce-adds is faster than the Triton
 # backward, from this many keys on (docs/kernels.md, "Hopper path"); in deterministic mode the two
 # Gluon kernels', per head_dim they run at
@@ -98,17 +101,28 @@ def _misaligned(named: dict[str, torch.Tensor]) -> str | None:
 
 
 def why_not(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config, masks, interpreting: bool = False,
-            pointers: bool = True) -> str | None:
+            pointers: bool = True, causal: bool = True) -> str | None:
     """None where this forward runs on the Gluon Hopper kernel (the module docstring's list); else
-    the first reason it does not, in words. ``masks``: the op's ``Masks``. ``pointers`` off: the
-    tensors' addresses and strides are not checked (traced tensors have none): None then means
-    the call may run here."""
+    the first reason it does not, in words. ``masks``: the op's ``Masks``; ``causal``: the call's
+    top-left causal switch. ``pointers`` off: the tensors' addresses and strides are not checked
+    (traced tensors have none): None then means the call may run here."""
     reason = _first_reason(q, interpreting)
     if reason is not None:
         return reason
-    if q.shape[-1] not in HEAD_DIMS:
-        return f"head_dim {q.shape[-1]} (routed: {HEAD_DIMS})"
+    d = q.shape[-1]
+    if d not in HEAD_DIMS:
+        return f"head_dim {d} (routed: {HEAD_DIMS})"
+    if not forward_routed(d, causal, k.shape[2]):
+        return (f"{k.shape[2]} keys (the {'causal ' if causal else ''}forward at head_dim {d} is routed from "
+                f"{FORWARD_MIN_KEYS[(d, bool(causal))]} on)")
     return _common_reason(q, k, v, config, masks, pointers, {"q": q, "k": k, "v": v})
+
+
+def forward_routed(head_dim: int, causal: bool, n_keys: int) -> bool:
+    """Whether ``why_not``'s head_dim and length rules (``HEAD_DIMS``, ``FORWARD_MIN_KEYS``) let a forward
+    of this head_dim, causal switch and key count run on the Gluon kernel; the call's other
+    conditions are ``why_not``'s to check."""
+    return head_dim in HEAD_DIMS and n_keys >= FORWARD_MIN_KEYS[(head_dim, bool(causal))]
 
 
 def why_not_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config, masks,

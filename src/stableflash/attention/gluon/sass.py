@@ -72,7 +72,7 @@ def compile_forward(head_dim: int, causal: bool, tiles: Tiles | None = None, res
     t.check()
     q, kv = _desc(t.q_rows, head_dim), _desc(t.block_n, head_dim)
     signature = {"q_desc": q, "k_desc": kv, "v_desc": kv, "o_desc": q, "r_desc": q, "lse_ptr": "*fp32",
-                 "n_q": "i32", "n_k": "i32", "n_heads": "i32", "group": "i32", "qk_scale": "fp32"}
+                 "n_q": "i32", "n_k": "i32", "n_heads": "i32", "group": "i32", "n_bh": "i32", "qk_scale": "fp32"}
     constexprs = t.constexprs(head_dim, causal, residual)
     signature.update({name: "constexpr" for name in constexprs})
     src = gluon._runtime.GluonASTSource(attn_fwd_hopper_kernel, signature=signature, constexprs=constexprs)

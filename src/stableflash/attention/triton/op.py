@@ -477,7 +477,7 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sc
     lse = torch.empty(B, H, n_q, dtype=torch.float32, device=q.device)
     o32 = torch.empty(q.shape if delta.keeps_o else (0,), dtype=q.dtype if delta.residual else torch.float32,
                       device=q.device)
-    if _INLINE.get() is None and hopper_route.why_not(q, k, v, config, masks, interpreting()) is None:
+    if _INLINE.get() is None and hopper_route.why_not(q, k, v, config, masks, interpreting(), causal=causal) is None:
         hopper_route.forward(q, k, v, causal, scale, o, lse, o32)
         return o, lse, o32
     scale_u, eps_u, lo, hi, period = _units(emu, scale, config.eps, config.min_shift, config.max_shift)
@@ -548,7 +548,7 @@ def _forward_op(inline: bool):
                             narrow_out, stochastic, p_bar, fp8_product, delta, tuple(hp_heads), softcap, block_k)
         masks = Masks.from_op_args(band, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                    dropout_p)
-        if inline and why_not_inline(q, k, v, config, masks) is not None:
+        if inline and why_not_inline(q, k, v, config, masks, causal) is not None:
             return attn_fwd_opaque(q, k, v, causal, scale, *config.op_args(), *masks.op_args())
         seed = draw_seed() if masks.dropout_p > 0 else 0
         token = _INLINE.set(_InlineBody(tune_here=not masks.any) if inline else None)
@@ -566,7 +566,8 @@ def _forward_op(inline: bool):
 attn_fwd = attn_fwd_opaque = torch.library.custom_op("stableflash::attn_fwd", mutates_args=())(_forward_op(False))
 
 
-def why_not_inline(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: KernelConfig, masks: Masks) -> str | None:
+def why_not_inline(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: KernelConfig, masks: Masks,
+                   causal: bool = True) -> str | None:
     """None where the inline ops run a call; else why it runs on the opaque ops: Triton's
     interpreter (whose kernels ``wrap_triton`` does not take), a seed drawn per call (dropout,
     stochastic rounding: torch.compile would fix it at trace time), or a forward the Gluon Hopper
@@ -575,7 +576,7 @@ def why_not_inline(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: Ke
         return "Triton's interpreter runs the kernels"
     if masks.dropout_p > 0 or config.stochastic:
         return "dropout or stochastic rounding draws a seed on every call"
-    if hopper_route.why_not(q, k, v, config, masks, pointers=False) is None:
+    if hopper_route.why_not(q, k, v, config, masks, pointers=False, causal=causal) is None:
         return "the Gluon Hopper forward may take the call"
     return None
 
