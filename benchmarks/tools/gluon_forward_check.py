@@ -72,7 +72,7 @@ def compile_rows(variants: bool, tiles: list = ()) -> list[dict]:
             base = tiles_for(d, causal)
             chosen = [base]
             if variants:               # the default is ping-pong: one consumer partition, without warp
-                single = base._replace(pingpong=False)   # specialisation (one partition), without the fence
+                single = base._replace(pingpong=False, persistent=False)   # specialisation (one partition), without the fence
                 chosen += [single, single._replace(warp_specialize=False), base._replace(sched_fence=False)]
             rows += [sass.check(d, causal, t) for t in [*chosen, *tiles]]
     return rows
@@ -121,8 +121,9 @@ def providers(d: int, causal: bool, tiles: list = ()):
 
     return {
         "gluon": gluon(base),
-        "gluon-single": gluon(base._replace(pingpong=False)),
-        "gluon-no-ws": gluon(base._replace(pingpong=False, warp_specialize=False)),
+        "gluon-per-block": gluon(base._replace(persistent=False)),
+        "gluon-single": gluon(base._replace(pingpong=False, persistent=False)),
+        "gluon-no-ws": gluon(base._replace(pingpong=False, persistent=False, warp_specialize=False)),
         "gluon-no-fence": gluon(base._replace(sched_fence=False)),
         **{tiles_name(t): gluon(t) for t in tiles},
         "triton-stabilized": triton_forward,

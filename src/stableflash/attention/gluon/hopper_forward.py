@@ -29,8 +29,10 @@ How (one program per BLOCK_M query rows of one batch·head, the last query block
   refilling a slot once every warpgroup is done with it.
 - PINGPONG (with WARP_SPECIALIZE, BLOCK_M = 128): the two consumer warpgroups run as partitions of
   their own (64 rows each, their own Q, O and R tiles) and take turns to issue their products
-  through a pair of mbarriers, so that one's softmax runs while the other's products do
-  (FlashAttention-3's ping-pong); each frees its K tile as soon as its S is done.
+  through a pair of mbarriers (in the persistent kernel a pair of named barriers, which every
+  thread passes without a barrier across its warpgroup first), so that one's softmax runs while the
+  other's products do (FlashAttention-3's ping-pong); each frees its K tile as soon as its S is
+  done.
 - SCHED_FENCE: a warp synchronisation on the warp's active mask between the softmax and the wait for
   P̄V (``_schedule_fence``), without which ptxas schedules that wait above the softmax and nothing
   overlaps.
@@ -310,18 +312,50 @@ def _softmax(s, m_i, l_i, qk_scale):
 
 
 @gluon.jit
-def _take_turn(sched_mine, t, PINGPONG: gl.constexpr):
-    """Ping-pong: wait until the other consumer warpgroup has issued its products of issue point
-    t − 1 (warpgroup 0's first wait is met by the arrival made at launch)."""
-    if PINGPONG:
-        mbarrier.wait(sched_mine, t & 1)
+def _named_barrier(ID: gl.constexpr, ARRIVE: gl.constexpr):
+    """``bar.arrive ID, 256`` (ARRIVE: the warp goes on) or ``bar.sync ID, 256`` (it waits until 256
+    threads, its own warpgroup's and the other consumer's, have reached barrier ID), once per thread
+    of a 4-warp partition. Named barriers 8 and 9 carry the persistent kernel's ping-pong turns:
+    triton's own barriers use 0-2 (a partition's, the CTA's), and unlike an mbarrier arrival, which
+    Gluon makes one thread's after a barrier across the partition, every thread arrives here
+    without waiting for the others."""
+    lane = gl.full([128], 0, gl.int32, layout=gl.BlockedLayout([1], [32], [4], [0]))
+    if ARRIVE:
+        if ID == 8:
+            gl.inline_asm_elementwise("bar.arrive 8, 256;\n\tmov.b32 $0, $1;", "=r,r", [lane], dtype=gl.int32,
+                                      is_pure=False, pack=1)
+        else:
+            gl.inline_asm_elementwise("bar.arrive 9, 256;\n\tmov.b32 $0, $1;", "=r,r", [lane], dtype=gl.int32,
+                                      is_pure=False, pack=1)
+    else:
+        if ID == 8:
+            gl.inline_asm_elementwise("bar.sync 8, 256;\n\tmov.b32 $0, $1;", "=r,r", [lane], dtype=gl.int32,
+                                      is_pure=False, pack=1)
+        else:
+            gl.inline_asm_elementwise("bar.sync 9, 256;\n\tmov.b32 $0, $1;", "=r,r", [lane], dtype=gl.int32,
+                                      is_pure=False, pack=1)
 
 
 @gluon.jit
-def _pass_turn(sched_other, PINGPONG: gl.constexpr):
+def _take_turn(sched_mine, t, PINGPONG: gl.constexpr, NAMED: gl.constexpr = False):
+    """Ping-pong: wait until the other consumer warpgroup has issued its products of issue point
+    t − 1 (warpgroup 0's first wait is met by the arrival made at launch). NAMED: ``sched_mine`` is
+    the named barrier (8 or 9, a constexpr) this warpgroup's turns arrive on."""
+    if PINGPONG:
+        if NAMED:
+            _named_barrier(sched_mine, False)
+        else:
+            mbarrier.wait(sched_mine, t & 1)
+
+
+@gluon.jit
+def _pass_turn(sched_other, PINGPONG: gl.constexpr, NAMED: gl.constexpr = False):
     """Ping-pong: this warpgroup has issued its products; the other one may issue its own."""
     if PINGPONG:
-        mbarrier.arrive(sched_other, count=1)
+        if NAMED:
+            _named_barrier(sched_other, True)
+        else:
+            mbarrier.arrive(sched_other, count=1)
 
 
 @gluon.jit
@@ -329,7 +363,7 @@ def _step(q, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_free, v_free, s
           p, acc, m_i, l_i, zero_s, start_m, j, ring, turn, b, hk, n_k, n_blocks, qk_scale, HEAD_DIM: gl.constexpr,
           ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASKED: gl.constexpr,
           WARP_SPECIALIZE: gl.constexpr, SCHED_FENCE: gl.constexpr, PINGPONG: gl.constexpr, mma_s: gl.constexpr,
-          mma_o: gl.constexpr):
+          mma_o: gl.constexpr, NAMED: gl.constexpr = False):
     """Key block j ≥ 1 of a consumer's loop: issue S_j = Q·K_jᵀ and Ō += P̄_{j−1}·V_{j−1}
     asynchronously, wait for S_j alone, run block j's softmax while the P̄V product computes, then
     wait for it, free K_j and V_{j−1} (or, without WARP_SPECIALIZE, refill slot (j − 1) % STAGES)
@@ -347,11 +381,11 @@ def _step(q, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_free, v_free, s
     p = _a_operand(p, mma_o)
     mbarrier.wait(k_ready.index(slot), (ring // STAGES) & 1)
     mbarrier.wait(v_ready.index(prev), ((ring - 1) // STAGES) & 1)
-    _take_turn(sched_mine, turn, PINGPONG)
+    _take_turn(sched_mine, turn, PINGPONG, NAMED)
     s_tok = warpgroup_mma(q, k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), zero_s,
                           use_acc=False, is_async=True)
     o_tok = warpgroup_mma(p, v_smem.index(prev).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
-    _pass_turn(sched_other, PINGPONG)
+    _pass_turn(sched_other, PINGPONG, NAMED)
     s = warpgroup_mma_wait(1, deps=[s_tok])                 # S_j done, P̄_{j−1}V_{j−1} still in flight
     if PINGPONG:
         mbarrier.arrive(k_free.index(slot), count=1)
@@ -361,7 +395,8 @@ def _step(q, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_free, v_free, s
     if SCHED_FENCE:
         l_i = _schedule_fence(l_i)
     acc, p = warpgroup_mma_wait(0, deps=[o_tok, p])
-    cta_barrier()                                           # every warp of this partition is done with slot prev
+    if not PINGPONG:                                        # every warpgroup of the partition is done with slot prev
+        cta_barrier()                                       # (one warpgroup's product is complete for all its warps)
     if WARP_SPECIALIZE:
         if not PINGPONG:
             mbarrier.arrive(k_free.index(slot), count=1)
@@ -423,9 +458,9 @@ def _consumer(k_desc, v_desc, o_desc, r_desc, lse_ptr, q_smem, k_smem, v_smem, r
     # key block 0: its scores, then its softmax (nothing to overlap with yet)
     first = ring0 % STAGES
     mbarrier.wait(k_ready.index(first), (ring0 // STAGES) & 1)
-    _take_turn(sched_mine, turn0, PINGPONG)
+    _take_turn(sched_mine, turn0, PINGPONG, PERSISTENT)
     s = warpgroup_mma(q, k_smem.index(first).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), zero_s, use_acc=False)
-    _pass_turn(sched_other, PINGPONG)
+    _pass_turn(sched_other, PINGPONG, PERSISTENT)
     if WARP_SPECIALIZE:                                     # K_0 is free once every warpgroup's S_0 is done
         if not PINGPONG:
             cta_barrier()
@@ -441,19 +476,19 @@ def _consumer(k_desc, v_desc, o_desc, r_desc, lse_ptr, q_smem, k_smem, v_smem, r
         p, acc, m_i, l_i = _step(q, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_free, v_free, sched_mine,
                                  sched_other, p, acc, m_i, l_i, zero_s, start_m, j, ring0 + j, turn0 + j, b, hk, n_k,
                                  n_blocks, qk_scale, HEAD_DIM, ROWS, BLOCK_N, STAGES, CAUSAL, False, WARP_SPECIALIZE,
-                                 SCHED_FENCE, PINGPONG, mma_s, mma_o)
+                                 SCHED_FENCE, PINGPONG, mma_s, mma_o, PERSISTENT)
     for j in range(n_full, n_blocks):
         p, acc, m_i, l_i = _step(q, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_free, v_free, sched_mine,
                                  sched_other, p, acc, m_i, l_i, zero_s, start_m, j, ring0 + j, turn0 + j, b, hk, n_k,
                                  n_blocks, qk_scale, HEAD_DIM, ROWS, BLOCK_N, STAGES, CAUSAL, True, WARP_SPECIALIZE,
-                                 SCHED_FENCE, PINGPONG, mma_s, mma_o)
+                                 SCHED_FENCE, PINGPONG, mma_s, mma_o, PERSISTENT)
     if PERSISTENT:                                          # the last S is done: the next tile's Q may come
         mbarrier.arrive(q_free, count=1)
     last = (ring0 + n_blocks - 1) % STAGES
     mbarrier.wait(v_ready.index(last), ((ring0 + n_blocks - 1) // STAGES) & 1)
-    _take_turn(sched_mine, turn0 + n_blocks, PINGPONG)
+    _take_turn(sched_mine, turn0 + n_blocks, PINGPONG, PERSISTENT)
     acc = warpgroup_mma(_a_operand(p, mma_o), v_smem.index(last).reshape([BLOCK_N, HEAD_DIM]), acc)
-    _pass_turn(sched_other, PINGPONG)
+    _pass_turn(sched_other, PINGPONG, PERSISTENT)
     if PERSISTENT:                                          # the last V is read: its slot is free
         mbarrier.arrive(v_free.index(last), count=1)
 
@@ -512,13 +547,20 @@ def _persistent_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, 
 
 @gluon.jit
 def _persistent_consumer(k_desc, v_desc, o_desc, r_desc, lse_ptr, q_smem, o_smem, k_smem, v_smem, r_smem,
-                         q_bar, q_free, k_ready, v_ready, k_free, v_free, sched_mine, sched_other,
+                         q_bar, q_free, k_ready, v_ready, k_free, v_free,
                          n_q, n_k, n_heads, group, n_bh, qk_scale, W: gl.constexpr, HEAD_DIM: gl.constexpr,
                          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                          SCHED_FENCE: gl.constexpr, STORE_R: gl.constexpr):
     """Ping-pong consumer W of the persistent kernel: rows W·BLOCK_M/2 … of each query tile the
     producer streams (the same sequence of tiles), ring positions and issue points running on across
-    tiles; its last O and R stores waited for at the end."""
+    tiles; its last O and R stores waited for at the end. Turns pass through named barriers: W takes
+    its turns on barrier 8 + W and passes them on 9 − W; warpgroup 1's arrival at the start gives
+    warpgroup 0 the first, and warpgroup 0's last wait takes warpgroup 1's last arrival, so both
+    barriers end empty."""
+    MINE: gl.constexpr = 8 + W
+    OTHER: gl.constexpr = 9 - W
+    if W == 1:
+        _named_barrier(8, True)
     ROWS: gl.constexpr = BLOCK_M // 2
     n_m = (n_q + BLOCK_M - 1) // BLOCK_M
     n_pairs = (n_m + 1) // 2
@@ -531,11 +573,13 @@ def _persistent_consumer(k_desc, v_desc, o_desc, r_desc, lse_ptr, q_smem, o_smem
                                                                    BLOCK_M, BLOCK_N, CAUSAL)
             # issue points: n_blocks + 1 a tile, so block 0's is ring + tile
             _consumer(k_desc, v_desc, o_desc, r_desc, lse_ptr, q_smem, k_smem, v_smem, r_smem, q_bar, k_ready,
-                      v_ready, k_free, v_free, sched_mine, sched_other, b, h, hk, start_m + W * ROWS, n_q, n_k,
+                      v_ready, k_free, v_free, MINE, OTHER, b, h, hk, start_m + W * ROWS, n_q, n_k,
                       n_blocks, full, row0, qk_scale, HEAD_DIM, ROWS, BLOCK_N, STAGES, CAUSAL, True, SCHED_FENCE,
                       True, STORE_R, ring, ring + tile, tile & 1, q_free, o_smem, True)
             ring += n_blocks
             tile += 1
+    if W == 0:
+        _named_barrier(8, False)
     tma.store_wait(0)
 
 
@@ -584,7 +628,6 @@ def _persistent_kernel(q_desc, k_desc, v_desc, o_desc, r_desc, lse_ptr, n_q, n_k
     v_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], v_desc.layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     q_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    sched = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -592,19 +635,17 @@ def _persistent_kernel(q_desc, k_desc, v_desc, o_desc, r_desc, lse_ptr, n_q, n_k
     for i in gl.static_range(2):
         mbarrier.init(q_bar.index(i), count=1)
         mbarrier.init(q_free.index(i), count=1)
-        mbarrier.init(sched.index(i), count=1)
     _init_kv_ring(k_ready, v_ready, k_free, v_free, STAGES, 2)
     fence_async_shared()
 
-    mbarrier.arrive(sched.index(0), count=1)               # warpgroup 0 issues first
     gl.warp_specialize([
         (_persistent_consumer, (k_desc, v_desc, o_desc, r_desc, lse_ptr, q_smem.index(0), o_smem.index(0), k_smem,
                                 v_smem, r_smem.index(0), q_bar.index(0), q_free.index(0), k_ready, v_ready, k_free,
-                                v_free, sched.index(0), sched.index(1), n_q, n_k, n_heads, group, n_bh, qk_scale, 0,
+                                v_free, n_q, n_k, n_heads, group, n_bh, qk_scale, 0,
                                 HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, SCHED_FENCE, STORE_R)),
         (_persistent_consumer, (k_desc, v_desc, o_desc, r_desc, lse_ptr, q_smem.index(1), o_smem.index(1), k_smem,
                                 v_smem, r_smem.index(1), q_bar.index(1), q_free.index(1), k_ready, v_ready, k_free,
-                                v_free, sched.index(1), sched.index(0), n_q, n_k, n_heads, group, n_bh, qk_scale, 1,
+                                v_free, n_q, n_k, n_heads, group, n_bh, qk_scale, 1,
                                 HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, SCHED_FENCE, STORE_R)),
         (_persistent_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_ready,
                                 k_free, v_free, n_q, n_k, n_heads, group, n_bh, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
@@ -613,7 +654,6 @@ def _persistent_kernel(q_desc, k_desc, v_desc, o_desc, r_desc, lse_ptr, n_q, n_k
     for i in gl.static_range(2):
         mbarrier.invalidate(q_bar.index(i))
         mbarrier.invalidate(q_free.index(i))
-        mbarrier.invalidate(sched.index(i))
     _invalidate_kv_ring(k_ready, v_ready, k_free, v_free, STAGES)
 
 
