@@ -435,6 +435,22 @@ def test_train_tuner_picks_prints_each_tuners_picks_and_timings_as_json(monkeypa
     assert set(lines["TIMINGS"]) == {"fwd", "fwd_tma", "dkdv", "dq"}
 
 
+def test_kernel_breakdown_names_bad_arguments_before_it_looks_for_a_gpu(capsys, monkeypatch):
+    """benchmarks/tools/kernel_breakdown.py: a malformed shape, a count of calls below one, both causal
+    switches or an unknown provider is refused (exit 2) with the argument named, whether or not a GPU
+    is present; well-formed arguments without a GPU stop at the GPU check."""
+    import torch
+    tool = load("tools/kernel_breakdown")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for argv, named in ((["--shape", "8,16,2048"], "--shape"), (["--calls", "0"], "--calls 0"),
+                        (["--causal", "--no-causal"], "--causal and --no-causal"),
+                        (["--providers", "nope"], "--providers ['nope']"), ([], "needs a CUDA GPU")):
+        with pytest.raises(SystemExit) as exit_:
+            tool.main(argv)
+        assert exit_.value.code == 2
+        assert named in capsys.readouterr().err, argv
+
+
 def test_ncu_attention_table_reads_a_raw_export_and_names_what_it_lacks(tmp_path, capsys):
     ncu = load("tools/ncu_attention")
     head = ["ID", "Kernel Name", "gpu__time_duration.sum", "smsp__inst_executed.sum",

@@ -18,7 +18,7 @@ tile (pointer loads) instead of its list. ``table`` prints, per attention kernel
 export: time, warp instructions issued, issue-slot and warp occupancy, registers and the programs
 a multiprocessor holds, the busiest pipes and the largest stall reasons per issued instruction.
 
-``forward`` profiles one causal forward of one provider after five warm-up calls: the Triton forward as
+``forward`` profiles one forward (causal unless ``--no-causal``) of one provider after five warm-up calls: the Triton forward as
 ``stabilize=True`` runs it ("triton"), cuDNN's ("cudnn"), or the Gluon Hopper forward at tiles named as
 ``benchmarks/tools/gluon_forward_check.py --tiles`` names them ("gluon-128x128x3p", "gluon-64x64x3n").
 ``source`` reads a per-instruction export (``--page source --print-source sass``) and prints, per
@@ -228,8 +228,8 @@ def source_table(paths: list[str], top: int = 12) -> None:
 FORWARD_PROVIDERS = {"triton": "triton-stabilized", "cudnn": "sdpa-cudnn"}
 
 
-def forward(provider: str, shape: tuple[int, int, int, int]) -> None:
-    """One causal forward of ``provider``, built by ``gluon_forward_check.providers`` (the Triton forward
+def forward(provider: str, shape: tuple[int, int, int, int], causal: bool = True) -> None:
+    """One forward (causal unless ``causal`` is False) of ``provider``, built by ``gluon_forward_check.providers`` (the Triton forward
     as ``stabilize=True`` runs it, cuDNN's, or the Gluon forward at the named tiles), profiled once."""
     if provider not in FORWARD_PROVIDERS and not provider.startswith("gluon-"):
         raise ValueError(f"--provider {provider!r}: accepted: triton, cudnn, gluon-TILES (e.g. gluon-128x128x3p)")
@@ -243,7 +243,7 @@ def forward(provider: str, shape: tuple[int, int, int, int]) -> None:
     if not torch.cuda.is_available():
         raise ValueError("forward needs a CUDA GPU (it profiles the kernel there); none is visible")
     B, H, N, D = shape
-    fn = check.providers(D, True, tiles)[FORWARD_PROVIDERS.get(provider) or check.tiles_name(*tiles)]
+    fn = check.providers(D, causal, tiles)[FORWARD_PROVIDERS.get(provider) or check.tiles_name(*tiles)]
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(B, H, N, D, device="cuda", generator=gen).bfloat16() for _ in range(3))
     with torch.no_grad():
@@ -268,7 +268,8 @@ def main(argv=None) -> int:
     r.add_argument("--no-causal", action="store_true", help="non-causal attention (default: causal)")
     t = sub.add_parser("table", help="summarize `ncu --page raw --csv` exports")
     t.add_argument("csv", nargs="+")
-    f = sub.add_parser("forward", help="the profiled program for one provider's causal forward (start it under ncu)")
+    f = sub.add_parser("forward", help="the profiled program for one provider's forward (start it under ncu)")
+    f.add_argument("--no-causal", action="store_true", help="non-causal attention (default: causal)")
     f.add_argument("--provider", required=True, help="triton, cudnn or gluon-TILES (e.g. gluon-128x128x3p)")
     f.add_argument("--shape", type=lambda s: _ints(s, 4, "--shape"), default=(16, 12, 1024, 64),
                    help="B,H,N,head_dim (default 16,12,1024,64)")
@@ -280,7 +281,7 @@ def main(argv=None) -> int:
         if args.cmd == "run":
             run(args.shape, args.fwd_tile, not args.no_causal)
         elif args.cmd == "forward":
-            forward(args.provider, args.shape)
+            forward(args.provider, args.shape, not args.no_causal)
         elif args.cmd == "source":
             source_table(args.csv, args.top)
         else:

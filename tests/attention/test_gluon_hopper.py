@@ -115,7 +115,8 @@ def test_compiles_for_sm90_without_a_gpu(offline, variant):
     TMA loads and stores; the producer/consumer register split; no local-memory spills; P̄ packed to bf16 in
     the order the P̄V product reads it (no half-swapping PRMT: carried packed across the loop's back edge, each of
     its registers was swapped before every product); no NANOSLEEP (the scheduling fence synchronises the warp
-    instead of yielding it)."""
+    instead of yielding it); the persistent kernel's turns through named barriers, as many taken as
+    given at each."""
     t, r = offline[variant]
     consumers = 2 if t.pingpong else 1
     assert r["target"] == "sm_90a" and t.warp_specialize
@@ -130,6 +131,14 @@ def test_compiles_for_sm90_without_a_gpu(offline, variant):
     assert r["stl"] <= spills and r["ldl"] <= spills, r
     assert r["half_swaps"] == 0 and r["sleeps"] == 0, r
     assert 24 in r["setmaxnreg"] and 240 in r["setmaxnreg"], r
+    # the persistent kernel's turns: named barrier 8 taken by warpgroup 0 and given by warpgroup 1, 9 the
+    # other way, at each issue site (block 0, both loops, the last P̄V) and once more for warpgroup 0's
+    # first turn; the other kernels take turns through mbarriers
+    turns = r["turn_barriers"]
+    if t.persistent:
+        assert turns["sync_8"] == turns["arrive_8"] >= 4 and turns["sync_9"] == turns["arrive_9"] >= 4, r
+    else:
+        assert sum(turns.values()) == 0, r
 
 
 

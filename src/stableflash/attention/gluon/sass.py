@@ -17,6 +17,8 @@ shows whether the sm90 features came through:
   for the producer; ``registers`` is then the count every warp starts with);
 - ``bar_sync``: CTA or named barriers (BAR.SYNC), most of them inserted by the compiler;
 - ``sleeps``: NANOSLEEP (a warp yielding the scheduler);
+- ``turn_barriers``: the persistent forward's ping-pong turns, BAR.SYNC and BAR.ARV of named barriers 8
+  and 9 for 256 threads ("sync_8", "arrive_8", "sync_9", "arrive_9");
 - ``half_swaps``: PRMT with selector 0x5432, which swaps a register's two 16-bit halves — what ptxas
   emits when bf16 pairs are packed in one order and read as a product's operand in the other.
 
@@ -123,6 +125,8 @@ def sass_summary(kernel) -> dict:
             "tma_reduces": ops(r"\bUTMAREDG\b"),
             "stl": ops(r"\bSTL(\.|\s)"), "ldl": ops(r"\bLDL(\.|\s)"), "bar_sync": ops(r"\bBAR\.SYNC"),
             "half_swaps": ops(r"\bPRMT\s+R\d+,\s*R\d+,\s*0x5432,"), "sleeps": ops(r"\bNANOSLEEP\b"),
+            "turn_barriers": {f"{kind}_{n}": ops(rf"\bBAR\.{op}\S*\s+0x{n},\s*0x100\b")
+                              for n in (8, 9) for kind, op in (("sync", "SYNC"), ("arrive", "ARV"))},
             "setmaxnreg": sorted({int(n, 16) for n in re.findall(r"USETMAXREG\.\S+\s+(?:UP\d+,\s*)?0x([0-9a-f]+)",
                                                                  sass)}),
             "registers": int(regs.group(1)) if regs else None, "shared_bytes": kernel.metadata.shared}

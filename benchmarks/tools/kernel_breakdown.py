@@ -1,0 +1,101 @@
+"""Per-kernel GPU time of one attention call, ours against a peer, read by torch's profiler.
+
+    python benchmarks/tools/kernel_breakdown.py [--shape 8,16,2048,128 ...] [--providers stableflash sdpa-default]
+        [--no-causal] [--forward-only] [--calls 20] [--json OUT.json]
+
+For each shape and provider (``stableflash bench attention``'s provider names and random inputs): five
+warm-up calls of forward + backward (``torch.autograd.grad`` of the output with a fixed dO; with
+``--forward-only`` the forward under ``no_grad``), then ``--calls`` calls under ``torch.profiler``; prints,
+per provider, each GPU kernel's time per call (µs, largest first) and the total. Both causal switches
+unless one is named. Needs a CUDA GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+from pathlib import Path
+
+DEFAULT_SHAPES = ("4,16,8192,128", "8,16,2048,128", "8,16,4096,64", "32,12,1024,64", "16,16,2048,64")
+
+
+def kernel_times(shape, provider: str, causal: bool, forward_only: bool, calls: int) -> dict[str, float]:
+    """kernel name → µs per call of ``provider`` at ``shape``."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from stableflash.bench.attention import _inputs, provider_context, provider_fn
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, do = _inputs(shape, torch.bfloat16, "cuda", gen)
+    fn = provider_fn(provider, shape, causal, "cuda")
+    leaves = [t.detach().requires_grad_(not forward_only) for t in (q, k, v)]
+
+    def call():
+        with provider_context(provider):
+            if forward_only:
+                with torch.no_grad():
+                    fn(*leaves, causal)
+            else:
+                torch.autograd.grad(fn(*leaves, causal), leaves, do)
+    for _ in range(5):
+        call()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            call()
+        torch.cuda.synchronize()
+    times = collections.defaultdict(float)
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            times[e.name] += e.device_time / calls
+    return dict(sorted(times.items(), key=lambda kv: -kv[1]))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", nargs="+", default=list(DEFAULT_SHAPES), help="B,H,N,d shapes")
+    ap.add_argument("--providers", nargs="+", default=["stableflash", "sdpa-default"])
+    ap.add_argument("--no-causal", action="store_true", help="non-causal only (default: causal, then non-causal)")
+    ap.add_argument("--causal", action="store_true", help="causal only")
+    ap.add_argument("--forward-only", action="store_true", help="the forward alone")
+    ap.add_argument("--calls", type=int, default=20, help="profiled calls per provider (default 20)")
+    ap.add_argument("--json", type=Path, help="also write the times here")
+    args = ap.parse_args(argv)
+    if args.calls < 1:
+        ap.error(f"--calls {args.calls} is invalid; accepted: a positive integer")
+    try:
+        shapes = [tuple(int(x) for x in s.split(",")) for s in args.shape]
+        if any(len(s) != 4 or min(s) < 1 for s in shapes):
+            raise ValueError
+    except ValueError:
+        ap.error(f"--shape {args.shape} is invalid; accepted: B,H,N,d with four positive integers")
+    if args.causal and args.no_causal:
+        ap.error("--causal and --no-causal together are invalid; accepted: one of them, or neither (both switches)")
+    from stableflash.bench.attention import PROVIDERS
+    unknown = [p for p in args.providers if p not in PROVIDERS]
+    if unknown:
+        ap.error(f"--providers {unknown} unknown; accepted: {', '.join(PROVIDERS)}")
+    import torch
+    if not torch.cuda.is_available():
+        ap.error("needs a CUDA GPU (it profiles the kernels there); none is visible")
+    switches = [False] if args.no_causal else [True] if args.causal else [True, False]
+    out = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "calls": args.calls,
+           "mode": "fwd" if args.forward_only else "fwd+bwd", "us_per_call": {}}
+    for causal in switches:
+        for shape in shapes:
+            for provider in args.providers:
+                times = kernel_times(shape, provider, causal, args.forward_only, args.calls)
+                key = f"{'causal' if causal else 'non-causal'} {'x'.join(map(str, shape))} {provider}"
+                out["us_per_call"][key] = {k: round(v, 2) for k, v in times.items()}
+                print(f"{key}: {sum(times.values()):.1f} µs")
+                for name, us in times.items():
+                    print(f"   {us:9.1f}  {name[:120]}")
+                sys.stdout.flush()
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
