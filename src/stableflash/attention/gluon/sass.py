@@ -18,7 +18,8 @@ shows whether the sm90 features came through:
 - ``bar_sync``: CTA or named barriers (BAR.SYNC), most of them inserted by the compiler;
 - ``sleeps``: NANOSLEEP (a warp yielding the scheduler);
 - ``turn_barriers``: the persistent forward's ping-pong turns, BAR.SYNC and BAR.ARV of named barriers 8
-  and 9 for 256 threads ("sync_8", "arrive_8", "sync_9", "arrive_9");
+  and 9 for 256 threads ("sync_8", "arrive_8", "sync_9", "arrive_9"); ``named_barriers``: every
+  barrier id BAR.SYNC / BAR.ARV use, with the thread counts they use it with (0: the whole CTA);
 - ``half_swaps``: PRMT with selector 0x5432, which swaps a register's two 16-bit halves — what ptxas
   emits when bf16 pairs are packed in one order and read as a product's operand in the other.
 
@@ -113,6 +114,14 @@ def _ex2_in_flight(sass: str) -> int:
     return count
 
 
+def _named_barriers(sass: str) -> dict:
+    """{barrier id: the thread counts BAR.SYNC / BAR.ARV use it with, sorted (0: the whole CTA)}."""
+    found: dict[int, set] = {}
+    for n, count in re.findall(r"\bBAR\.(?:SYNC|ARV)\S*\s+0x([0-9a-f]+)(?:,\s*0x([0-9a-f]+))?", sass):
+        found.setdefault(int(n, 16), set()).add(int(count, 16) if count else 0)
+    return {n: sorted(c) for n, c in sorted(found.items())}
+
+
 def sass_summary(kernel) -> dict:
     """What the compiled kernel's SASS holds (the module docstring lists the keys)."""
     sass, usage = disassemble(kernel.asm["cubin"])
@@ -127,6 +136,7 @@ def sass_summary(kernel) -> dict:
             "half_swaps": ops(r"\bPRMT\s+R\d+,\s*R\d+,\s*0x5432,"), "sleeps": ops(r"\bNANOSLEEP\b"),
             "turn_barriers": {f"{kind}_{n}": ops(rf"\bBAR\.{op}\S*\s+0x{n},\s*0x100\b")
                               for n in (8, 9) for kind, op in (("sync", "SYNC"), ("arrive", "ARV"))},
+            "named_barriers": _named_barriers(sass),
             "setmaxnreg": sorted({int(n, 16) for n in re.findall(r"USETMAXREG\.\S+\s+(?:UP\d+,\s*)?0x([0-9a-f]+)",
                                                                  sass)}),
             "registers": int(regs.group(1)) if regs else None, "shared_bytes": kernel.metadata.shared}
