@@ -319,21 +319,13 @@ def _named_barrier(ID: gl.constexpr, ARRIVE: gl.constexpr):
     triton's own barriers use 0-2 (a partition's, the CTA's), and unlike an mbarrier arrival, which
     Gluon makes one thread's after a barrier across the partition, every thread arrives here
     without waiting for the others."""
-    lane = gl.full([128], 0, gl.int32, layout=gl.BlockedLayout([1], [32], [4], [0]))
+    barrier = gl.full([128], ID, gl.int32, layout=gl.BlockedLayout([1], [32], [4], [0]))   # one a thread
     if ARRIVE:
-        if ID == 8:
-            gl.inline_asm_elementwise("bar.arrive 8, 256;\n\tmov.b32 $0, $1;", "=r,r", [lane], dtype=gl.int32,
-                                      is_pure=False, pack=1)
-        else:
-            gl.inline_asm_elementwise("bar.arrive 9, 256;\n\tmov.b32 $0, $1;", "=r,r", [lane], dtype=gl.int32,
-                                      is_pure=False, pack=1)
+        gl.inline_asm_elementwise("bar.arrive $1, 256;\n\tmov.b32 $0, $1;", "=r,r", [barrier], dtype=gl.int32,
+                                  is_pure=False, pack=1)
     else:
-        if ID == 8:
-            gl.inline_asm_elementwise("bar.sync 8, 256;\n\tmov.b32 $0, $1;", "=r,r", [lane], dtype=gl.int32,
-                                      is_pure=False, pack=1)
-        else:
-            gl.inline_asm_elementwise("bar.sync 9, 256;\n\tmov.b32 $0, $1;", "=r,r", [lane], dtype=gl.int32,
-                                      is_pure=False, pack=1)
+        gl.inline_asm_elementwise("bar.sync $1, 256;\n\tmov.b32 $0, $1;", "=r,r", [barrier], dtype=gl.int32,
+                                  is_pure=False, pack=1)
 
 
 @gluon.jit
