@@ -442,9 +442,10 @@ def test_kernel_breakdown_names_bad_arguments_before_it_looks_for_a_gpu(capsys, 
     import torch
     tool = load("tools/kernel_breakdown")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    for argv, named in ((["--shape", "8,16,2048"], "--shape"), (["--calls", "0"], "--calls 0"),
-                        (["--causal", "--no-causal"], "--causal and --no-causal"),
-                        (["--providers", "nope"], "--providers ['nope']"), ([], "needs a CUDA GPU")):
+    for argv, named in ((["--shape", "8,16,2048"], "argument --shape: shape '8,16,2048' is invalid"),
+                        (["--calls", "0"], "--calls 0"), (["--causal", "--no-causal"], "--causal and --no-causal"),
+                        (["--providers", "nope"], "argument --providers: provider 'nope' is unknown"),
+                        ([], "needs a CUDA GPU")):
         with pytest.raises(SystemExit) as exit_:
             tool.main(argv)
         assert exit_.value.code == 2

@@ -17,7 +17,9 @@ import json
 import sys
 from pathlib import Path
 
-DEFAULT_SHAPES = ("4,16,8192,128", "8,16,2048,128", "8,16,4096,64", "32,12,1024,64", "16,16,2048,64")
+from stableflash.cli import _provider, _shape   # `stableflash bench attention`'s --shape and --providers
+
+DEFAULT_SHAPES = ((4, 16, 8192, 128), (8, 16, 2048, 128), (8, 16, 4096, 64), (32, 12, 1024, 64), (16, 16, 2048, 64))
 
 
 def kernel_times(shape, provider: str, causal: bool, forward_only: bool, calls: int) -> dict[str, float]:
@@ -54,8 +56,8 @@ def kernel_times(shape, provider: str, causal: bool, forward_only: bool, calls: 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shape", nargs="+", default=list(DEFAULT_SHAPES), help="B,H,N,d shapes")
-    ap.add_argument("--providers", nargs="+", default=["stableflash", "sdpa-default"])
+    ap.add_argument("--shape", nargs="+", type=_shape, default=list(DEFAULT_SHAPES), help="B,H,N,d shapes")
+    ap.add_argument("--providers", nargs="+", type=_provider, default=["stableflash", "sdpa-default"])
     ap.add_argument("--no-causal", action="store_true", help="non-causal only (default: causal, then non-causal)")
     ap.add_argument("--causal", action="store_true", help="causal only")
     ap.add_argument("--forward-only", action="store_true", help="the forward alone")
@@ -64,18 +66,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.calls < 1:
         ap.error(f"--calls {args.calls} is invalid; accepted: a positive integer")
-    try:
-        shapes = [tuple(int(x) for x in s.split(",")) for s in args.shape]
-        if any(len(s) != 4 or min(s) < 1 for s in shapes):
-            raise ValueError
-    except ValueError:
-        ap.error(f"--shape {args.shape} is invalid; accepted: B,H,N,d with four positive integers")
     if args.causal and args.no_causal:
         ap.error("--causal and --no-causal together are invalid; accepted: one of them, or neither (both switches)")
-    from stableflash.bench.attention import PROVIDERS
-    unknown = [p for p in args.providers if p not in PROVIDERS]
-    if unknown:
-        ap.error(f"--providers {unknown} unknown; accepted: {', '.join(PROVIDERS)}")
     import torch
     if not torch.cuda.is_available():
         ap.error("needs a CUDA GPU (it profiles the kernels there); none is visible")
@@ -83,7 +75,7 @@ def main(argv=None) -> int:
     out = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "calls": args.calls,
            "mode": "fwd" if args.forward_only else "fwd+bwd", "us_per_call": {}}
     for causal in switches:
-        for shape in shapes:
+        for shape in args.shape:
             for provider in args.providers:
                 times = kernel_times(shape, provider, causal, args.forward_only, args.calls)
                 key = f"{'causal' if causal else 'non-causal'} {'x'.join(map(str, shape))} {provider}"
