@@ -549,3 +549,28 @@ def test_train_tuner_picks_adds_candidate_tiles_and_names_a_bad_one(monkeypatch,
         for k, configs in before.items():
             op.TUNERS[k].configs[:] = configs
     capsys.readouterr()
+
+
+def test_interleaved_bench_names_bad_arguments_and_summarises_rounds(capsys, monkeypatch):
+    """benchmarks/tools/interleaved_bench.py: a malformed shape, rounds or replay time below one, both
+    causal switches, one provider or a repeated one, or an unknown provider is refused (exit 2) with
+    the argument named; well-formed arguments without a GPU stop at the GPU check. ``summary``: medians
+    over the rounds, the first provider's median over each one's, each round's ratio."""
+    import torch
+    tool = load("tools/interleaved_bench")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for argv, named in ((["--shape", "8,16,2048"], "argument --shape: shape '8,16,2048' is invalid"),
+                        (["--rounds", "0"], "--rounds 0"), (["--rep-ms", "-5"], "--rep-ms -5"),
+                        (["--both", "--no-causal"], "--both and --no-causal"),
+                        (["--providers", "stableflash"], "two or more different providers"),
+                        (["--providers", "stableflash", "stableflash"], "two or more different providers"),
+                        (["--providers", "nope", "stableflash"], "argument --providers: provider 'nope' is unknown"),
+                        ([], "needs a CUDA GPU")):
+        with pytest.raises(SystemExit) as exit_:
+            tool.main(argv)
+        assert exit_.value.code == 2
+        assert named in capsys.readouterr().err, argv
+    row = tool.summary((2, 4, 256, 64), True, {"sdpa-default": [1.0, 1.2, 1.1], "stableflash": [0.9, 1.5, 1.0]})
+    assert row["median_ms"] == {"sdpa-default": 1.1, "stableflash": 1.0}
+    assert row["ratio_to_first"]["stableflash"] == pytest.approx(1.1) and row["ratio_to_first"]["sdpa-default"] == 1.0
+    assert row["per_round"]["stableflash"] == pytest.approx([1.0 / 0.9, 1.2 / 1.5, 1.1 / 1.0])

@@ -1,0 +1,99 @@
+"""Forward + backward time of several providers interleaved in one process: a ratio between them that
+the spread between processes does not blur.
+
+    python benchmarks/tools/interleaved_bench.py [--shape 32,12,1024,64 ...] [--no-causal | --both]
+        [--providers sdpa-default stableflash] [--rounds 3] [--rep-ms 200] [--json OUT.json]
+
+``stableflash bench attention`` times each provider once, one after the other, and the same command
+run twice gives ratios a percent or two apart. Here every round times each provider once, in the order
+given (``stableflash.bench.attention.time_one``: CUDA-graph timing, (B, N, H, d) buffers seen as
+(B, H, N, d), bf16, fresh random inputs), and the rounds repeat: per shape and causal switch, each
+provider's median over the rounds, each one's ratio to the first provider (its median time over the
+provider's: above 1, faster than the first) and the ratio of every round, so that drift shows. Prints
+a line per shape and a table; ``--json`` writes them with the GPU and versions. Needs a CUDA GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+from stableflash.cli import _provider, _shape   # `stableflash bench attention`'s --shape and --providers
+
+DEFAULT_SHAPES = ((32, 12, 1024, 64), (8, 16, 4096, 64), (4, 16, 8192, 128), (8, 16, 2048, 128), (16, 16, 2048, 64))
+
+
+def time_rounds(shape, causal: bool, providers: list[str], rounds: int, rep_ms: int, gen) -> dict[str, list[float]]:
+    """provider → ms of each round at this shape and causal switch."""
+    import torch
+
+    from stableflash.bench.attention import BenchConfig, time_one
+    cfg = BenchConfig(shapes=(tuple(shape),), causal=causal, timing="graph", layout="bnhd", rep_ms=rep_ms)
+    times = {p: [] for p in providers}
+    for _ in range(rounds):
+        for p in providers:
+            times[p].append(time_one(p, shape, "fwd+bwd", cfg, torch.bfloat16, "cuda", gen))
+    return times
+
+
+def summary(shape, causal: bool, times: dict[str, list[float]]) -> dict:
+    """The row of one shape: median ms per provider, ratio to the first provider (its time over each
+    one's), and each round's ratio."""
+    first, *_ = times
+    median = {p: statistics.median(t) for p, t in times.items()}
+    return {"shape": list(shape), "causal": causal, "ms": times, "median_ms": median,
+            "ratio_to_first": {p: median[first] / m for p, m in median.items()},
+            "per_round": {p: [a / b for a, b in zip(times[first], t)] for p, t in times.items()}}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", nargs="+", type=_shape, default=list(DEFAULT_SHAPES), help="B,H,N,d shapes")
+    ap.add_argument("--providers", nargs="+", type=_provider, default=["sdpa-default", "stableflash"],
+                    help="the first is the one the others are compared with (default: sdpa-default stableflash)")
+    ap.add_argument("--no-causal", action="store_true", help="non-causal only (default: causal only)")
+    ap.add_argument("--both", action="store_true", help="causal, then non-causal")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of every provider (default 3)")
+    ap.add_argument("--rep-ms", type=int, default=200, help="milliseconds of replays per timing (default 200)")
+    ap.add_argument("--json", type=Path, help="also write the rows here")
+    args = ap.parse_args(argv)
+    if args.rounds < 1:
+        ap.error(f"--rounds {args.rounds} is invalid; accepted: a positive integer")
+    if args.rep_ms < 1:
+        ap.error(f"--rep-ms {args.rep_ms} is invalid; accepted: a positive integer")
+    if args.both and args.no_causal:
+        ap.error("--both and --no-causal together are invalid; accepted: one of them, or neither (causal only)")
+    if len(set(args.providers)) < 2 or len(set(args.providers)) != len(args.providers):
+        ap.error(f"--providers {' '.join(args.providers)} is invalid; accepted: two or more different providers")
+    import torch
+    if not torch.cuda.is_available():
+        ap.error("needs a CUDA GPU (it times the kernels there); none is visible")
+    import triton
+    switches = [True, False] if args.both else [False] if args.no_causal else [True]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    out = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+           "rounds": args.rounds, "rep_ms": args.rep_ms, "providers": args.providers, "rows": []}
+    for causal in switches:
+        for shape in args.shape:
+            row = summary(shape, causal, time_rounds(shape, causal, args.providers, args.rounds, args.rep_ms, gen))
+            out["rows"].append(row)
+            others = "  ".join(f"{p} {row['median_ms'][p]:.4f} ms ({row['ratio_to_first'][p]:.3f}×, rounds "
+                               f"{', '.join(f'{r:.3f}' for r in row['per_round'][p])})" for p in args.providers[1:])
+            print(f"{'x'.join(map(str, shape))} causal={causal}: {args.providers[0]} "
+                  f"{row['median_ms'][args.providers[0]]:.4f} ms  {others}", flush=True)
+    print(f"\n{out['gpu']}, torch {out['torch']}, triton {out['triton']}: {args.providers[0]}'s median time over each "
+          f"provider's ({args.rounds} rounds)")
+    print("| shape | causal | " + " | ".join(args.providers[1:]) + " |")
+    print("|---|---|" + "---|" * (len(args.providers) - 1))
+    for row in out["rows"]:
+        print(f"| {'×'.join(map(str, row['shape']))} | {row['causal']} | "
+              + " | ".join(f"{row['ratio_to_first'][p]:.3f}" for p in args.providers[1:]) + " |")
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
