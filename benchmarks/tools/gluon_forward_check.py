@@ -6,11 +6,11 @@
 
 Without --time: compiles ``stableflash.attention.gluon``'s forward for compute capability 9.0
 (sm_90a) with the triton wheel's own ptxas, for head_dim 64 and 128, causal and not, and reads
-each cubin's SASS (``stableflash.attention.gluon.sass``): HGMMA count; the warpgroup waits by how
-many products they leave in flight (``WARPGROUP.DEPBAR.LE gsb0, N``: N ≥ 1 is an asynchronous
-product past the wait); the softmax exponentials placed while a product is in flight; TMA loads
-and stores (UTMALDG, UTMASTG); local-memory spills (STL, LDL); registers per thread (cuobjdump);
-dynamic shared memory; USETMAXREG (the warp-specialised register split). Nothing runs.
+each cubin's SASS (``stableflash.attention.gluon.sass``): its instruction count ("SASS"); HGMMA
+count; the warpgroup waits by how many products they leave in flight (``WARPGROUP.DEPBAR.LE gsb0,
+N``: N ≥ 1 is an asynchronous product past the wait); the softmax exponentials placed while a
+product is in flight; TMA loads and stores (UTMALDG, UTMASTG); local-memory spills (STL, LDL);
+registers per thread (cuobjdump); dynamic shared memory; USETMAXREG (the warp-specialised register split). Nothing runs.
 --variants adds, per configuration, the kernel with one consumer partition instead of the
 default's two ping-pong ones, that without warp specialisation, and the default without the
 scheduling fence (the switches a GPU run compares). --tiles adds tiles of one's own choosing,
@@ -80,13 +80,14 @@ def compile_rows(variants: bool, tiles: list = ()) -> list[dict]:
 
 def print_compile(rows: list[dict]) -> None:
     print(f"triton {triton.__version__}, target sm_90a (compiled, not run)")
-    head = ("d", "causal", "tiles", "WS", "fence", "ping-pong", "HGMMA", "waits (in flight ≤ N: count)",
+    head = ("d", "causal", "tiles", "WS", "fence", "ping-pong", "SASS", "HGMMA", "waits (in flight ≤ N: count)",
             "EX2 in flight", "UTMALDG", "UTMASTG", "STL", "LDL", "regs", "smem B", "USETMAXREG")
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for r in rows:
         cells = (r["head_dim"], r["causal"], f"{r['block_m']}×{r['block_n']}×{r['stages']}", r["warp_specialize"],
-                 r["sched_fence"], r["pingpong"], r["hgmma"], gluon_check_cli.fmt_waits(r["wait_depths"]),
+                 r["sched_fence"], r["pingpong"], r["instructions"], r["hgmma"],
+                 gluon_check_cli.fmt_waits(r["wait_depths"]),
                  f"{r['ex2_in_flight']}/{r['ex2']}", r["tma_loads"], r["tma_stores"], r["stl"], r["ldl"],
                  r["registers"], r["shared_bytes"], r["setmaxnreg"])
         print("| " + " | ".join(str(c) for c in cells) + " |")

@@ -121,6 +121,7 @@ def test_compiles_for_sm90_without_a_gpu(offline, variant):
     consumers = 2 if t.pingpong else 1
     assert r["target"] == "sm_90a" and t.warp_specialize
     assert r["hgmma"] == consumers * (3 * (64 // 16) + 3 * (t.block_n // 16)), r
+    assert r["hgmma"] + r["ex2"] < r["instructions"], r      # the listing's instructions, those among them
     assert r["wait_depths"].get(1, 0) >= 2 * consumers, r  # per loop: S_j done, P̄V still in flight
     assert r["ex2_in_flight"] >= consumers * t.block_n, r    # the softmax of both loops between the waits
     assert r["residual"] == (variant != "pingpong-no-residual"), r

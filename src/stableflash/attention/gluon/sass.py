@@ -5,6 +5,7 @@ triton wheel (``triton.compile`` on a ``GluonASTSource`` with an explicit ``GPUT
 nothing runs); ``sass_summary`` disassembles the cubin with the wheel's nvdisasm and counts what
 shows whether the sm90 features came through:
 
+- ``instructions``: the kernel's SASS instructions (every partition's code, each counted once);
 - ``hgmma``: warpgroup products (HGMMA), one per 16 of the reduction dimension per product site;
 - ``wait_depths``: the ``WARPGROUP.DEPBAR.LE gsb0, N`` waits by N — a wait with N ≥ 1 leaves N
   product groups in flight (the product is asynchronous past it); ``arrives``: WARPGROUP.ARRIVE;
@@ -128,7 +129,8 @@ def sass_summary(kernel) -> dict:
     regs = re.search(r"REG:(\d+)", usage)
     ops = lambda pattern: len(re.findall(pattern, sass))
     waits = Counter(int(n, 16) for n in re.findall(r"WARPGROUP\.DEPBAR\.LE\s+gsb0,\s*0x([0-9a-f]+)", sass))
-    return {"hgmma": ops(r"\bHGMMA\."), "wait_depths": dict(sorted(waits.items())),
+    return {"instructions": len(re.findall(r"^\s*/\*[0-9a-f]+\*/\s+[^.\s][^\n]*;\s*$", sass, re.M)),
+            "hgmma": ops(r"\bHGMMA\."), "wait_depths": dict(sorted(waits.items())),
             "arrives": ops(r"WARPGROUP\.ARRIVE"), "ex2_in_flight": _ex2_in_flight(sass),
             "ex2": ops(r"MUFU\.EX2"), "tma_loads": ops(r"\bUTMALDG\b"), "tma_stores": ops(r"\bUTMASTG\b"),
             "tma_reduces": ops(r"\bUTMAREDG\b"),
