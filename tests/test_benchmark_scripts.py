@@ -574,3 +574,27 @@ def test_interleaved_bench_names_bad_arguments_and_summarises_rounds(capsys, mon
     assert row["median_ms"] == {"sdpa-default": 1.1, "stableflash": 1.0}
     assert row["ratio_to_first"]["stableflash"] == pytest.approx(1.1) and row["ratio_to_first"]["sdpa-default"] == 1.0
     assert row["per_round"]["stableflash"] == pytest.approx([1.0 / 0.9, 1.2 / 1.5, 1.1 / 1.0])
+
+
+def test_ab_kernels_runs_a_command_on_both_trees_in_rounds(tmp_path):
+    """benchmarks/tools/ab_kernels.sh with AB_CMD: the command runs ROUNDS times in the order A B A B,
+    A importing the given source tree and B the working tree's src/, each run's output kept under $OUT."""
+    import os
+    import shutil
+    import subprocess
+    repo = BENCHMARKS.parent
+    old = tmp_path / "old"
+    shutil.copytree(repo / "src" / "stableflash", old / "stableflash",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    cmd = 'python3 -c "import stableflash; print(stableflash.__file__)"'
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(OUT=str(tmp_path / "out"), AB_CMD=cmd, ROUNDS="2", TAIL="1")
+    done = subprocess.run(["bash", str(BENCHMARKS / "tools" / "ab_kernels.sh"), str(old)], cwd=repo, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    heads = [line for line in done.stdout.splitlines() if line.startswith("== round")]
+    assert heads == [f"== round {r}, {side}: {old if side == 'A' else repo / 'src'}" for r in (1, 2) for side in "AB"]
+    for r in (1, 2):
+        assert (tmp_path / "out" / f"ab-A-{r}.txt").read_text().strip() == str(old / "stableflash" / "__init__.py")
+        assert (tmp_path / "out" / f"ab-B-{r}.txt").read_text().strip() == str(repo / "src" / "stableflash" /
+                                                                                  "__init__.py")

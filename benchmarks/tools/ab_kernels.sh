@@ -4,10 +4,26 @@
 # OLD_SRC is a copy of an earlier src/ (e.g. `git archive HEAD src | tar x -C .ab/head`, carried);
 # the working tree's src/ is B. Both run benchmarks/tools/tune_attention.py (fixed configs, medians of
 # do_bench) on the same GPU, one after the other; tables and JSON under $OUT/ab-{A,B}.*.
+#
+# AB_CMD set: that command instead of tune_attention.py, run ROUNDS times (default 2) in the order
+# A B A B …, each run's output in $OUT/ab-{A,B}-<round>.txt and its last TAIL lines (default 30) shown,
+# e.g. AB_CMD="python3 benchmarks/tools/gluon_forward_check.py --time --shapes 32,12,1024,64" — so
+# that a drift of the GPU between runs shows as a difference between rounds, not between trees.
 set -uo pipefail
 old=$1; shift
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
+if [ -n "${AB_CMD:-}" ]; then
+  for round in $(seq 1 "${ROUNDS:-2}"); do
+    for side in A B; do
+      src=$([ $side = A ] && echo "$old" || echo "$PWD/src")
+      echo "== round $round, $side: $src"
+      env "$@" PYTHONPATH="$src" bash -c "$AB_CMD" > "$OUT/ab-$side-$round.txt" 2>&1
+      tail -n "${TAIL:-30}" "$OUT/ab-$side-$round.txt"
+    done
+  done
+  exit 0
+fi
 for side in A B; do
   src=$([ $side = A ] && echo "$old" || echo "$PWD/src")
   echo "== $side: $src"
