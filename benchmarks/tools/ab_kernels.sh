@@ -13,10 +13,11 @@ set -uo pipefail
 old=$1; shift
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
+tree() { [ "$1" = A ] && echo "$old" || echo "$PWD/src"; }   # side A or B's src/
 if [ -n "${AB_CMD:-}" ]; then
   for round in $(seq 1 "${ROUNDS:-2}"); do
     for side in A B; do
-      src=$([ $side = A ] && echo "$old" || echo "$PWD/src")
+      src=$(tree $side)
       echo "== round $round, $side: $src"
       env "$@" PYTHONPATH="$src" bash -c "$AB_CMD" > "$OUT/ab-$side-$round.txt" 2>&1
       tail -n "${TAIL:-30}" "$OUT/ab-$side-$round.txt"
@@ -25,7 +26,7 @@ if [ -n "${AB_CMD:-}" ]; then
   exit 0
 fi
 for side in A B; do
-  src=$([ $side = A ] && echo "$old" || echo "$PWD/src")
+  src=$(tree $side)
   echo "== $side: $src"
   env "$@" OUT="$OUT" PYTHONPATH="$src" python3 benchmarks/tools/tune_attention.py > "$OUT/ab-$side.txt" 2>&1
   mv "$OUT/tune.json" "$OUT/ab-$side.json" 2>/dev/null

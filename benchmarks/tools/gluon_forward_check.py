@@ -10,7 +10,8 @@ each cubin's SASS (``stableflash.attention.gluon.sass``): its instruction count 
 count; the warpgroup waits by how many products they leave in flight (``WARPGROUP.DEPBAR.LE gsb0,
 N``: N ≥ 1 is an asynchronous product past the wait); the softmax exponentials placed while a
 product is in flight; TMA loads and stores (UTMALDG, UTMASTG); local-memory spills (STL, LDL);
-registers per thread (cuobjdump); dynamic shared memory; USETMAXREG (the warp-specialised register split). Nothing runs.
+registers per thread (cuobjdump); dynamic shared memory; USETMAXREG (the warp-specialised register
+split). Nothing runs.
 --variants adds, per configuration, the kernel with one consumer partition instead of the
 default's two ping-pong ones, that without warp specialisation, and the default without the
 scheduling fence (the switches a GPU run compares). --tiles adds tiles of one's own choosing,

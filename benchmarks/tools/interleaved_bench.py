@@ -20,9 +20,8 @@ import statistics
 import sys
 from pathlib import Path
 
+from stableflash.bench.attention import ROUTE_SHAPES
 from stableflash.cli import _provider, _shape   # `stableflash bench attention`'s --shape and --providers
-
-DEFAULT_SHAPES = ((32, 12, 1024, 64), (8, 16, 4096, 64), (4, 16, 8192, 128), (8, 16, 2048, 128), (16, 16, 2048, 64))
 
 
 def time_rounds(shape, causal: bool, providers: list[str], rounds: int, rep_ms: int, gen) -> dict[str, list[float]]:
@@ -50,7 +49,8 @@ def summary(shape, causal: bool, times: dict[str, list[float]]) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shape", nargs="+", type=_shape, default=list(DEFAULT_SHAPES), help="B,H,N,d shapes")
+    ap.add_argument("--shape", nargs="+", type=_shape, default=list(ROUTE_SHAPES),
+                    help="B,H,N,d shapes (default: the Hopper route's five, bench.attention.ROUTE_SHAPES)")
     ap.add_argument("--providers", nargs="+", type=_provider, default=["sdpa-default", "stableflash"],
                     help="the first is the one the others are compared with (default: sdpa-default stableflash)")
     ap.add_argument("--no-causal", action="store_true", help="non-causal only (default: causal only)")

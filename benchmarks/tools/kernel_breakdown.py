@@ -17,9 +17,8 @@ import json
 import sys
 from pathlib import Path
 
+from stableflash.bench.attention import ROUTE_SHAPES
 from stableflash.cli import _provider, _shape   # `stableflash bench attention`'s --shape and --providers
-
-DEFAULT_SHAPES = ((4, 16, 8192, 128), (8, 16, 2048, 128), (8, 16, 4096, 64), (32, 12, 1024, 64), (16, 16, 2048, 64))
 
 
 def kernel_times(shape, provider: str, causal: bool, forward_only: bool, calls: int) -> dict[str, float]:
@@ -56,7 +55,8 @@ def kernel_times(shape, provider: str, causal: bool, forward_only: bool, calls: 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shape", nargs="+", type=_shape, default=list(DEFAULT_SHAPES), help="B,H,N,d shapes")
+    ap.add_argument("--shape", nargs="+", type=_shape, default=list(ROUTE_SHAPES),
+                    help="B,H,N,d shapes (default: the Hopper route's five, bench.attention.ROUTE_SHAPES)")
     ap.add_argument("--providers", nargs="+", type=_provider, default=["stableflash", "sdpa-default"])
     ap.add_argument("--no-causal", action="store_true", help="non-causal only (default: causal, then non-causal)")
     ap.add_argument("--causal", action="store_true", help="causal only")

@@ -18,9 +18,10 @@ tile (pointer loads) instead of its list. ``table`` prints, per attention kernel
 export: time, warp instructions issued, issue-slot and warp occupancy, registers and the programs
 a multiprocessor holds, the busiest pipes and the largest stall reasons per issued instruction.
 
-``forward`` profiles one forward (causal unless ``--no-causal``) of one provider after five warm-up calls: the Triton forward as
-``stabilize=True`` runs it ("triton"), cuDNN's ("cudnn"), or the Gluon Hopper forward at tiles named as
-``benchmarks/tools/gluon_forward_check.py --tiles`` names them ("gluon-128x128x3p", "gluon-64x64x3n").
+``forward`` profiles one forward (causal unless ``--no-causal``) of one provider after five warm-up
+calls: the Triton forward as ``stabilize=True`` runs it ("triton"), cuDNN's ("cudnn"), or the Gluon
+Hopper forward at tiles named as ``benchmarks/tools/gluon_forward_check.py --tiles`` names them
+("gluon-128x128x3p", "gluon-64x64x3n").
 ``source`` reads a per-instruction export (``--page source --print-source sass``) and prints, per
 kernel: the executed warp instructions by opcode; the stall samples of the hot loops (instructions
 executed at least half as often as the most executed one) and of the rest, by reason; and the
@@ -229,8 +230,9 @@ FORWARD_PROVIDERS = {"triton": "triton-stabilized", "cudnn": "sdpa-cudnn"}
 
 
 def forward(provider: str, shape: tuple[int, int, int, int], causal: bool = True) -> None:
-    """One forward (causal unless ``causal`` is False) of ``provider``, built by ``gluon_forward_check.providers`` (the Triton forward
-    as ``stabilize=True`` runs it, cuDNN's, or the Gluon forward at the named tiles), profiled once."""
+    """One forward (causal unless ``causal`` is False) of ``provider``, built by
+    ``gluon_forward_check.providers`` (the Triton forward as ``stabilize=True`` runs it, cuDNN's, or the
+    Gluon forward at the named tiles), profiled once."""
     if provider not in FORWARD_PROVIDERS and not provider.startswith("gluon-"):
         raise ValueError(f"--provider {provider!r}: accepted: triton, cudnn, gluon-TILES (e.g. gluon-128x128x3p)")
     sys.path.insert(0, str(Path(__file__).resolve().parent))

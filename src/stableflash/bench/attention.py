@@ -24,6 +24,11 @@ from stableflash.attention.gluon.route import triton_only
 from stableflash.attention.policy import resolve_policy
 
 DEFAULT_SHAPES = ((32, 12, 1024, 64), (8, 16, 4096, 64), (4, 16, 8192, 128))
+# the shapes the Hopper route is measured at against cuDNN (docs/kernels.md, "Hopper path"): the defaults and
+# one more shape each of head_dim 128 and 64
+ROUTE_SHAPES = DEFAULT_SHAPES + ((8, 16, 2048, 128), (16, 16, 2048, 64))
+
+
 class Variant(NamedTuple):
     """One of stableflash's benchmarked kernel variants: the stabilization (a name of
     ``attention.stabilization.NAMES``), the policy preset its policy starts from (None: the dtype's
