@@ -126,9 +126,9 @@ def test_compiles_for_sm90_without_a_gpu(offline, variant):
     assert r["ex2_in_flight"] >= consumers * t.block_n, r    # the softmax of both loops between the waits
     assert r["residual"] == (variant != "pingpong-no-residual"), r
     assert r["tma_loads"] > 0 and r["tma_stores"] == (2 if r["residual"] else 1) * consumers, r
-    # the persistent kernel's loop over query tiles keeps the causal mask's column indices live across
-    # the tiles: triton 3.6's compile spills some scalars for it (31 stores at this tile), 3.8's none
-    spills = 0 if not t.persistent or tuple(int(x) for x in r["triton"].split(".")[:2]) >= (3, 8) else 40
+    # the persistent kernel's loop over query tiles: triton 3.6's compile spills a few scalars across
+    # the tiles (2 stores at this tile; 31 while the causal mask compared indices twice an entry), 3.8's none
+    spills = 0 if not t.persistent or tuple(int(x) for x in r["triton"].split(".")[:2]) >= (3, 8) else 4
     assert r["stl"] <= spills and r["ldl"] <= spills, r
     assert r["half_swaps"] == 0 and r["sleeps"] == 0, r
     assert 24 in r["setmaxnreg"] and 240 in r["setmaxnreg"], r

@@ -200,11 +200,17 @@ def _mask(s, start_m, start_n, n_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr
     """A (BLOCK_M queries from start_m) × (BLOCK_N keys from start_n) tile with its entries of keys
     past n_k, and with CAUSAL of keys j > i, set to FILL (the Triton kernel's masked blocks: the
     diagonal and the ragged tail): −inf for scores, 0 for the backward's probabilities."""
-    cols = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
-    keep = cols[None, :] < n_k
+    # one comparison an entry. Causal: key j is kept for query i when j ≤ min(i, n_k − 1), the row's
+    # bound taken once per row (two a thread), where comparing j < n_k and j ≤ i separately and
+    # combining them cost about four instructions an entry and kept the index vectors live across the
+    # persistent kernel's tiles, spilled under triton 3.6. Without a mask: the column counted from the
+    # tile's corner against n_k − start_n, which leaves no vector of absolute column indices either.
     if CAUSAL:
+        cols = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
         rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
-        keep = keep & (cols[None, :] <= rows[:, None])
+        keep = cols[None, :] <= gl.minimum(rows, n_k - 1)[:, None]
+    else:
+        keep = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))[None, :] < n_k - start_n
     return gl.where(keep, s, FILL)
 
 

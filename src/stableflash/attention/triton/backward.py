@@ -179,9 +179,10 @@ def _delta_pass(Q, K, V, DO, LSE, DELTA, stride_qb, stride_qh, stride_qm, stride
         kT = tl.load(K + cols[None, :] * stride_kn + offs_d[:, None], mask=cols[None, :] < n_k, other=0.0)
         v = tl.load(V + cols[:, None] * stride_vn + offs_d[None, :], mask=cols[:, None] < n_k, other=0.0)
         p, _ = _scores(q, kT, lse[:, None], scale, softcap, EMU, SOFTCAP, INTERP)
-        keep = cols[None, :] < n_k
-        if CAUSAL:
-            keep = keep & (cols[None, :] <= offs_m[:, None])
+        if CAUSAL:                             # one comparison an entry: j ≤ min(i, n_k − 1)
+            keep = cols[None, :] <= tl.minimum(offs_m, n_k - 1)[:, None]
+        else:
+            keep = cols[None, :] < n_k
         p = tl.where(keep, p, 0.0)
         if DELTA_SRC == DELTA_DP_P:
             dp = mma(do, tl.trans(v), INTERP)
@@ -240,9 +241,10 @@ def _delta_pass_masked(Q, K, V, DO, LSE, DELTA, stride_qb, stride_qh, stride_qm,
         if MASK_KIND != 0:
             mv = load_mask_tile(MP, offs_m, cols, n_q, n_k, stride_mm, stride_mn, MASK_KIND, MASK_ROWS)
         p, _ = _scores(q, kT, lse[:, None], scale, softcap, EMU, SOFTCAP, INTERP, mv, MASK_KIND)
-        keep = cols[None, :] < n_k
-        if CAUSAL:
-            keep = keep & (cols[None, :] <= offs_m[:, None])
+        if CAUSAL:                             # one comparison an entry: j ≤ min(i, n_k − 1)
+            keep = cols[None, :] <= tl.minimum(offs_m, n_k - 1)[:, None]
+        else:
+            keep = cols[None, :] < n_k
         if BAND:
             keep = keep & in_band(offs_m[:, None], cols[None, :], diag, left, right)
         if DROPOUT:
@@ -480,9 +482,10 @@ def _dq_blocks(dq, q, do, lse, delta, K, V, stride_kn, stride_vn, offs_m, offs_d
             mv = load_mask_tile(MP, offs_m, cols, n_q, n_k, stride_mm, stride_mn, MASK_KIND, MASK_ROWS)
         p, slope = _scores(q, kT, lse[:, None], scale, softcap, EMU, SOFTCAP, INTERP, mv, MASK_KIND)
         if MASKED:
-            keep = cols[None, :] < n_k
-            if CAUSAL:
-                keep = keep & (cols[None, :] <= offs_m[:, None])
+            if CAUSAL:                         # one comparison an entry: j ≤ min(i, n_k − 1)
+                keep = cols[None, :] <= tl.minimum(offs_m, n_k - 1)[:, None]
+            else:
+                keep = cols[None, :] < n_k
             if BAND:
                 keep = keep & in_band(offs_m[:, None], cols[None, :], diag, left, right)
             p = tl.where(keep, p, 0.0)

@@ -71,7 +71,7 @@ def _fwd_blocks(acc, acc16, l_i, m_i, r_i, q, K, V, V8, stride_kn, stride_vn, of
     product (FP8_PV) reads V from ``V8``, V converted to fp8 with the keys contiguous (what
     the fp8 tensor cores take), and V itself only where the 16-bit product or an fp32 head needs it.
 
-    The masks (each behind its switch; ``common.masking_tile`` applies them): BAND, key j visible
+    The masks (each behind its switch, applied below): BAND, key j visible
     to query i when diag + i − left ≤ j ≤ diag + i + right (in MASKED blocks only: the launcher's
     ranges leave the unmasked ones out); MASK_KIND (BOOL or ADD) an attn_mask tile read at ``MP``
     through its strides (one row per block without MASK_ROWS), in every block; SAFE: a row may
@@ -112,9 +112,10 @@ def _fwd_blocks(acc, acc16, l_i, m_i, r_i, q, K, V, V8, stride_kn, stride_vn, of
             if MASK_KIND == MASK_BOOL:
                 qk = tl.where(mv, qk, float("-inf"))
         if MASKED:
-            keep = cols[None, :] < n_k
-            if CAUSAL:
-                keep = keep & (cols[None, :] <= offs_m[:, None])
+            if CAUSAL:                         # one comparison an entry: j ≤ min(i, n_k − 1), the bound once a row
+                keep = cols[None, :] <= tl.minimum(offs_m, n_k - 1)[:, None]
+            else:
+                keep = cols[None, :] < n_k
             if BAND:
                 keep = keep & in_band(offs_m[:, None], cols[None, :], diag, left, right)
             qk = tl.where(keep, qk, float("-inf"))
