@@ -255,8 +255,10 @@ def test_gluon_forward_check_takes_tiles_by_name_and_names_what_it_accepts(capsy
     gfc = load("tools/gluon_forward_check")
     from stableflash.attention.gluon.hopper_forward import Tiles, tiles_for
     assert gfc.parse_tiles("64x128x3") == Tiles(64, 128, 3)
-    assert gfc.parse_tiles("128x128x2P") == tiles_for(64, True)
+    assert gfc.parse_tiles("128x128x2P") == tiles_for(128, True)
+    assert gfc.parse_tiles("128x128x2Pd") == tiles_for(64, True)
     assert gfc.parse_tiles("128x128x3p") == Tiles(128, 128, 3, pingpong=True)
+    assert gfc.tiles_name(tiles_for(64, True)) == "gluon-128x128x2Pd"
     assert gfc.parse_tiles("64x128x2n") == Tiles(64, 128, 2, warp_specialize=False)
     assert gfc.parse_tiles("64x128x2r128") == Tiles(64, 128, 2, max_registers=128)
     assert Tiles(64, 128, 2, max_registers=128).options == {"num_warps": 4, "enable_fp_fusion": True, "maxnreg": 128}
@@ -265,7 +267,8 @@ def test_gluon_forward_check_takes_tiles_by_name_and_names_what_it_accepts(capsy
         "gluon-128x64x2p", "gluon-128x128x2P", "gluon-64x128x2n", "gluon-64x64x4", "gluon-64x64x3r128"]
     for bad, said in (("64x128", "BLOCK_MxBLOCK_NxSTAGES"), ("64x100x3", "block_n 16-256 in steps of 16"),
                       ("64x128x3p", "ping-pong takes block_m=128"), ("64x128x3P", "ping-pong takes block_m=128"), ("64x128xthree", "BLOCK_MxBLOCK_NxSTAGES"),
-                      ("64x128x3q", "BLOCK_MxBLOCK_NxSTAGES"), ("64x128x3r", "BLOCK_MxBLOCK_NxSTAGES"),
+                      ("64x128x3q", "BLOCK_MxBLOCK_NxSTAGES"), ("128x128x2Pq", "BLOCK_MxBLOCK_NxSTAGES"),
+                      ("128x64x2Pd", "narrow_diagonal takes persistent=True and block_n == block_m"), ("64x128x3r", "BLOCK_MxBLOCK_NxSTAGES"),
                       ("64x128x3r12x", "BLOCK_MxBLOCK_NxSTAGES"), ("64x128x3r300", "max_registers None or an int")):
         with pytest.raises(SystemExit) as exc:
             gfc.main(["--tiles", bad])

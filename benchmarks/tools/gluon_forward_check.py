@@ -28,6 +28,7 @@ dO·(O+R): the same outputs) and SDPA's cuDNN and flash backends.
 """
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -36,30 +37,35 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gluon_check_cli  # noqa: E402  (this folder's shared command line)
 
-TILES_FORM = ("BLOCK_MxBLOCK_NxSTAGES, then p for ping-pong, P for persistent ping-pong or n for no warp "
-              "specialisation (the consumers issue the loads), then rNNN for a register cap, e.g. 64x128x3, "
-              "128x128x3p, 128x128x3P, 64x128x2n, 64x128x2r128")
+TILES_FORM = ("BLOCK_MxBLOCK_NxSTAGES, then p for ping-pong, P for persistent ping-pong (Pd: the first consumer's "
+              "causal diagonal block over its 64 keys) or n for no warp specialisation (the consumers issue the "
+              "loads), then rNNN for a register cap, e.g. 64x128x3, 128x128x3p, 128x128x3P, 128x128x2Pd, 64x128x2n, "
+              "64x128x2r128")
+TILES_PATTERN = re.compile(r"(\d+)x(\d+)x(\d+)(p|Pd?|n)?(?:r(\d+))?")
 
 
 def parse_tiles(text: str):
     """One --tiles value (``TILES_FORM``) as a ``Tiles`` with the fence; ValueError naming what is
     accepted."""
     from stableflash.attention.gluon.hopper_forward import Tiles
-    text, sep, cap = text.partition("r")
-    suffix = text[-1:] if text[-1:] in ("p", "P", "n") else ""
-    parts = text[:len(text) - len(suffix)].split("x")
-    if len(parts) != 3 or not all(p.isdigit() for p in parts) or (sep and not cap.isdigit()):
+    match = TILES_PATTERN.fullmatch(text)
+    if not match:
         raise ValueError(f"expected {TILES_FORM}")
-    tiles = Tiles(*(int(p) for p in parts), warp_specialize=suffix != "n", pingpong=suffix in ("p", "P"),
-                  max_registers=int(cap) if cap else None, persistent=suffix == "P")
+    block_m, block_n, stages, suffix, cap = match.groups()
+    suffix = suffix or ""
+    tiles = Tiles(int(block_m), int(block_n), int(stages), warp_specialize=suffix != "n",
+                  pingpong=suffix[:1] in ("p", "P"), max_registers=int(cap) if cap else None,
+                  persistent=suffix[:1] == "P", narrow_diagonal=suffix == "Pd")
     tiles.check()
     return tiles
 
 
 def tiles_name(t) -> str:
     """The provider name of --tiles' ``t``: gluon-BMxBNxS, then p (ping-pong), P (persistent
-    ping-pong) or n (no warp specialisation), then rNNN (a register cap)."""
-    suffix = "P" if t.persistent else "p" if t.pingpong else "" if t.warp_specialize else "n"
+    ping-pong; Pd: with the narrow diagonal) or n (no warp specialisation), then rNNN (a register
+    cap)."""
+    persistent = "Pd" if t.narrow_diagonal else "P"
+    suffix = persistent if t.persistent else "p" if t.pingpong else "" if t.warp_specialize else "n"
     cap = f"r{t.max_registers}" if t.max_registers else ""
     return f"gluon-{t.block_m}x{t.block_n}x{t.stages}{suffix}{cap}"
 
@@ -73,7 +79,7 @@ def compile_rows(variants: bool, tiles: list = ()) -> list[dict]:
             base = tiles_for(d, causal)
             chosen = [base]
             if variants:               # the default is ping-pong: one consumer partition, without warp
-                single = base._replace(pingpong=False, persistent=False)   # specialisation (one partition), without the fence
+                single = base.per_block()._replace(pingpong=False)   # specialisation (one partition), without the fence
                 chosen += [single, single._replace(warp_specialize=False), base._replace(sched_fence=False)]
             rows += [sass.check(d, causal, t) for t in [*chosen, *tiles]]
     return rows
@@ -86,7 +92,8 @@ def print_compile(rows: list[dict]) -> None:
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for r in rows:
-        cells = (r["head_dim"], r["causal"], f"{r['block_m']}×{r['block_n']}×{r['stages']}", r["warp_specialize"],
+        tiles = f"{r['block_m']}×{r['block_n']}×{r['stages']}" + (" narrow" if r["narrow_diagonal"] else "")
+        cells = (r["head_dim"], r["causal"], tiles, r["warp_specialize"],
                  r["sched_fence"], r["pingpong"], r["instructions"], r["hgmma"],
                  gluon_check_cli.fmt_waits(r["wait_depths"]),
                  f"{r['ex2_in_flight']}/{r['ex2']}", r["tma_loads"], r["tma_stores"], r["stl"], r["ldl"],
@@ -123,9 +130,9 @@ def providers(d: int, causal: bool, tiles: list = ()):
 
     return {
         "gluon": gluon(base),
-        "gluon-per-block": gluon(base._replace(persistent=False)),
-        "gluon-single": gluon(base._replace(pingpong=False, persistent=False)),
-        "gluon-no-ws": gluon(base._replace(pingpong=False, persistent=False, warp_specialize=False)),
+        "gluon-per-block": gluon(base.per_block()),
+        "gluon-single": gluon(base.per_block()._replace(pingpong=False)),
+        "gluon-no-ws": gluon(base.per_block()._replace(pingpong=False, warp_specialize=False)),
         "gluon-no-fence": gluon(base._replace(sched_fence=False)),
         **{tiles_name(t): gluon(t) for t in tiles},
         "triton-stabilized": triton_forward,

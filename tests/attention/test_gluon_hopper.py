@@ -99,7 +99,7 @@ def offline():
         pytest.skip("this triton wheel ships no nvdisasm / cuobjdump")
     t = tiles_for(64, True)
     assert t.pingpong and t.persistent
-    single = t._replace(pingpong=False, persistent=False)
+    single = t.per_block()._replace(pingpong=False)
     result = sass.offline_checks([(64, True, single), (64, True, t), (64, True, t, False)], runtime=True)
     return {"single": (single, result["rows"][0]), "pingpong": (t, result["rows"][1]),
             "pingpong-no-residual": (t, result["rows"][2]), "runtime": result["runtime"]}
@@ -120,7 +120,11 @@ def test_compiles_for_sm90_without_a_gpu(offline, variant):
     t, r = offline[variant]
     consumers = 2 if t.pingpong else 1
     assert r["target"] == "sm_90a" and t.warp_specialize
-    assert r["hgmma"] == consumers * (3 * (64 // 16) + 3 * (t.block_n // 16)), r
+    # the narrow diagonal (the default at head_dim 64): the first consumer's last key block as a path of its
+    # own, S over 64 keys, the previous block's P̄V and the last P̄V over 64 keys
+    narrow = t.narrow_diagonal and t.persistent
+    assert r["hgmma"] == consumers * (3 * (64 // 16) + 3 * (t.block_n // 16)) + narrow * (64 // 16 + t.block_n // 16
+                                                                                          + 64 // 16), r
     assert r["hgmma"] + r["ex2"] < r["instructions"], r      # the listing's instructions, those among them
     assert r["wait_depths"].get(1, 0) >= 2 * consumers, r  # per loop: S_j done, P̄V still in flight
     assert r["ex2_in_flight"] >= consumers * t.block_n, r    # the softmax of both loops between the waits
@@ -133,11 +137,12 @@ def test_compiles_for_sm90_without_a_gpu(offline, variant):
     assert r["half_swaps"] == 0 and r["sleeps"] == 0, r
     assert 24 in r["setmaxnreg"] and 240 in r["setmaxnreg"], r
     # the persistent kernel's turns: named barrier 8 taken by warpgroup 0 and given by warpgroup 1, 9 the
-    # other way, at each issue site (block 0, both loops, the last P̄V) and once more for warpgroup 0's
-    # first turn; the other kernels take turns through mbarriers
+    # other way, at each issue site (block 0, both loops, the last P̄V; warpgroup 0's narrow diagonal adds
+    # two) and once more for warpgroup 0's first turn; the other kernels take turns through mbarriers
     turns = r["turn_barriers"]
     if t.persistent:
-        assert turns["sync_8"] == turns["arrive_8"] >= 4 and turns["sync_9"] == turns["arrive_9"] >= 4, r
+        assert turns["sync_8"] == turns["arrive_8"] + 2 * narrow and turns["arrive_8"] >= 4, r
+        assert turns["arrive_9"] == turns["sync_9"] + 2 * narrow and turns["sync_9"] >= 4, r
         # and triton's own barriers keep clear of 8 and 9 (the kernel's would deadlock with them)
         named = {int(n): counts for n, counts in r["named_barriers"].items()}
         assert named[8] == named[9] == [256] and max(n for n in named if n not in (8, 9)) < 8, r
@@ -216,6 +221,10 @@ def test_tiles_the_kernel_has_no_schedule_for_are_refused():
     with pytest.raises(ValueError, match="persistent takes pingpong=True"):
         Tiles(128, 128, 2, persistent=True).check()
     Tiles(128, 128, 2, pingpong=True).check()
+    for bad in (Tiles(128, 128, 2, pingpong=True, narrow_diagonal=True),
+                Tiles(128, 64, 2, pingpong=True, persistent=True, narrow_diagonal=True)):
+        with pytest.raises(ValueError, match="narrow_diagonal takes persistent=True and block_n == block_m"):
+            bad.check()
     for bad in (63, 256, 128.0, True):
         with pytest.raises(ValueError, match="max_registers None or an int from 64 to 255"):
             Tiles(64, 128, 2, max_registers=bad).check()
@@ -306,7 +315,7 @@ def test_variants_and_layouts_agree_bit_for_bit(d, causal):
     base = sg.flash_forward_hopper(q, k, v, causal)
     t = tiles_for(d, causal)
     assert t.pingpong                                  # the default: ping-pong consumers
-    per_block = t._replace(persistent=False)
+    per_block = t.per_block()
     single = per_block._replace(pingpong=False)
     for other in (sg.flash_forward_hopper(q, k, v, causal, tiles=single._replace(warp_specialize=False)),
                   sg.flash_forward_hopper(q, k, v, causal, tiles=t._replace(sched_fence=False)),
@@ -317,7 +326,15 @@ def test_variants_and_layouts_agree_bit_for_bit(d, causal):
             assert torch.equal(a, b)
     # persistent programs taking several units each (2·48·4 units of two query blocks, one program per SM)
     many = [torch.randn(2, 48, 1000, d, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(3)]
-    for a, b in zip(sg.flash_forward_hopper(*many, causal), sg.flash_forward_hopper(*many, causal, tiles=per_block)):
+    want = sg.flash_forward_hopper(*many, causal)
+    for a, b in zip(want, sg.flash_forward_hopper(*many, causal, tiles=per_block)):
         assert torch.equal(a, b)
+    # the first consumer's causal diagonal block over the 64 keys its rows keep, and over all 128 (the default
+    # at head_dim 64 and at 128, in turn; the same kernel without a causal mask)
+    other = t._replace(narrow_diagonal=not t.narrow_diagonal)
+    for ref, got in ((want, sg.flash_forward_hopper(*many, causal, tiles=other)),
+                     (base, sg.flash_forward_hopper(q, k, v, causal, tiles=other))):
+        for a, b in zip(ref, got):
+            assert torch.equal(a, b), other
     o, lse, r = sg.flash_forward_hopper(q, k, v, causal, residual=False)       # stabilize=False: no R stored
     assert torch.equal(o, base[0]) and torch.equal(lse, base[1]) and r.numel() == 0

@@ -90,7 +90,9 @@ class Tiles(NamedTuple):
     thread at launch (triton's ``maxnreg``; None: the compiler's choice), so that more programs share
     an SM (a warp-specialised program of one consumer warpgroup is launched as 256 threads, the
     producer warp's warpgroup counting whole: two fit at 128, the consumer raised to what the
-    producer gives up)."""
+    producer gives up). ``narrow_diagonal`` (persistent, block_n = block_m; it acts under a causal
+    mask): the first consumer, whose 64 rows keep none of the diagonal block's last 64 keys, computes
+    that block's S and P̄V over its first 64 keys alone."""
     block_m: int
     block_n: int
     stages: int
@@ -99,6 +101,12 @@ class Tiles(NamedTuple):
     pingpong: bool = False
     max_registers: int | None = None
     persistent: bool = False
+    narrow_diagonal: bool = False
+
+    def per_block(self) -> "Tiles":
+        """These tiles on the kernel of one program per query block: not persistent, and so without
+        the narrow diagonal (the persistent kernel's)."""
+        return self._replace(persistent=False, narrow_diagonal=False)
 
     @property
     def num_warps(self) -> int:
@@ -116,7 +124,8 @@ class Tiles(NamedTuple):
         compile check compiles. ``residual``: whether the kernel stores R (``stabilize=True``)."""
         return {"HEAD_DIM": head_dim, "BLOCK_M": self.block_m, "BLOCK_N": self.block_n, "STAGES": self.stages,
                 "CAUSAL": causal, "WARP_SPECIALIZE": self.warp_specialize, "SCHED_FENCE": self.sched_fence,
-                "PINGPONG": self.pingpong, "STORE_R": residual, "PERSISTENT": self.persistent}
+                "PINGPONG": self.pingpong, "STORE_R": residual, "PERSISTENT": self.persistent,
+                "NARROW_DIAGONAL": self.narrow_diagonal}
 
     @property
     def options(self) -> dict:
@@ -139,6 +148,8 @@ class Tiles(NamedTuple):
             raise ValueError(f"{self} is invalid; ping-pong takes block_m=128 and warp_specialize=True")
         if self.persistent and not self.pingpong:
             raise ValueError(f"{self} is invalid; persistent takes pingpong=True")
+        if self.narrow_diagonal and not (self.persistent and self.block_n == self.block_m):
+            raise ValueError(f"{self} is invalid; narrow_diagonal takes persistent=True and block_n == block_m")
         if self.max_registers is not None and (isinstance(self.max_registers, bool)
                                                or not isinstance(self.max_registers, int)
                                                or not 64 <= self.max_registers <= 255):
@@ -149,8 +160,10 @@ def tiles_for(head_dim: int, causal: bool) -> Tiles:
     """The default tiles: the persistent kernel, 128 query rows as two ping-pong consumer warpgroups
     of 64 and 128 keys per block, two ring slots (shared memory: Q, O, R and 2 × (K, V) tiles of
     128 × d bf16, 224 KiB at d = 128). The fastest schedule at every shape timed on an H200
-    (docs/kernels.md, "Hopper path")."""
-    return Tiles(128, 128, 2, pingpong=True, persistent=True)
+    (docs/kernels.md, "Hopper path"). At head_dim 64 the first consumer computes a causal tile's
+    diagonal block over the 64 keys its rows keep (``narrow_diagonal``; faster on an H100 at 1024 and
+    2048 tokens, level at 4096; slower at head_dim 128, where it adds spills)."""
+    return Tiles(128, 128, 2, pingpong=True, persistent=True, narrow_diagonal=head_dim == 64)
 
 
 @functools.cache
@@ -408,6 +421,67 @@ def _step(q, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_free, v_free, s
 
 
 @gluon.jit
+def _last_pv(v_smem, v_ready, v_free, q_free, sched_mine, sched_other, p, acc, ring, turn, HEAD_DIM: gl.constexpr,
+             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr,
+             mma_o: gl.constexpr):
+    """A consumer's last P̄V (the block at ring position ``ring``, issued at ``turn``), waited for; in the
+    persistent kernel Q's tile is handed back first (the last S is done) and V's slot after."""
+    if PERSISTENT:                                          # the last S is done: the next tile's Q may come
+        mbarrier.arrive(q_free, count=1)
+    last = ring % STAGES
+    mbarrier.wait(v_ready.index(last), (ring // STAGES) & 1)
+    _take_turn(sched_mine, turn, PINGPONG, PERSISTENT)
+    acc = warpgroup_mma(_a_operand(p, mma_o), v_smem.index(last).reshape([BLOCK_N, HEAD_DIM]), acc)
+    _pass_turn(sched_other, PINGPONG, PERSISTENT)
+    if PERSISTENT:                                          # the last V is read: its slot is free
+        mbarrier.arrive(v_free.index(last), count=1)
+    return acc
+
+
+@gluon.jit
+def _narrow_diagonal(q, k_smem, v_smem, k_ready, v_ready, k_free, v_free, q_free, sched_mine, sched_other, p, acc,
+                     m_i, l_i, start_m, j, ring, turn, n_k, qk_scale, HEAD_DIM: gl.constexpr, ROWS: gl.constexpr,
+                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SCHED_FENCE: gl.constexpr, mma_s: gl.constexpr,
+                     mma_o: gl.constexpr):
+    """The persistent ping-pong consumer's diagonal key block j (keys from start_m, its rows' first) and
+    its last P̄V, for rows start_m … start_m + ROWS − 1 of a causal tile whose block is 2·ROWS keys wide:
+    the keys past start_m + ROWS − 1 are masked in every row, so S_j = Q·K_jᵀ and P̄_jV_j run over the
+    block's first ROWS keys (K_j's and V_j's first rows in shared memory). Otherwise ``_step`` with
+    MASKED and the wide tail of ``_consumer``: the same issue points and barriers, and the same O, ℓ and
+    m (the masked entries' exponentials are zeros)."""
+    mma_h: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[ROWS // 16, 1],
+                                                    instr_shape=[16, ROWS, 16])
+    row_h: gl.constexpr = gl.SliceLayout(1, mma_h)
+    slot = ring % STAGES
+    prev = (ring - 1) % STAGES
+    p = _a_operand(p, mma_o)
+    mbarrier.wait(k_ready.index(slot), (ring // STAGES) & 1)
+    mbarrier.wait(v_ready.index(prev), ((ring - 1) // STAGES) & 1)
+    _take_turn(sched_mine, turn, True, True)
+    k_half = k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM]).slice(0, ROWS).permute((1, 0))
+    s_tok = warpgroup_mma(q, k_half, gl.zeros([ROWS, ROWS], gl.float32, layout=mma_h), use_acc=False, is_async=True)
+    o_tok = warpgroup_mma(p, v_smem.index(prev).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
+    _pass_turn(sched_other, True, True)
+    s = warpgroup_mma_wait(1, deps=[s_tok])
+    mbarrier.arrive(k_free.index(slot), count=1)
+    mbarrier.arrive(q_free, count=1)                        # the last S is done: the next tile's Q may come
+    s = _mask(s, start_m, j * BLOCK_N, n_k, ROWS, ROWS, True, mma_h)
+    p_new, m_h, l_h, alpha = _softmax(s, gl.convert_layout(m_i, row_h), gl.convert_layout(l_i, row_h), qk_scale)
+    if SCHED_FENCE:
+        l_h = _schedule_fence(l_h)
+    acc, p = warpgroup_mma_wait(0, deps=[o_tok, p])
+    mbarrier.arrive(v_free.index(prev), count=1)
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, mma_o))[:, None]
+    mbarrier.wait(v_ready.index(slot), (ring // STAGES) & 1)
+    _take_turn(sched_mine, turn + 1, True, True)
+    v_half = v_smem.index(slot).reshape([BLOCK_N, HEAD_DIM]).slice(0, ROWS)
+    acc = warpgroup_mma(_a_operand(p_new, mma_o), v_half, acc)
+    _pass_turn(sched_other, True, True)
+    mbarrier.arrive(v_free.index(slot), count=1)
+    return acc, gl.convert_layout(m_h, gl.SliceLayout(1, mma_s)), gl.convert_layout(l_h, gl.SliceLayout(1, mma_s))
+
+
+@gluon.jit
 def _store_tile_pair(desc_a, smem_a, desc_b, smem_b, b, h, row):
     """An epilogue's two tiles, already written to shared memory from registers, stored by TMA at
     (b, h, row): a fence makes the writes visible to the async proxy, a barrier waits for every warp
@@ -426,7 +500,7 @@ def _consumer(k_desc, v_desc, o_desc, r_desc, lse_ptr, q_smem, k_smem, v_smem, r
               HEAD_DIM: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
               CAUSAL: gl.constexpr, WARP_SPECIALIZE: gl.constexpr, SCHED_FENCE: gl.constexpr,
               PINGPONG: gl.constexpr, STORE_R: gl.constexpr, ring0=0, turn0=0, q_phase=0, q_free=None,
-              o_smem=None, PERSISTENT: gl.constexpr = False):
+              o_smem=None, PERSISTENT: gl.constexpr = False, NARROW: gl.constexpr = False):
     """ROWS query rows from start_m (ROWS / 64 warpgroups, the warps of the partition it runs in):
     Algorithm 1's loop over key blocks 0 .. n_blocks − 1 (blocks from ``full`` on masked),
     software-pipelined so that block j's softmax overlaps block j − 1's P̄V, then the epilogue (O, and
@@ -437,7 +511,10 @@ def _consumer(k_desc, v_desc, o_desc, r_desc, lse_ptr, q_smem, k_smem, v_smem, r
     PERSISTENT: one query tile of many — block 0 sits at ring position ``ring0`` and issue point
     ``turn0``, Q's tile arrives with phase ``q_phase`` of ``q_bar`` and is handed back (``q_free``) once
     the last S is done, and O leaves through ``o_smem``, its store waited for only before the next
-    tile's epilogue writes there; otherwise O leaves through Q's tile and the stores are waited for."""
+    tile's epilogue writes there; otherwise O leaves through Q's tile and the stores are waited for.
+    NARROW (causal, BLOCK_N = 2·ROWS, the tile's first ROWS rows): where the last key block is the
+    diagonal one starting at start_m and not the first, ``_narrow_diagonal`` computes it and the last
+    P̄V over its first ROWS keys, the only ones these rows keep."""
     WARPS: gl.constexpr = ROWS // 16                        # 4 warps (one warpgroup) per 64 rows
     mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                     instr_shape=[16, BLOCK_N, 16])
@@ -475,20 +552,28 @@ def _consumer(k_desc, v_desc, o_desc, r_desc, lse_ptr, q_smem, k_smem, v_smem, r
                                  sched_other, p, acc, m_i, l_i, zero_s, start_m, j, ring0 + j, turn0 + j, b, hk, n_k,
                                  n_blocks, qk_scale, HEAD_DIM, ROWS, BLOCK_N, STAGES, CAUSAL, False, WARP_SPECIALIZE,
                                  SCHED_FENCE, PINGPONG, mma_s, mma_o, PERSISTENT)
-    for j in range(n_full, n_blocks):
+    if NARROW:
+        narrow = (n_blocks > 1) & ((n_blocks - 1) * BLOCK_N == start_m)
+        n_wide = n_blocks - narrow.to(gl.int32)
+    else:
+        n_wide = n_blocks
+    for j in range(n_full, n_wide):
         p, acc, m_i, l_i = _step(q, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_free, v_free, sched_mine,
                                  sched_other, p, acc, m_i, l_i, zero_s, start_m, j, ring0 + j, turn0 + j, b, hk, n_k,
                                  n_blocks, qk_scale, HEAD_DIM, ROWS, BLOCK_N, STAGES, CAUSAL, True, WARP_SPECIALIZE,
                                  SCHED_FENCE, PINGPONG, mma_s, mma_o, PERSISTENT)
-    if PERSISTENT:                                          # the last S is done: the next tile's Q may come
-        mbarrier.arrive(q_free, count=1)
-    last = (ring0 + n_blocks - 1) % STAGES
-    mbarrier.wait(v_ready.index(last), ((ring0 + n_blocks - 1) // STAGES) & 1)
-    _take_turn(sched_mine, turn0 + n_blocks, PINGPONG, PERSISTENT)
-    acc = warpgroup_mma(_a_operand(p, mma_o), v_smem.index(last).reshape([BLOCK_N, HEAD_DIM]), acc)
-    _pass_turn(sched_other, PINGPONG, PERSISTENT)
-    if PERSISTENT:                                          # the last V is read: its slot is free
-        mbarrier.arrive(v_free.index(last), count=1)
+    if NARROW:
+        if narrow:
+            acc, m_i, l_i = _narrow_diagonal(q, k_smem, v_smem, k_ready, v_ready, k_free, v_free, q_free, sched_mine,
+                                             sched_other, p, acc, m_i, l_i, start_m, n_blocks - 1,
+                                             ring0 + n_blocks - 1, turn0 + n_blocks - 1, n_k, qk_scale, HEAD_DIM,
+                                             ROWS, BLOCK_N, STAGES, SCHED_FENCE, mma_s, mma_o)
+        else:
+            acc = _last_pv(v_smem, v_ready, v_free, q_free, sched_mine, sched_other, p, acc, ring0 + n_blocks - 1,
+                           turn0 + n_blocks, HEAD_DIM, BLOCK_N, STAGES, PINGPONG, PERSISTENT, mma_o)
+    else:
+        acc = _last_pv(v_smem, v_ready, v_free, q_free, sched_mine, sched_other, p, acc, ring0 + n_blocks - 1,
+                       turn0 + n_blocks, HEAD_DIM, BLOCK_N, STAGES, PINGPONG, PERSISTENT, mma_o)
 
     # epilogue: O = Ō/ℓ (bf16), its store's residual R (bf16), L = (m + log2 ℓ)·ln 2
     l_o = gl.convert_layout(l_i, row_o)
@@ -548,7 +633,7 @@ def _persistent_consumer(k_desc, v_desc, o_desc, r_desc, lse_ptr, q_smem, o_smem
                          q_bar, q_free, k_ready, v_ready, k_free, v_free,
                          n_q, n_k, n_heads, group, n_bh, qk_scale, W: gl.constexpr, HEAD_DIM: gl.constexpr,
                          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                         SCHED_FENCE: gl.constexpr, STORE_R: gl.constexpr):
+                         SCHED_FENCE: gl.constexpr, STORE_R: gl.constexpr, NARROW_DIAGONAL: gl.constexpr):
     """Ping-pong consumer W of the persistent kernel: rows W·BLOCK_M/2 … of each query tile the
     producer streams (the same sequence of tiles), ring positions and issue points running on across
     tiles; its last O and R stores waited for at the end. Turns pass through named barriers: W takes
@@ -573,7 +658,8 @@ def _persistent_consumer(k_desc, v_desc, o_desc, r_desc, lse_ptr, q_smem, o_smem
             _consumer(k_desc, v_desc, o_desc, r_desc, lse_ptr, q_smem, k_smem, v_smem, r_smem, q_bar, k_ready,
                       v_ready, k_free, v_free, MINE, OTHER, b, h, hk, start_m + W * ROWS, n_q, n_k,
                       n_blocks, full, row0, qk_scale, HEAD_DIM, ROWS, BLOCK_N, STAGES, CAUSAL, True, SCHED_FENCE,
-                      True, STORE_R, ring, ring + tile, tile & 1, q_free, o_smem, True)
+                      True, STORE_R, ring, ring + tile, tile & 1, q_free, o_smem, True,
+                      NARROW_DIAGONAL and CAUSAL and W == 0)
             ring += n_blocks
             tile += 1
     if W == 0:
@@ -586,7 +672,7 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, r_desc, lse_ptr, n_q,
                            HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                            STAGES: gl.constexpr, CAUSAL: gl.constexpr, WARP_SPECIALIZE: gl.constexpr,
                            SCHED_FENCE: gl.constexpr, PINGPONG: gl.constexpr, STORE_R: gl.constexpr,
-                           PERSISTENT: gl.constexpr):
+                           PERSISTENT: gl.constexpr, NARROW_DIAGONAL: gl.constexpr):
     """One program: query rows [start_m, start_m + BLOCK_M) of batch·head program_id(1), on a grid of
     (query blocks, B·H) whose first axis runs longest-first (the last query blocks see the most
     keys under a causal mask). Descriptors: rank 4 over (B, H, N, d), blocks (1, 1, rows, d): k_desc
@@ -597,10 +683,11 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, r_desc, lse_ptr, n_q,
     consumer warpgroup; the second and the producer are worker partitions). PINGPONG needs
     WARP_SPECIALIZE and BLOCK_M = 128. STORE_R off: O alone (r_desc unused; the launcher passes
     o's). ``n_bh``: B·H. PERSISTENT (with PINGPONG): a grid of at most one program per SM, each
-    taking the units ``_pair`` deals round-robin (``_persistent_kernel``)."""
+    taking the units ``_pair`` deals round-robin (``_persistent_kernel``); NARROW_DIAGONAL: the first
+    consumer's diagonal block over the keys its rows keep."""
     if PERSISTENT:
         _persistent_kernel(q_desc, k_desc, v_desc, o_desc, r_desc, lse_ptr, n_q, n_k, n_heads, group, n_bh, qk_scale,
-                           HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, SCHED_FENCE, STORE_R)
+                           HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, SCHED_FENCE, STORE_R, NARROW_DIAGONAL)
     else:
         _program_kernel(q_desc, k_desc, v_desc, o_desc, r_desc, lse_ptr, n_q, n_k, n_heads, group, qk_scale,
                         HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, WARP_SPECIALIZE, SCHED_FENCE, PINGPONG, STORE_R)
@@ -609,7 +696,8 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, r_desc, lse_ptr, n_q,
 @gluon.jit
 def _persistent_kernel(q_desc, k_desc, v_desc, o_desc, r_desc, lse_ptr, n_q, n_k, n_heads, group, n_bh, qk_scale,
                        HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                       CAUSAL: gl.constexpr, SCHED_FENCE: gl.constexpr, STORE_R: gl.constexpr):
+                       CAUSAL: gl.constexpr, SCHED_FENCE: gl.constexpr, STORE_R: gl.constexpr,
+                       NARROW_DIAGONAL: gl.constexpr):
     """The persistent ping-pong forward: the program's shared memory, barriers and partitions set up
     once; the producer streams every query tile of the program's units and the two consumers compute
     them, so one tile's epilogue, the next one's Q load and its first key blocks overlap the other
@@ -640,11 +728,11 @@ def _persistent_kernel(q_desc, k_desc, v_desc, o_desc, r_desc, lse_ptr, n_q, n_k
         (_persistent_consumer, (k_desc, v_desc, o_desc, r_desc, lse_ptr, q_smem.index(0), o_smem.index(0), k_smem,
                                 v_smem, r_smem.index(0), q_bar.index(0), q_free.index(0), k_ready, v_ready, k_free,
                                 v_free, n_q, n_k, n_heads, group, n_bh, qk_scale, 0,
-                                HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, SCHED_FENCE, STORE_R)),
+                                HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, SCHED_FENCE, STORE_R, NARROW_DIAGONAL)),
         (_persistent_consumer, (k_desc, v_desc, o_desc, r_desc, lse_ptr, q_smem.index(1), o_smem.index(1), k_smem,
                                 v_smem, r_smem.index(1), q_bar.index(1), q_free.index(1), k_ready, v_ready, k_free,
                                 v_free, n_q, n_k, n_heads, group, n_bh, qk_scale, 1,
-                                HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, SCHED_FENCE, STORE_R)),
+                                HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, SCHED_FENCE, STORE_R, NARROW_DIAGONAL)),
         (_persistent_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_ready,
                                 k_free, v_free, n_q, n_k, n_heads, group, n_bh, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
                                 CAUSAL)),
