@@ -115,8 +115,8 @@ def providers(d: int, causal: bool, tiles: list = ()):
     config = stabilized_config(torch.bfloat16)
     base = tiles_for(d, causal)
 
-    def gluon(tiles):
-        return lambda q, k, v: flash_forward_hopper(q, k, v, causal, tiles=tiles)[0]
+    def gluon(tiles, residual=True):
+        return lambda q, k, v: flash_forward_hopper(q, k, v, causal, tiles=tiles, residual=residual)[0]
 
     def triton_forward(q, k, v):
         with triton_only():
@@ -134,6 +134,7 @@ def providers(d: int, causal: bool, tiles: list = ()):
         "gluon-single": gluon(base.per_block()._replace(pingpong=False)),
         "gluon-no-ws": gluon(base.per_block()._replace(pingpong=False, warp_specialize=False)),
         "gluon-no-fence": gluon(base._replace(sched_fence=False)),
+        "gluon-no-residual": gluon(base, residual=False),      # stabilize=False: O and L, no R stored
         **{tiles_name(t): gluon(t) for t in tiles},
         "triton-stabilized": triton_forward,
         "sdpa-cudnn": sdpa(SDPBackend.CUDNN_ATTENTION),
