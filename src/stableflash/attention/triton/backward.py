@@ -13,7 +13,8 @@ import triton
 import triton.language as tl
 
 from stableflash.attention.triton.common import (DELTA_DP_P, DELTA_RECOMPUTE, MASK_ADD, MASK_BOOL, cast, dropout_keep,
-                                                 fp32, in_band, key_ranges, load_mask_tile, mma, tanh, to_bf16)
+                                                 fp32, in_band, key_ranges, keys_kept, load_mask_tile, mma, tanh,
+                                                 to_bf16)
 
 
 @triton.jit
@@ -179,10 +180,7 @@ def _delta_pass(Q, K, V, DO, LSE, DELTA, stride_qb, stride_qh, stride_qm, stride
         kT = tl.load(K + cols[None, :] * stride_kn + offs_d[:, None], mask=cols[None, :] < n_k, other=0.0)
         v = tl.load(V + cols[:, None] * stride_vn + offs_d[None, :], mask=cols[:, None] < n_k, other=0.0)
         p, _ = _scores(q, kT, lse[:, None], scale, softcap, EMU, SOFTCAP, INTERP)
-        if CAUSAL:                             # one comparison an entry: j ≤ min(i, n_k − 1)
-            keep = cols[None, :] <= tl.minimum(offs_m, n_k - 1)[:, None]
-        else:
-            keep = cols[None, :] < n_k
+        keep = keys_kept(offs_m, cols, n_k, CAUSAL)
         p = tl.where(keep, p, 0.0)
         if DELTA_SRC == DELTA_DP_P:
             dp = mma(do, tl.trans(v), INTERP)
@@ -241,10 +239,7 @@ def _delta_pass_masked(Q, K, V, DO, LSE, DELTA, stride_qb, stride_qh, stride_qm,
         if MASK_KIND != 0:
             mv = load_mask_tile(MP, offs_m, cols, n_q, n_k, stride_mm, stride_mn, MASK_KIND, MASK_ROWS)
         p, _ = _scores(q, kT, lse[:, None], scale, softcap, EMU, SOFTCAP, INTERP, mv, MASK_KIND)
-        if CAUSAL:                             # one comparison an entry: j ≤ min(i, n_k − 1)
-            keep = cols[None, :] <= tl.minimum(offs_m, n_k - 1)[:, None]
-        else:
-            keep = cols[None, :] < n_k
+        keep = keys_kept(offs_m, cols, n_k, CAUSAL)
         if BAND:
             keep = keep & in_band(offs_m[:, None], cols[None, :], diag, left, right)
         if DROPOUT:
@@ -482,10 +477,7 @@ def _dq_blocks(dq, q, do, lse, delta, K, V, stride_kn, stride_vn, offs_m, offs_d
             mv = load_mask_tile(MP, offs_m, cols, n_q, n_k, stride_mm, stride_mn, MASK_KIND, MASK_ROWS)
         p, slope = _scores(q, kT, lse[:, None], scale, softcap, EMU, SOFTCAP, INTERP, mv, MASK_KIND)
         if MASKED:
-            if CAUSAL:                         # one comparison an entry: j ≤ min(i, n_k − 1)
-                keep = cols[None, :] <= tl.minimum(offs_m, n_k - 1)[:, None]
-            else:
-                keep = cols[None, :] < n_k
+            keep = keys_kept(offs_m, cols, n_k, CAUSAL)
             if BAND:
                 keep = keep & in_band(offs_m[:, None], cols[None, :], diag, left, right)
             p = tl.where(keep, p, 0.0)

@@ -299,6 +299,19 @@ MASK_ADD = tl.constexpr(2)
 
 
 @triton.jit
+def keys_kept(rows, cols, n_k, CAUSAL: tl.constexpr):
+    """Which (query, key) entries of a tile take part before any band, attn_mask or dropout: keys past
+    n_k never; with CAUSAL (top-left) key j for query i when j ≤ i. One comparison an entry: under
+    CAUSAL j ≤ min(i, n_k − 1), the bound taken once a row (comparing j < n_k and j ≤ i apart and
+    combining them costs more instructions an entry)."""
+    if CAUSAL:
+        keep = cols[None, :] <= tl.minimum(rows, n_k - 1)[:, None]
+    else:
+        keep = cols[None, :] < n_k
+    return keep
+
+
+@triton.jit
 def in_band(i, j, diag, left, right):
     """Whether key j is visible to query i (``masking.visible``): diag + i − left ≤ j ≤ diag + i + right,
     diag the diagonal's key for query 0 (0 top-left, n_k − n_q bottom-right), an unbounded side

@@ -45,8 +45,8 @@ import triton.language as tl
 from stableflash.attention.triton.common import (BF16, DELTA_O16, DELTA_O16_R, DELTA_O32, DELTA_O_FP32, DELTA_O_R,
                                                  FP16, NO_FORMAT, HP_LIMIT, MASK_ADD, MASK_BOOL, PAPER, TIE_SHIFT,
                                                  bound_rounded_shift, cast, count_ties, dropout_keep, fp32,
-                                                 in_band, keep_hp, key_ranges, load_mask_tile, mma, narrow, next_shift, p_bar_v,
-                                                 round_up_bf16, shift_from_ties, tanh, to_bf16)
+                                                 in_band, keep_hp, key_ranges, keys_kept, load_mask_tile, mma, narrow,
+                                                 next_shift, p_bar_v, round_up_bf16, shift_from_ties, tanh, to_bf16)
 
 LOG2E = 1.4426950408889634
 
@@ -112,10 +112,7 @@ def _fwd_blocks(acc, acc16, l_i, m_i, r_i, q, K, V, V8, stride_kn, stride_vn, of
             if MASK_KIND == MASK_BOOL:
                 qk = tl.where(mv, qk, float("-inf"))
         if MASKED:
-            if CAUSAL:                         # one comparison an entry: j ≤ min(i, n_k − 1), the bound once a row
-                keep = cols[None, :] <= tl.minimum(offs_m, n_k - 1)[:, None]
-            else:
-                keep = cols[None, :] < n_k
+            keep = keys_kept(offs_m, cols, n_k, CAUSAL)
             if BAND:
                 keep = keep & in_band(offs_m[:, None], cols[None, :], diag, left, right)
             qk = tl.where(keep, qk, float("-inf"))
