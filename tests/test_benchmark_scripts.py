@@ -277,6 +277,23 @@ def test_gluon_forward_check_takes_tiles_by_name_and_names_what_it_accepts(capsy
         assert f"--tiles '{bad}'" in err and said in err, err
 
 
+def test_gluon_checks_refuse_bad_shapes_and_time_only_on_hopper(capsys, monkeypatch):
+    """gluon_forward_check.py and gluon_backward_check.py (their shared command line): a malformed
+    --shapes value is refused with the argument named, and --time without a Hopper GPU stops with
+    that said (exit 2), not with an error from inside CUDA."""
+    pytest.importorskip("triton.experimental.gluon")
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for tool in ("tools/gluon_forward_check", "tools/gluon_backward_check"):
+        check = load(tool)
+        for argv, said in ((["--time", "--shapes", "1,2,x"], "argument --shapes: shape '1,2,x' is invalid"),
+                           (["--time", "--shapes", "2,4,256,64"], "--time needs a Hopper GPU")):
+            with pytest.raises(SystemExit) as exc:
+                check.main(argv)
+            assert exc.value.code == 2
+            assert said in capsys.readouterr().err, (tool, argv)
+
+
 def test_faithful_report_tabulates_a_run_and_its_fork_and_remakes_them_from_its_record(data_dir, tmp_path, capsys):
     """A tiny run and a fork of it resumed with other arithmetic (as faithful_gpt2.sh fork makes):
     the record keeps the fork's own steps, the table gives each run's steps, losses and last

@@ -11,6 +11,8 @@ from typing import Callable
 
 import triton
 
+from stableflash.cli import _shape   # `stableflash bench attention`'s --shape
+
 
 def fmt_waits(w: dict) -> str:
     """The warpgroup waits by how many products they leave in flight: "≤N:count" each."""
@@ -53,8 +55,8 @@ def main(argv, *, doc: str, kernel: str, variants_help: str, compile_rows: Calla
         ap.add_argument("--tiles", nargs="+", type=parse, default=[], metavar="SPEC", help=tiles_help)
     ap.add_argument("--time", action="store_true", help=f"on a GPU: accuracy against float64, then {kernel} timings")
     ap.add_argument("--non-causal", action="store_true", help="with --time: time non-causal attention")
-    ap.add_argument("--shapes", nargs="+", default=["32,12,1024,64", "8,16,4096,64", "4,16,8192,128"],
-                    help="with --time: B,H,N,d shapes")
+    ap.add_argument("--shapes", nargs="+", type=_shape,
+                    default=[(32, 12, 1024, 64), (8, 16, 4096, 64), (4, 16, 8192, 128)], help="with --time: B,H,N,d shapes")
     ap.add_argument("--json", type=Path, help="also write the rows here")
     args = ap.parse_args(argv)
     from stableflash.attention.gluon import unavailable_reason
@@ -64,8 +66,10 @@ def main(argv, *, doc: str, kernel: str, variants_help: str, compile_rows: Calla
         return 1
     extra = {"tiles": args.tiles} if tiles_type is not None else {}
     if args.time:
-        rows = time_rows([tuple(int(x) for x in s.split(",")) for s in args.shapes], not args.non_causal,
-                         args.variants, **extra)
+        import torch
+        if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+            ap.error("--time needs a Hopper GPU (compute capability 9.0); none is visible")
+        rows = time_rows(list(args.shapes), not args.non_causal, args.variants, **extra)
         print_time(rows, time_label, width)
     else:
         rows = compile_rows(args.variants, **extra)
