@@ -374,7 +374,7 @@ def _step(q, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_free, v_free, s
           p, acc, m_i, l_i, zero_s, start_m, j, ring, turn, b, hk, n_k, n_blocks, qk_scale, HEAD_DIM: gl.constexpr,
           ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASKED: gl.constexpr,
           WARP_SPECIALIZE: gl.constexpr, SCHED_FENCE: gl.constexpr, PINGPONG: gl.constexpr, mma_s: gl.constexpr,
-          mma_o: gl.constexpr, NAMED: gl.constexpr = False):
+          mma_o: gl.constexpr, NAMED: gl.constexpr = False, q_free=None):
     """Key block j ≥ 1 of a consumer's loop: issue S_j = Q·K_jᵀ and Ō += P̄_{j−1}·V_{j−1}
     asynchronously, wait for S_j alone, run block j's softmax while the P̄V product computes, then
     wait for it, free K_j and V_{j−1} (or, without WARP_SPECIALIZE, refill slot (j − 1) % STAGES)
@@ -383,7 +383,10 @@ def _step(q, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_free, v_free, s
     is complete); a consumer of several warpgroups first waits for all of them (a barrier of the
     partition). MASKED (compile time): block j holds the causal diagonal or the ragged tail. ``ring``:
     block j's position in the K/V ring, ``turn``: its issue point in the ping-pong order (both j but in
-    the persistent kernel, where they run on across the program's query tiles)."""
+    the persistent kernel, where they run on across the program's query tiles). S_j covers the block's
+    first ``zero_s.shape[1]`` keys (fewer than BLOCK_N: the narrow diagonal, ``mma_s`` that width's
+    layout, m and ℓ in its rows' layout); ``q_free``: Q's tile handed back once S_j is done."""
+    KEYS: gl.constexpr = zero_s.shape[1]
     slot = ring % STAGES
     prev = (ring - 1) % STAGES
     # P̄_{j−1} is packed to bf16 here, in the block of the product that reads it: carried across the
@@ -393,15 +396,17 @@ def _step(q, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_free, v_free, s
     mbarrier.wait(k_ready.index(slot), (ring // STAGES) & 1)
     mbarrier.wait(v_ready.index(prev), ((ring - 1) // STAGES) & 1)
     _take_turn(sched_mine, turn, PINGPONG, NAMED)
-    s_tok = warpgroup_mma(q, k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), zero_s,
+    s_tok = warpgroup_mma(q, _rows(k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM]), KEYS).permute((1, 0)), zero_s,
                           use_acc=False, is_async=True)
     o_tok = warpgroup_mma(p, v_smem.index(prev).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
     _pass_turn(sched_other, PINGPONG, NAMED)
     s = warpgroup_mma_wait(1, deps=[s_tok])                 # S_j done, P̄_{j−1}V_{j−1} still in flight
     if PINGPONG:
         mbarrier.arrive(k_free.index(slot), count=1)
+    if q_free is not None:
+        mbarrier.arrive(q_free, count=1)
     if MASKED:
-        s = _mask(s, start_m, j * BLOCK_N, n_k, ROWS, BLOCK_N, CAUSAL, mma_s)
+        s = _mask(s, start_m, j * BLOCK_N, n_k, ROWS, KEYS, CAUSAL, mma_s)
     p_new, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale)
     if SCHED_FENCE:
         l_i = _schedule_fence(l_i)
@@ -424,14 +429,16 @@ def _step(q, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_free, v_free, s
 def _last_pv(v_smem, v_ready, v_free, q_free, sched_mine, sched_other, p, acc, ring, turn, HEAD_DIM: gl.constexpr,
              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr,
              mma_o: gl.constexpr):
-    """A consumer's last P̄V (the block at ring position ``ring``, issued at ``turn``), waited for; in the
-    persistent kernel Q's tile is handed back first (the last S is done) and V's slot after."""
-    if PERSISTENT:                                          # the last S is done: the next tile's Q may come
+    """A consumer's last P̄V (the block at ring position ``ring``, issued at ``turn``; P̄'s columns: V's
+    first rows), waited for; ``q_free`` (not None) handed back first (the last S is done) and, in the
+    persistent kernel, V's slot after."""
+    if q_free is not None:                                  # the last S is done: the next tile's Q may come
         mbarrier.arrive(q_free, count=1)
     last = ring % STAGES
     mbarrier.wait(v_ready.index(last), (ring // STAGES) & 1)
     _take_turn(sched_mine, turn, PINGPONG, PERSISTENT)
-    acc = warpgroup_mma(_a_operand(p, mma_o), v_smem.index(last).reshape([BLOCK_N, HEAD_DIM]), acc)
+    acc = warpgroup_mma(_a_operand(p, mma_o), _rows(v_smem.index(last).reshape([BLOCK_N, HEAD_DIM]), p.shape[1]),
+                        acc)
     _pass_turn(sched_other, PINGPONG, PERSISTENT)
     if PERSISTENT:                                          # the last V is read: its slot is free
         mbarrier.arrive(v_free.index(last), count=1)
@@ -439,46 +446,11 @@ def _last_pv(v_smem, v_ready, v_free, q_free, sched_mine, sched_other, p, acc, r
 
 
 @gluon.jit
-def _narrow_diagonal(q, k_smem, v_smem, k_ready, v_ready, k_free, v_free, q_free, sched_mine, sched_other, p, acc,
-                     m_i, l_i, start_m, j, ring, turn, n_k, qk_scale, HEAD_DIM: gl.constexpr, ROWS: gl.constexpr,
-                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SCHED_FENCE: gl.constexpr, mma_s: gl.constexpr,
-                     mma_o: gl.constexpr):
-    """The persistent ping-pong consumer's diagonal key block j (keys from start_m, its rows' first) and
-    its last P̄V, for rows start_m … start_m + ROWS − 1 of a causal tile whose block is 2·ROWS keys wide:
-    the keys past start_m + ROWS − 1 are masked in every row, so S_j = Q·K_jᵀ and P̄_jV_j run over the
-    block's first ROWS keys (K_j's and V_j's first rows in shared memory). Otherwise ``_step`` with
-    MASKED and the wide tail of ``_consumer``: the same issue points and barriers, and the same O, ℓ and
-    m (the masked entries' exponentials are zeros)."""
-    mma_h: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[ROWS // 16, 1],
-                                                    instr_shape=[16, ROWS, 16])
-    row_h: gl.constexpr = gl.SliceLayout(1, mma_h)
-    slot = ring % STAGES
-    prev = (ring - 1) % STAGES
-    p = _a_operand(p, mma_o)
-    mbarrier.wait(k_ready.index(slot), (ring // STAGES) & 1)
-    mbarrier.wait(v_ready.index(prev), ((ring - 1) // STAGES) & 1)
-    _take_turn(sched_mine, turn, True, True)
-    k_half = k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM]).slice(0, ROWS).permute((1, 0))
-    s_tok = warpgroup_mma(q, k_half, gl.zeros([ROWS, ROWS], gl.float32, layout=mma_h), use_acc=False, is_async=True)
-    o_tok = warpgroup_mma(p, v_smem.index(prev).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
-    _pass_turn(sched_other, True, True)
-    s = warpgroup_mma_wait(1, deps=[s_tok])
-    mbarrier.arrive(k_free.index(slot), count=1)
-    mbarrier.arrive(q_free, count=1)                        # the last S is done: the next tile's Q may come
-    s = _mask(s, start_m, j * BLOCK_N, n_k, ROWS, ROWS, True, mma_h)
-    p_new, m_h, l_h, alpha = _softmax(s, gl.convert_layout(m_i, row_h), gl.convert_layout(l_i, row_h), qk_scale)
-    if SCHED_FENCE:
-        l_h = _schedule_fence(l_h)
-    acc, p = warpgroup_mma_wait(0, deps=[o_tok, p])
-    mbarrier.arrive(v_free.index(prev), count=1)
-    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, mma_o))[:, None]
-    mbarrier.wait(v_ready.index(slot), (ring // STAGES) & 1)
-    _take_turn(sched_mine, turn + 1, True, True)
-    v_half = v_smem.index(slot).reshape([BLOCK_N, HEAD_DIM]).slice(0, ROWS)
-    acc = warpgroup_mma(_a_operand(p_new, mma_o), v_half, acc)
-    _pass_turn(sched_other, True, True)
-    mbarrier.arrive(v_free.index(slot), count=1)
-    return acc, gl.convert_layout(m_h, gl.SliceLayout(1, mma_s)), gl.convert_layout(l_h, gl.SliceLayout(1, mma_s))
+def _rows(tile, n: gl.constexpr):
+    """A (BLOCK_N, d) shared-memory tile's first n rows (the tile itself when n is all of them)."""
+    if n < tile.shape[0]:
+        tile = tile.slice(0, n)
+    return tile
 
 
 @gluon.jit
@@ -513,8 +485,9 @@ def _consumer(k_desc, v_desc, o_desc, r_desc, lse_ptr, q_smem, k_smem, v_smem, r
     the last S is done, and O leaves through ``o_smem``, its store waited for only before the next
     tile's epilogue writes there; otherwise O leaves through Q's tile and the stores are waited for.
     NARROW (causal, BLOCK_N = 2·ROWS, the tile's first ROWS rows): where the last key block is the
-    diagonal one starting at start_m and not the first, ``_narrow_diagonal`` computes it and the last
-    P̄V over its first ROWS keys, the only ones these rows keep."""
+    diagonal one starting at start_m and not the first, its S and the last P̄V run over its first ROWS
+    keys, the only ones these rows keep (the keys past them are masked in every row: the same O, ℓ and
+    m, their exponentials being zeros)."""
     WARPS: gl.constexpr = ROWS // 16                        # 4 warps (one warpgroup) per 64 rows
     mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                     instr_shape=[16, BLOCK_N, 16])
@@ -564,10 +537,20 @@ def _consumer(k_desc, v_desc, o_desc, r_desc, lse_ptr, q_smem, k_smem, v_smem, r
                                  SCHED_FENCE, PINGPONG, mma_s, mma_o, PERSISTENT)
     if NARROW:
         if narrow:
-            acc, m_i, l_i = _narrow_diagonal(q, k_smem, v_smem, k_ready, v_ready, k_free, v_free, q_free, sched_mine,
-                                             sched_other, p, acc, m_i, l_i, start_m, n_blocks - 1,
-                                             ring0 + n_blocks - 1, turn0 + n_blocks - 1, n_k, qk_scale, HEAD_DIM,
-                                             ROWS, BLOCK_N, STAGES, SCHED_FENCE, mma_s, mma_o)
+            mma_h: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                            instr_shape=[16, ROWS, 16])
+            row_h: gl.constexpr = gl.SliceLayout(1, mma_h)
+            j = n_blocks - 1
+            p_h, acc, m_h, l_h = _step(q, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_free, v_free,
+                                       sched_mine, sched_other, p, acc, gl.convert_layout(m_i, row_h),
+                                       gl.convert_layout(l_i, row_h), gl.zeros([ROWS, ROWS], gl.float32, layout=mma_h),
+                                       start_m, j, ring0 + j, turn0 + j, b, hk, n_k, n_blocks, qk_scale, HEAD_DIM,
+                                       ROWS, BLOCK_N, STAGES, CAUSAL, True, WARP_SPECIALIZE, SCHED_FENCE, PINGPONG,
+                                       mma_h, mma_o, PERSISTENT, q_free)
+            acc = _last_pv(v_smem, v_ready, v_free, None, sched_mine, sched_other, p_h, acc, ring0 + j,
+                           turn0 + n_blocks, HEAD_DIM, BLOCK_N, STAGES, PINGPONG, PERSISTENT, mma_o)
+            m_i = gl.convert_layout(m_h, row_s)
+            l_i = gl.convert_layout(l_h, row_s)
         else:
             acc = _last_pv(v_smem, v_ready, v_free, q_free, sched_mine, sched_other, p, acc, ring0 + n_blocks - 1,
                            turn0 + n_blocks, HEAD_DIM, BLOCK_N, STAGES, PINGPONG, PERSISTENT, mma_o)
