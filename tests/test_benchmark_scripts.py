@@ -596,6 +596,35 @@ def test_interleaved_bench_names_bad_arguments_and_summarises_rounds(capsys, mon
     assert row["per_round"]["stableflash"] == pytest.approx([1.0 / 0.9, 1.2 / 1.5, 1.1 / 1.0])
 
 
+def test_forward_timeline_names_bad_arguments_and_sums_the_phases(capsys, monkeypatch):
+    """benchmarks/tools/forward_timeline.py: a head_dim other than 64 or 128, malformed or non-persistent
+    tiles are refused (exit 2) with the argument named; well-formed arguments without a GPU stop at the GPU
+    check. ``summarise``: per phase the events, summed and mean ``dur`` and the share of all phases; a trace
+    without the phases is an error naming what it holds."""
+    pytest.importorskip("triton.experimental.gluon")
+    import torch
+    tool = load("tools/forward_timeline")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for argv, named in ((["--shape", "8,16,2048,96"], "--shape 8,16,2048,96 is invalid"),
+                        (["--tiles", "128x128"], "--tiles 128x128 is invalid"),
+                        (["--tiles", "128x128x2p"], "accepted: persistent tiles"),
+                        ([], "needs a Hopper GPU")):
+        with pytest.raises(SystemExit) as exit_:
+            tool.main(argv)
+        assert exit_.value.code == 2
+        assert named in capsys.readouterr().err, argv
+    events = [{"name": "q_wait", "ph": "X", "dur": 1.0}, {"name": "q_wait", "ph": "X", "dur": 3.0},
+              {"name": "full_blocks", "ph": "X", "dur": 12.0}, {"name": "epilogue", "ph": "X", "dur": 4.0},
+              {"name": "process_name", "ph": "M"}, {"name": "epilogue", "ph": "i", "dur": 99.0}]
+    summary = tool.summarise({"traceEvents": events})
+    assert list(summary) == list(tool.PHASES)
+    assert summary["q_wait"] == {"events": 2, "total": 4.0, "mean": 2.0, "share": 0.2}
+    assert summary["full_blocks"]["share"] == 0.6 and summary["epilogue"]["total"] == 4.0
+    assert summary["first_block"] == {"events": 0, "total": 0.0, "mean": 0.0, "share": 0.0}
+    with pytest.raises(ValueError, match="no events named q_wait.*'kernel': 1"):
+        tool.summarise({"traceEvents": [{"name": "kernel", "ph": "X", "dur": 5.0}]})
+
+
 def test_ab_kernels_runs_a_command_on_both_trees_in_rounds(tmp_path):
     """benchmarks/tools/ab_kernels.sh with AB_CMD: the command runs ROUNDS times in the order A B A B,
     A importing the given source tree and B the working tree's src/, each run's output kept under $OUT."""

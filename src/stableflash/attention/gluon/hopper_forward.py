@@ -64,6 +64,19 @@ else:
     tma_store = tma.async_copy_shared_to_global
 cta_barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
 
+# Proton's intra-kernel scopes (``benchmarks/tools/forward_timeline.py``): with proton's instrumentation
+# off they emit nothing, and the kernels compile as without them
+try:
+    from triton.profiler.language import enter_scope, exit_scope
+except ImportError:                                         # a triton without proton: no scopes
+    @gluon.jit
+    def enter_scope(name: gl.constexpr):
+        pass
+
+    @gluon.jit
+    def exit_scope(name: gl.constexpr):
+        pass
+
 if hasattr(tma, "async_atomic_add"):
     tma_atomic_add = tma.async_atomic_add
 else:
@@ -502,7 +515,10 @@ def _consumer(k_desc, v_desc, o_desc, r_desc, lse_ptr, q_smem, k_smem, v_smem, r
     m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=row_s)
     l_i = gl.zeros([ROWS], gl.float32, layout=row_s)
 
+    enter_scope("q_wait")
     mbarrier.wait(q_bar, q_phase)
+    exit_scope("q_wait")
+    enter_scope("first_block")
     # key block 0: its scores, then its softmax (nothing to overlap with yet)
     first = ring0 % STAGES
     mbarrier.wait(k_ready.index(first), (ring0 // STAGES) & 1)
@@ -519,12 +535,16 @@ def _consumer(k_desc, v_desc, o_desc, r_desc, lse_ptr, q_smem, k_smem, v_smem, r
     # whole key blocks first, then the masked ones (the causal diagonal, the ragged tail): two loops,
     # so that no branch separates a product's issue from its wait (ptxas waits for every product
     # in flight where control flow joins)
+    exit_scope("first_block")
     n_full = gl.maximum(full // BLOCK_N, 1)
+    enter_scope("full_blocks")
     for j in range(1, n_full):
         p, acc, m_i, l_i = _step(q, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_free, v_free, sched_mine,
                                  sched_other, p, acc, m_i, l_i, zero_s, start_m, j, ring0 + j, turn0 + j, b, hk, n_k,
                                  n_blocks, qk_scale, HEAD_DIM, ROWS, BLOCK_N, STAGES, CAUSAL, False, WARP_SPECIALIZE,
                                  SCHED_FENCE, PINGPONG, mma_s, mma_o, PERSISTENT)
+    exit_scope("full_blocks")
+    enter_scope("masked_blocks")
     if NARROW:
         narrow = (n_blocks > 1) & ((n_blocks - 1) * BLOCK_N == start_m)
         n_wide = n_blocks - narrow.to(gl.int32)
@@ -558,6 +578,8 @@ def _consumer(k_desc, v_desc, o_desc, r_desc, lse_ptr, q_smem, k_smem, v_smem, r
         acc = _last_pv(v_smem, v_ready, v_free, q_free, sched_mine, sched_other, p, acc, ring0 + n_blocks - 1,
                        turn0 + n_blocks, HEAD_DIM, BLOCK_N, STAGES, PINGPONG, PERSISTENT, mma_o)
 
+    exit_scope("masked_blocks")
+    enter_scope("epilogue")
     # epilogue: O = Ō/ℓ (bf16), its store's residual R (bf16), L = (m + log2 ℓ)·ln 2
     l_o = gl.convert_layout(l_i, row_o)
     o = acc / l_o[:, None]
@@ -581,6 +603,7 @@ def _consumer(k_desc, v_desc, o_desc, r_desc, lse_ptr, q_smem, k_smem, v_smem, r
         tma_store(r_desc, [b, h, start_m, 0], r_smem)
     if not PERSISTENT:
         tma.store_wait(0)
+    exit_scope("epilogue")
 
 
 @gluon.jit
