@@ -327,6 +327,20 @@ def test_faithful_report_tabulates_a_run_and_its_fork_and_remakes_them_from_its_
     capsys.readouterr()
     assert report.main(["--from", str(out / "runs.json"), "--out", str(tmp_path / "again")]) == 0
     assert (tmp_path / "again" / "table.txt").read_text() == table
+    # the record as committed, xz-compressed, makes the same table; a file that is no record is refused
+    import lzma
+    (tmp_path / "runs.json.xz").write_bytes(lzma.compress((out / "runs.json").read_bytes()))
+    assert report.main(["--from", str(tmp_path / "runs.json.xz"), "--out", str(tmp_path / "from-xz")]) == 0
+    assert (tmp_path / "from-xz" / "table.txt").read_text() == table
+    (tmp_path / "bad.json.xz").write_bytes(b"not xz")
+    (tmp_path / "other.json").write_text('{"label": "x"}')
+    for bad, said in [("bad.json.xz", "LZMAError"), ("missing.json", "FileNotFoundError"),
+                      ("other.json", "expected a list of run records")]:
+        capsys.readouterr()
+        with pytest.raises(SystemExit):
+            report.main(["--from", str(tmp_path / bad), "--out", str(tmp_path / "x")])
+        err = capsys.readouterr().err
+        assert f"--from '{tmp_path / bad}'" in err and said in err, err
     # a later run joins the committed record: its records first, as they were, then the new run's
     assert report.main(["--from", str(out / "runs.json"), "--run", f"later={base}", "--machine", "later=GPU",
                         "--out", str(tmp_path / "joined")]) == 0

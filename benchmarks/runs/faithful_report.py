@@ -3,7 +3,7 @@ a table and a figure of the loss and of the indicators of the layer whose W_Q gr
 
     python benchmarks/runs/faithful_report.py --run LABEL=RUN_DIR [--run ...] [--machine LABEL=GPU ...]
                                               [--fork LABEL=PARENT@STEP ...] --out FOLDER
-    python benchmarks/runs/faithful_report.py --from FOLDER/runs.json [--run LABEL=RUN_DIR ...] --out FOLDER
+    python benchmarks/runs/faithful_report.py --from FOLDER/runs.json[.xz] [--run LABEL=RUN_DIR ...] --out FOLDER
 
 The first form reads run folders (metrics.jsonl, probes.jsonl, config.json, summary.json) and writes
 FOLDER/runs.json: per run its attention, seed, machine, status, the loss of every logged step, its
@@ -15,7 +15,8 @@ STEP on; its explosion step is judged on PARENT's losses before STEP followed by
 FOLDER/table.txt, FOLDER/table.json and FOLDER/indicators.png from runs.json, so the table and the
 figure can be made again from the committed record alone. Given both, the runs of --run (and their
 --fork and --machine) are added after the records of --from, and the whole is written to FOLDER/runs.json:
-a later lease's runs join a committed record whose full run folders are no longer at hand.
+a later lease's runs join a committed record whose full run folders are no longer at hand. --from also
+reads the record xz-compressed (runs.json.xz, as committed: a seventh of the bytes).
 
 The table gives the watched layer's largest logit and W_Q norm at steps 2000, 2300 and 4000 and at the
 last probe, the largest fraction of its rows with repeated maxima over all the probes (the largest
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import lzma
 import math
 from pathlib import Path
 
@@ -204,6 +206,19 @@ def figure(records: list[dict], out: Path) -> None:
     plt.close(fig)
 
 
+def _records(path: Path, ap: argparse.ArgumentParser) -> list:
+    """The records of a runs.json this script wrote (``.xz``: read through xz), or an error naming --from."""
+    try:
+        text = lzma.open(path, "rt").read() if path.suffix == ".xz" else path.read_text()
+        records = json.loads(text)
+    except (OSError, lzma.LZMAError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        ap.error(f"--from {str(path)!r} could not be read as a runs.json this script wrote "
+                 f"(or its .xz): {type(e).__name__}: {e}")
+    if not isinstance(records, list) or not all(isinstance(r, dict) and "label" in r for r in records):
+        ap.error(f"--from {str(path)!r} is not a runs.json this script wrote: expected a list of run records")
+    return records
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--run", action="append", default=[], type=lambda t: _pair(t, "--run"), metavar="LABEL=RUN_DIR")
@@ -211,13 +226,14 @@ def main(argv=None) -> int:
                     metavar="LABEL=GPU")
     ap.add_argument("--fork", action="append", default=[],
                     metavar="LABEL=PARENT@STEP", help="LABEL is a fork of run PARENT from step STEP")
-    ap.add_argument("--from", dest="source", type=Path, help="a runs.json this script wrote")
+    ap.add_argument("--from", dest="source", type=Path,
+                    help="a runs.json this script wrote, or that file xz-compressed (runs.json.xz)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
     if not args.run and not args.source:
         ap.error("give --run LABEL=RUN_DIR (one or more), --from runs.json, or both")
     args.out.mkdir(parents=True, exist_ok=True)
-    records = json.loads(args.source.read_text()) if args.source else []
+    records = _records(args.source, ap) if args.source else []
     if args.run:
         machines = dict(args.machine)
         forks = {}

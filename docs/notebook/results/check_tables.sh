@@ -156,8 +156,8 @@ check_json mitigations-H200-2026-11-23g/monitor-sweep-all.json "$R/mitigations-H
 python "$B/max_logit.py" "$W/sweep2/mitigations-H200-2026-11-23d" "$W/sweep2/mitigations-H200-2026-11-23g/fmt-e5m2-switch" \
   --edge 110 --every 500 > max-logit-guard.txt
 check mitigations-H200-2026-11-23g/max-logit-guard-and-e5m2.txt "$R/mitigations-H200-2026-11-23g/max-logit-guard-and-e5m2.txt" max-logit-guard.txt
-# faithful GPT-2: the table made again from the compact record the first command wrote (runs.json)
-python "$B/faithful_report.py" --from "$R/faithful-gpt2-2026-11-24/runs.json" --out faithful > /dev/null
+# faithful GPT-2: the table made again from the compact record the first command wrote (runs.json, kept xz-compressed)
+python "$B/faithful_report.py" --from "$R/faithful-gpt2-2026-11-24/runs.json.xz" --out faithful > /dev/null
 check faithful-gpt2-2026-11-24/table.txt "$R/faithful-gpt2-2026-11-24/table.txt" faithful/table.txt
 check_json faithful-gpt2-2026-11-24/table.json "$R/faithful-gpt2-2026-11-24/table.json" faithful/table.json
 
