@@ -19,6 +19,15 @@ def load(path: str):
     return module
 
 
+def refused(main, argv: list, capsys) -> str:
+    """A tool's ``main(argv)``, which must stop as argparse's errors do (SystemExit, code 2): its stderr."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2, argv
+    return capsys.readouterr().err
+
+
 def fake_bench(tf: dict, providers=("stableflash-none", "stableflash", "stableflash-fp8")) -> dict:
     """A tiny `stableflash bench attention` JSON: tf maps (shape, provider) to TFLOP/s."""
     rows = [{"shape": list(s), "mode": "fwd+bwd", "provider": p, "ms": 1.0, "tflops": t} for (s, p), t in tf.items()]
@@ -241,10 +250,7 @@ def test_gluon_backward_check_takes_tiles_by_name_and_names_what_it_accepts(caps
     for bad, said in (("128x64", "BLOCK_NxBLOCK_MxSTAGES"), ("96x64x3a", "block_n and dq_block_m 64 or 128"),
                       ("128x64x3ar", "BLOCK_NxBLOCK_MxSTAGES"), ("128x64x3a/128x64x2", "BLOCK_NxBLOCK_MxSTAGES"),
                       ("128x64x3ar300", "max_registers None or an int")):
-        with pytest.raises(SystemExit) as exc:
-            gbc.main(["--tiles", bad])
-        assert exc.value.code == 2
-        err = capsys.readouterr().err
+        err = refused(gbc.main, ["--tiles", bad], capsys)
         assert f"--tiles '{bad}'" in err and said in err, err
 
 
@@ -270,10 +276,7 @@ def test_gluon_forward_check_takes_tiles_by_name_and_names_what_it_accepts(capsy
                       ("64x128x3q", "BLOCK_MxBLOCK_NxSTAGES"), ("128x128x2Pq", "BLOCK_MxBLOCK_NxSTAGES"),
                       ("128x64x2Pd", "narrow_diagonal takes persistent=True and block_n == block_m"), ("64x128x3r", "BLOCK_MxBLOCK_NxSTAGES"),
                       ("64x128x3r12x", "BLOCK_MxBLOCK_NxSTAGES"), ("64x128x3r300", "max_registers None or an int")):
-        with pytest.raises(SystemExit) as exc:
-            gfc.main(["--tiles", bad])
-        assert exc.value.code == 2
-        err = capsys.readouterr().err
+        err = refused(gfc.main, ["--tiles", bad], capsys)
         assert f"--tiles '{bad}'" in err and said in err, err
 
 
@@ -288,10 +291,7 @@ def test_gluon_checks_refuse_bad_shapes_and_time_only_on_hopper(capsys, monkeypa
         check = load(tool)
         for argv, said in ((["--time", "--shapes", "1,2,x"], "argument --shapes: shape '1,2,x' is invalid"),
                            (["--time", "--shapes", "2,4,256,64"], "--time needs a Hopper GPU")):
-            with pytest.raises(SystemExit) as exc:
-                check.main(argv)
-            assert exc.value.code == 2
-            assert said in capsys.readouterr().err, (tool, argv)
+            assert said in refused(check.main, argv, capsys), (tool, argv)
 
 
 def test_faithful_report_tabulates_a_run_and_its_fork_and_remakes_them_from_its_record(data_dir, tmp_path, capsys):
@@ -336,10 +336,7 @@ def test_faithful_report_tabulates_a_run_and_its_fork_and_remakes_them_from_its_
     (tmp_path / "other.json").write_text('{"label": "x"}')
     for bad, said in [("bad.json.xz", "LZMAError"), ("missing.json", "FileNotFoundError"),
                       ("other.json", "expected a list of run records")]:
-        capsys.readouterr()
-        with pytest.raises(SystemExit):
-            report.main(["--from", str(tmp_path / bad), "--out", str(tmp_path / "x")])
-        err = capsys.readouterr().err
+        err = refused(report.main, ["--from", str(tmp_path / bad), "--out", str(tmp_path / "x")], capsys)
         assert f"--from '{tmp_path / bad}'" in err and said in err, err
     # a later run joins the committed record: its records first, as they were, then the new run's
     assert report.main(["--from", str(out / "runs.json"), "--run", f"later={base}", "--machine", "later=GPU",
@@ -347,16 +344,12 @@ def test_faithful_report_tabulates_a_run_and_its_fork_and_remakes_them_from_its_
     joined = json.loads((tmp_path / "joined" / "runs.json").read_text())
     assert joined[:2] == records and joined[2]["label"] == "later" and joined[2]["machine"] == "GPU"
     assert (tmp_path / "joined" / "table.txt").read_text().splitlines()[:3] == table.splitlines()
-    capsys.readouterr()
-    with pytest.raises(SystemExit):
-        report.main(["--from", str(out / "runs.json"), "--run", f"fork={base}", "--out", str(tmp_path / "x")])
-    assert "--run labels already in" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        report.main(["--run", f"gone={tmp_path / 'gone'}", "--out", str(tmp_path / "x")])
-    assert f"--run gone={tmp_path / 'gone'}: no metrics.jsonl there" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        report.main(["--out", str(out), "--run", f"base={base}", "--fork", "other=base@6"])
-    assert "no --run gives: other" in capsys.readouterr().err
+    assert "--run labels already in" in refused(
+        report.main, ["--from", str(out / "runs.json"), "--run", f"fork={base}", "--out", str(tmp_path / "x")], capsys)
+    assert f"--run gone={tmp_path / 'gone'}: no metrics.jsonl there" in refused(
+        report.main, ["--run", f"gone={tmp_path / 'gone'}", "--out", str(tmp_path / "x")], capsys)
+    assert "no --run gives: other" in refused(
+        report.main, ["--out", str(out), "--run", f"base={base}", "--fork", "other=base@6"], capsys)
 
 
 def test_faithful_fork_resumes_a_copy_with_the_given_arithmetic(data_dir, tmp_path):
@@ -480,10 +473,7 @@ def test_kernel_breakdown_names_bad_arguments_before_it_looks_for_a_gpu(capsys, 
                         (["--calls", "0"], "--calls 0"), (["--causal", "--no-causal"], "--causal and --no-causal"),
                         (["--providers", "nope"], "argument --providers: provider 'nope' is unknown"),
                         ([], "needs a CUDA GPU")):
-        with pytest.raises(SystemExit) as exit_:
-            tool.main(argv)
-        assert exit_.value.code == 2
-        assert named in capsys.readouterr().err, argv
+        assert named in refused(tool.main, argv, capsys), argv
 
 
 def test_ncu_attention_table_reads_a_raw_export_and_names_what_it_lacks(tmp_path, capsys):
@@ -550,13 +540,11 @@ def test_ncu_attention_source_reads_a_per_instruction_export(tmp_path, capsys):
     bad.write_text('"ID","Kernel Name"\n"","ms"\n')
     with pytest.raises(ValueError, match="no 'Kernel Name' row"):
         ncu.source_kernels(str(bad))
-    with pytest.raises(SystemExit):
-        ncu.main(["forward", "--provider", "flash"])
-    assert "--provider 'flash': accepted: triton, cudnn, gluon-TILES" in capsys.readouterr().err
+    assert "--provider 'flash': accepted: triton, cudnn, gluon-TILES" in refused(
+        ncu.main, ["forward", "--provider", "flash"], capsys)
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
-    with pytest.raises(SystemExit):
-        ncu.main(["forward", "--provider", "gluon-12x3"])
-    assert "--provider 'gluon-12x3': gluon-TILES with TILES expected BLOCK_MxBLOCK_NxSTAGES" in capsys.readouterr().err
+    assert "--provider 'gluon-12x3': gluon-TILES with TILES expected BLOCK_MxBLOCK_NxSTAGES" in refused(
+        ncu.main, ["forward", "--provider", "gluon-12x3"], capsys)
 
 
 def test_train_tuner_picks_adds_candidate_tiles_and_names_a_bad_one(monkeypatch, capsys):
@@ -600,10 +588,7 @@ def test_interleaved_bench_names_bad_arguments_and_summarises_rounds(capsys, mon
                         (["--providers", "stableflash", "stableflash"], "two or more different providers"),
                         (["--providers", "nope", "stableflash"], "argument --providers: provider 'nope' is unknown"),
                         ([], "needs a CUDA GPU")):
-        with pytest.raises(SystemExit) as exit_:
-            tool.main(argv)
-        assert exit_.value.code == 2
-        assert named in capsys.readouterr().err, argv
+        assert named in refused(tool.main, argv, capsys), argv
     row = tool.summary((2, 4, 256, 64), True, {"sdpa-default": [1.0, 1.2, 1.1], "stableflash": [0.9, 1.5, 1.0]})
     assert row["median_ms"] == {"sdpa-default": 1.1, "stableflash": 1.0}
     assert row["ratio_to_first"]["stableflash"] == pytest.approx(1.1) and row["ratio_to_first"]["sdpa-default"] == 1.0
@@ -623,10 +608,7 @@ def test_forward_timeline_names_bad_arguments_and_sums_the_phases(capsys, monkey
                         (["--tiles", "128x128"], "--tiles 128x128 is invalid"),
                         (["--tiles", "128x128x2p"], "accepted: persistent tiles"),
                         ([], "needs a Hopper GPU")):
-        with pytest.raises(SystemExit) as exit_:
-            tool.main(argv)
-        assert exit_.value.code == 2
-        assert named in capsys.readouterr().err, argv
+        assert named in refused(tool.main, argv, capsys), argv
     events = [{"name": "q_wait", "ph": "X", "dur": 1.0}, {"name": "q_wait", "ph": "X", "dur": 3.0},
               {"name": "full_blocks", "ph": "X", "dur": 12.0}, {"name": "epilogue", "ph": "X", "dur": 4.0},
               {"name": "process_name", "ph": "M"}, {"name": "epilogue", "ph": "i", "dur": 99.0}]
