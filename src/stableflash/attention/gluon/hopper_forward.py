@@ -545,35 +545,31 @@ def _consumer(k_desc, v_desc, o_desc, r_desc, lse_ptr, q_smem, k_smem, v_smem, r
                                  SCHED_FENCE, PINGPONG, mma_s, mma_o, PERSISTENT)
     exit_scope("full_blocks")
     enter_scope("masked_blocks")
+    narrow = False                                          # (compile time where not NARROW)
+    n_wide = n_blocks
     if NARROW:
         narrow = (n_blocks > 1) & ((n_blocks - 1) * BLOCK_N == start_m)
         n_wide = n_blocks - narrow.to(gl.int32)
-    else:
-        n_wide = n_blocks
     for j in range(n_full, n_wide):
         p, acc, m_i, l_i = _step(q, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_free, v_free, sched_mine,
                                  sched_other, p, acc, m_i, l_i, zero_s, start_m, j, ring0 + j, turn0 + j, b, hk, n_k,
                                  n_blocks, qk_scale, HEAD_DIM, ROWS, BLOCK_N, STAGES, CAUSAL, True, WARP_SPECIALIZE,
                                  SCHED_FENCE, PINGPONG, mma_s, mma_o, PERSISTENT)
-    if NARROW:
-        if narrow:
-            mma_h: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
-                                                            instr_shape=[16, ROWS, 16])
-            row_h: gl.constexpr = gl.SliceLayout(1, mma_h)
-            j = n_blocks - 1
-            p_h, acc, m_h, l_h = _step(q, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_free, v_free,
-                                       sched_mine, sched_other, p, acc, gl.convert_layout(m_i, row_h),
-                                       gl.convert_layout(l_i, row_h), gl.zeros([ROWS, ROWS], gl.float32, layout=mma_h),
-                                       start_m, j, ring0 + j, turn0 + j, b, hk, n_k, n_blocks, qk_scale, HEAD_DIM,
-                                       ROWS, BLOCK_N, STAGES, CAUSAL, True, WARP_SPECIALIZE, SCHED_FENCE, PINGPONG,
-                                       mma_h, mma_o, PERSISTENT, q_free)
-            acc = _last_pv(v_smem, v_ready, v_free, None, sched_mine, sched_other, p_h, acc, ring0 + j,
-                           turn0 + n_blocks, HEAD_DIM, BLOCK_N, STAGES, PINGPONG, PERSISTENT, mma_o)
-            m_i = gl.convert_layout(m_h, row_s)
-            l_i = gl.convert_layout(l_h, row_s)
-        else:
-            acc = _last_pv(v_smem, v_ready, v_free, q_free, sched_mine, sched_other, p, acc, ring0 + n_blocks - 1,
-                           turn0 + n_blocks, HEAD_DIM, BLOCK_N, STAGES, PINGPONG, PERSISTENT, mma_o)
+    if narrow:
+        mma_h: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                        instr_shape=[16, ROWS, 16])
+        row_h: gl.constexpr = gl.SliceLayout(1, mma_h)
+        j = n_blocks - 1
+        p_h, acc, m_h, l_h = _step(q, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_free, v_free,
+                                   sched_mine, sched_other, p, acc, gl.convert_layout(m_i, row_h),
+                                   gl.convert_layout(l_i, row_h), gl.zeros([ROWS, ROWS], gl.float32, layout=mma_h),
+                                   start_m, j, ring0 + j, turn0 + j, b, hk, n_k, n_blocks, qk_scale, HEAD_DIM,
+                                   ROWS, BLOCK_N, STAGES, CAUSAL, True, WARP_SPECIALIZE, SCHED_FENCE, PINGPONG,
+                                   mma_h, mma_o, PERSISTENT, q_free)
+        acc = _last_pv(v_smem, v_ready, v_free, None, sched_mine, sched_other, p_h, acc, ring0 + j,
+                       turn0 + n_blocks, HEAD_DIM, BLOCK_N, STAGES, PINGPONG, PERSISTENT, mma_o)
+        m_i = gl.convert_layout(m_h, row_s)
+        l_i = gl.convert_layout(l_h, row_s)
     else:
         acc = _last_pv(v_smem, v_ready, v_free, q_free, sched_mine, sched_other, p, acc, ring0 + n_blocks - 1,
                        turn0 + n_blocks, HEAD_DIM, BLOCK_N, STAGES, PINGPONG, PERSISTENT, mma_o)
