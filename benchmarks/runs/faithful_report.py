@@ -16,7 +16,7 @@ FOLDER/table.txt, FOLDER/table.json and FOLDER/indicators.png from runs.json, so
 figure can be made again from the committed record alone. Given both, the runs of --run (and their
 --fork and --machine) are added after the records of --from, and the whole is written to FOLDER/runs.json:
 a later lease's runs join a committed record whose full run folders are no longer at hand. --from also
-reads the record xz-compressed (runs.json.xz, as committed: a seventh of the bytes).
+reads the record xz-compressed (runs.json.xz, as committed: 22% of the bytes).
 
 The table gives the watched layer's largest logit and W_Q norm at steps 2000, 2300 and 4000 and at the
 last probe, the largest fraction of its rows with repeated maxima over all the probes (the largest
@@ -209,7 +209,11 @@ def figure(records: list[dict], out: Path) -> None:
 def _records(path: Path, ap: argparse.ArgumentParser) -> list:
     """The records of a runs.json this script wrote (``.xz``: read through xz), or an error naming --from."""
     try:
-        text = lzma.open(path, "rt").read() if path.suffix == ".xz" else path.read_text()
+        if path.suffix == ".xz":
+            with lzma.open(path, "rt") as f:
+                text = f.read()
+        else:
+            text = path.read_text()
         records = json.loads(text)
     except (OSError, lzma.LZMAError, UnicodeDecodeError, json.JSONDecodeError) as e:
         ap.error(f"--from {str(path)!r} could not be read as a runs.json this script wrote "
@@ -232,8 +236,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if not args.run and not args.source:
         ap.error("give --run LABEL=RUN_DIR (one or more), --from runs.json, or both")
-    args.out.mkdir(parents=True, exist_ok=True)
     records = _records(args.source, ap) if args.source else []
+    args.out.mkdir(parents=True, exist_ok=True)
     if args.run:
         machines = dict(args.machine)
         forks = {}
