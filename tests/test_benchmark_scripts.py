@@ -245,7 +245,8 @@ def test_gluon_backward_check_takes_tiles_by_name_and_names_what_it_accepts(caps
     gbc = load("tools/gluon_backward_check")
     from stableflash.attention.gluon.hopper_backward import BackwardTiles, atomic_backward_tiles
     assert gbc.parse_tiles("128x64x3a") == atomic_backward_tiles(128)
-    assert gbc.parse_tiles("64x64x3ar128") == atomic_backward_tiles(64)
+    assert gbc.parse_tiles("128x128x2a") == atomic_backward_tiles(64)
+    assert gbc.parse_tiles("64x64x3ar128") == BackwardTiles(64, 64, 3, 128, 128, 2, atomic_dq=True, max_registers=128)
     assert gbc.parse_tiles("128x64x2/128x64x2") == BackwardTiles(128, 64, 2, 128, 64, 2)
     for bad, said in (("128x64", "BLOCK_NxBLOCK_MxSTAGES"), ("96x64x3a", "block_n and dq_block_m 64 or 128"),
                       ("128x64x3ar", "BLOCK_NxBLOCK_MxSTAGES"), ("128x64x3a/128x64x2", "BLOCK_NxBLOCK_MxSTAGES"),

@@ -93,23 +93,30 @@ CONFIGS = [(128, True)]
 
 
 def test_atomic_dq_tiles():
-    """The route's tiles for the backward adding dQ up by TMA reduce-adds: at head_dim 64 one consumer
-    warpgroup under a 128-register cap, at 128 two warpgroups over 64-row query blocks (the share
-    split by columns between them); a query block the head_dim's share cannot take is refused with it,
-    and at 128 64-row blocks need both warpgroups. Where the dQ buffer is dQᵀ: narrower blocks at 128."""
+    """The route's tiles for the backward adding dQ up by TMA reduce-adds: two consumer warpgroups over
+    128 keys, splitting each block's dQ share between them — at head_dim 64 over 128-row query blocks
+    (by rows), at 128 over 64-row blocks (by columns); a query block the head_dim's share cannot take is
+    refused with it, and at 128 64-row blocks need both warpgroups. Where the dQ buffer is dQᵀ:
+    narrower blocks at 128. A register cap is checked where given."""
     from stableflash.attention.gluon.hopper_backward import atomic_backward_tiles
     t = atomic_backward_tiles(64)
     t.check(64)
-    assert t.atomic_dq and (t.block_n, t.block_m, t.stages, t.max_registers) == (64, 64, 3, 128)
-    assert t.options == {"num_warps": 4, "enable_fp_fusion": True, "maxnreg": 128}
+    assert t.atomic_dq and (t.block_n, t.block_m, t.stages, t.max_registers) == (128, 128, 2, None)
+    assert t.split_dq(64) and not t.split_dq(128) and not t._replace(block_n=64).split_dq(64)
+    assert t.options == {"num_warps": 4, "enable_fp_fusion": True}
+    assert t._replace(max_registers=128).options == {"num_warps": 4, "enable_fp_fusion": True, "maxnreg": 128}
     for bad in (63, 256, 128.0, True, "128"):
         with pytest.raises(ValueError, match="max_registers None or an int from 64 to 255"):
             t._replace(max_registers=bad).check()
     wide = atomic_backward_tiles(128)
     wide.check(128)
     assert wide.atomic_dq and (wide.block_n, wide.block_m, wide.stages, wide.max_registers) == (128, 64, 3, None)
+    assert wide.split_dq(128) and not wide.split_dq(64)
     assert (wide.dq_tile(128), wide.dq_transposed(128), t.dq_tile(64), t.dq_transposed(64)) == ((64, 64), False,
                                                                                                   (64, 64), False)
+    one = t._replace(block_n=64, block_m=64, stages=3, max_registers=128)    # one consumer: its whole share
+    one.check(64)
+    assert not one.split_dq(64) and one.dq_tile(64) == (64, 64) and t._replace(block_n=64).dq_tile(64) == (128, 64)
     narrow = wide._replace(block_m=32, stages=3)
     narrow.check(128)
     assert narrow.dq_tile(128) == (128, 32) and narrow.dq_transposed(128)
@@ -141,7 +148,7 @@ def test_l_and_delta_descriptors_keep_their_rows_aligned_for_tma():
         assert d.shape == [6, n] and d.strides == [-(-n // 4) * 4, 1] and d.base.data_ptr() % 16 == 0, d
         assert d.base.data_ptr() != odd.data_ptr() and torch.equal(d.base, odd.reshape(6, n))
     assert BackwardTiles(64, 16, 4, 64, 32, 3).vector_block == 32
-    assert (atomic_backward_tiles(64).vector_block, atomic_backward_tiles(128).vector_block) == (64, 64)
+    assert (atomic_backward_tiles(64).vector_block, atomic_backward_tiles(128).vector_block) == (128, 64)
 
 
 @pytest.mark.parametrize("transposed", [False, True], ids=["rows", "dq-transposed"])
@@ -240,22 +247,23 @@ def _check_dq(r, t, d):
     assert 24 in r["setmaxnreg"] and 240 in r["setmaxnreg"], r
 
 
-def _check_fused(r, t, d):
-    """The kernel adding dQ up by TMA reduce-adds, causal: per consumer partition and loop (the masked
-    diagonal, whole and masked tail blocks) Sᵀ and dPᵀ (d/16 HGMMA each), the previous block's dQ
-    share (64 keys: 4), dV and dK (block_m/16 each), then the last dQ share; the wait for Sᵀ
-    leaves dPᵀ and the dQ share in flight, the wait for both leaves P̄ᵀ·dO, one waits for all, and
-    the last share is waited for alone; a reduce-add per loop and one for the last share; no spills
-    (L and δ arrive in shared memory with Q and dO: no addresses of theirs held). Launched at the tiles' register
-    cap, the producer lowered to 24 and the consumers raised to the rest (232 with one consumer
-    warpgroup at 128: (256 · 128 − 128 · 24) / 128)."""
+def _check_split_rows(r, t, d):
+    """The kernel adding dQ up at head_dim 64 with the share split by rows, causal: per consumer
+    partition and loop (the masked diagonal, whole and masked tail blocks) Sᵀ and dPᵀ (d/16 HGMMA each),
+    dV and dK (block_m/16 each) and the previous block's share — its 64 rows of dS̄·K as two products
+    over the two warpgroups' 64 keys (64/16 each) — then the last block's share; the wait for Sᵀ leaves
+    the share in flight (some of Pᵀ's exponentials placed there), then the share, dPᵀ with P̄ᵀ·dO, and
+    the step are each waited for whole; a reduce-add per loop and one for the last share. The dK, dV,
+    Sᵀ and dPᵀ accumulators (32 + 32 + 64 + 64 fp32 registers a thread) leave some scalars to local
+    memory (at most 96 stores and 144 loads)."""
     consumers, loops = t.block_n // 64, 3
-    assert r["hgmma"] == consumers * (loops * (2 * d // 16 + 64 // 16 + 2 * t.block_m // 16) + 64 // 16), r
-    assert r["wait_depths"] == {0: consumers * (loops + 1), 1: consumers * loops, 2: consumers * loops}, r
-    assert r["ex2"] == consumers * loops * t.block_m // 2 and r["ex2_in_flight"] == r["ex2"], r
+    assert (t.block_n, t.block_m) == (128, 128) and t.dq_tile(d) == (64, 64) and not t.dq_transposed(d)
+    assert r["hgmma"] == consumers * (loops * (2 * d // 16 + 2 * t.block_m // 16 + 2 * 64 // 16) + 2 * 64 // 16), r
+    assert r["wait_depths"] == {0: consumers * (3 * loops + 1), 1: consumers * loops}, r
+    assert r["ex2"] == consumers * loops * t.block_m // 2 and 0 < r["ex2_in_flight"] <= r["ex2"], r
     assert r["tma_reduces"] == consumers * (loops + 1) and r["tma_stores"] == 2 * consumers, r
-    assert r["half_swaps"] == 0 and r["stl"] == 0 and r["ldl"] == 0, r
-    assert t.max_registers == 128 and r["registers"] == 128 and r["setmaxnreg"] == [24, 232], r
+    assert r["half_swaps"] == 0 and r["stl"] <= 96 and r["ldl"] <= 144, r
+    assert 24 in r["setmaxnreg"] and 240 in r["setmaxnreg"], r
 
 
 def _check_split(r, t, d):
@@ -280,7 +288,7 @@ def _check_split(r, t, d):
 def test_both_kernels_and_the_launcher_compile_for_sm90_without_a_gpu(offline):
     """``CONFIGS`` (head_dim 128, causal), default tiles: the dK/dV kernel's SASS as
     ``_check_dkdv`` says, the dQ kernel's as ``_check_dq`` says; the route's kernels adding dQ up
-    by TMA reduce-adds, causal, as ``_check_fused`` (64) and ``_check_split`` (128) say. And ``launch_args_backward`` —
+    by TMA reduce-adds, causal, as ``_check_split_rows`` (64) and ``_check_split`` (128) say. And ``launch_args_backward`` —
     rank-4 TMA descriptors over (B, H, N, d) tensors in a (B, N, H, d) buffer, grouped-query heads,
     N not a multiple of a block — bound to both kernels' signatures and compiled by triton's
     runtime for sm_90a with a stand-in for the CUDA driver: the launch path up to the driver call."""
@@ -294,9 +302,8 @@ def test_both_kernels_and_the_launcher_compile_for_sm90_without_a_gpu(offline):
     assert r["dq"]["grid"] == [2, 8], r                     # (query blocks, B·H)
     assert all(r[k]["wgmma"] and r[k]["tma"] for k in r), r
     assert r["dkdv"]["num_warps"] == r["dq"]["num_warps"] == 12, r          # 2 consumer warpgroups, the producer's
-    t = atomic_backward_tiles(64)
-    _check_fused(rows[(64, True, "fused")], t, 64)
-    assert r["fused"]["grid"] == [3, 4] and r["fused"]["wgmma"] and r["fused"]["tma"], r   # 150 keys, 64 a program
+    _check_split_rows(rows[(64, True, "fused")], atomic_backward_tiles(64), 64)
+    assert r["fused"]["grid"] == [2, 4] and r["fused"]["wgmma"] and r["fused"]["tma"], r   # 150 keys, 128 a program
     _check_split(rows[(128, True, "fused")], atomic_backward_tiles(128), 128)
 
 

@@ -53,13 +53,24 @@ TMA reduce-add (``cp.reduce.async.bulk.tensor``, UTMAREDG) from an fp32 tile in 
 products per block pair instead of 7, and a pass afterwards scaling the sums into bf16 dQ
 (``launch_backward.scale_dq_kernel``). The additions come in no fixed order, so dQ may differ in
 its last bits from run to run (under ``torch.use_deterministic_algorithms`` the route runs the
-two kernels above at head_dim 128, the Triton backward at 64). At head_dim 64, per step the
-previous block's share is issued beside Sᵀ and dPᵀ, A being the dS̄ᵀ that block left in
-shared memory (read transposed), B the resident K; the wait for dPᵀ also completes it, its fp32
-tile is staged while dV computes, this block's dS̄ᵀ replaces the previous one under the same
-fence, and the reduce-add is issued while dK computes — every product still waited for within the
-step. Issued after dK and waited for at once, the share cost 0.8 ms of the kernel's 2.0 at
-8×16×4096×64, most of it the serial fp32 staging (docs/kernels.md).
+two kernels above at head_dim 128, the Triton backward at 64). With one consumer warpgroup over 64
+keys and 64-row query blocks (``_dkdv_pipelined_step``), per step the previous block's share is
+issued beside Sᵀ and dPᵀ, A being the dS̄ᵀ that block left in shared memory (read transposed), B
+the resident K; the wait for dPᵀ also completes it, its fp32 tile is staged while dV computes,
+this block's dS̄ᵀ replaces the previous one under the same fence, and the reduce-add is issued
+while dK computes — every product still waited for within the step.
+
+At head_dim 64 the route runs two consumer warpgroups over 128 keys and 128-row query blocks
+(``atomic_backward_tiles(64)``, ``_dkdv_split_pipelined_step``), the tile of FlashAttention-3's
+head_dim-64 backward: each product is 64 keys × 128 query rows, so a block pair reads a quarter
+fewer operand bytes from shared memory than four 64 × 64 steps, and each block's dQ share is split
+by rows — both consumers leave their dS̄ᵀ (64 keys × 128 rows) in a shared-memory slot, and each
+adds rows [64·W, 64·W + 64) of dS̄·K over all 128 keys, one 64 × 64 fp32 tile (half the staged
+bytes of a share per key). The share is taken one block behind: the previous block's, issued
+right after this block's Sᵀ, computes while Pᵀ's exponentials run and is staged before P̄ᵀ·dO and
+dPᵀ are issued (in that order, so that the Sᵀ, dPᵀ and share accumulators are never all in flight:
+with them the step's 224 accumulator registers would not fit beside the dK, dV ones and ptxas would
+serialise every product).
 
 At head_dim 128 the dK, dV accumulators take 128 fp32 registers a thread, and a consumer's own
 share of dQ (64 query rows × 128 columns) would take 64 more. With 64-row query blocks (what the
@@ -83,8 +94,8 @@ apart, one's elementwise work running while the other's products do: triton foll
 wait of a partition of several warpgroups with a barrier across them, which would hold them in
 step. A warpgroup releases a slot as soon as its products that read it are complete. With
 ``block_n`` 64 a program has one consumer warpgroup; launched under a register cap
-(``BackwardTiles.max_registers``, the route's tiles: 128) two programs share an SM, the consumer
-raised to what the producer's warpgroup gives up (232 registers at 128).
+(``BackwardTiles.max_registers``) two programs share an SM, the consumer raised to what the
+producer's warpgroup gives up (232 registers at 128).
 """
 from __future__ import annotations
 
@@ -145,14 +156,21 @@ class BackwardTiles(NamedTuple):
             options["maxnreg"] = self.max_registers
         return options
 
+    def split_dq(self, head_dim: int) -> bool:
+        """Whether the two consumer warpgroups split each block's dQ share between them (with
+        ``atomic_dq``): at head_dim 128 with 64-row query blocks by columns (``_dkdv_split_step``), at 64
+        with 128 keys and 128-row query blocks by rows (``_dkdv_split_pipelined_step``) — each
+        warpgroup adds a 64 × 64 fp32 tile, its part of the share of all 128 keys."""
+        return self.atomic_dq and self.block_n == 128 and (head_dim, self.block_m) in ((128, 64), (64, 128))
+
     def dq_tile(self, head_dim: int) -> tuple[int, int]:
         """With ``atomic_dq``: (rows, columns) of the fp32 tile one reduce-add adds into the dQ buffer —
         (block_m, d) at head_dim 64; at 128 with 64-row query blocks (block_m, 64), each consumer
         warpgroup adding its half of the columns (``_dkdv_split_step``); at 128 with narrower blocks
         (d, block_m), the share transposed (``_dq_share``; the buffer is then dQᵀ)."""
-        if head_dim != 128:
-            return self.block_m, head_dim
-        return (self.block_m, 64) if self.block_m == 64 else (head_dim, self.block_m)
+        if self.split_dq(head_dim):
+            return 64, 64
+        return (self.block_m, head_dim) if head_dim != 128 else (head_dim, self.block_m)
 
     @property
     def vector_block(self) -> int:
@@ -200,15 +218,17 @@ def backward_tiles_for(head_dim: int, causal: bool) -> BackwardTiles:
 
 def atomic_backward_tiles(head_dim: int) -> BackwardTiles:
     """The tiles of the backward that adds dQ up by TMA reduce-adds (what the route runs). Head_dim 64:
-    64 keys per program (one consumer warpgroup), query blocks of 64 rows in three slots, 128
-    registers a thread at launch, so that two programs share an SM (one program per SM at the
-    compiler's 255, or with two consumer warpgroups over 128 keys: slower at every shape timed,
-    docs/kernels.md). Head_dim 128: 128 keys per program (two consumer warpgroups), query blocks of
-    64 rows in three slots (226 KiB of shared memory; two slots: 5% slower at 4×16×8192×128 causal),
-    each block's dQ share split by columns between the two warpgroups (``_dkdv_split_step``;
-    32-row blocks with the share transposed were slower than the two kernels, docs/kernels.md)."""
+    128 keys per program (two consumer warpgroups), query blocks of 128 rows in two slots (194 KiB of
+    shared memory), each block's dQ share split by rows between the warpgroups and taken one block
+    behind (``_dkdv_split_pipelined_step``; 4–14% faster than one warpgroup over 64 keys and 64-row
+    blocks, two programs an SM, and 2–4% faster than the same tiles with the share waited for within
+    its step, docs/kernels.md). Head_dim 128: 128 keys per program, query blocks of 64 rows in three
+    slots (226 KiB of shared memory; two slots: 5% slower at 4×16×8192×128 causal), each block's dQ
+    share split by columns (``_dkdv_split_step``; 32-row blocks with the share transposed were slower
+    than the two kernels, and the share taken one block behind 12–14% slower under a causal mask,
+    docs/kernels.md)."""
     if head_dim == 64:
-        return BackwardTiles(64, 64, 3, 128, 128, 2, atomic_dq=True, max_registers=128)
+        return BackwardTiles(128, 128, 2, 128, 128, 2, atomic_dq=True)
     if head_dim == 128:
         return BackwardTiles(128, 64, 3, 128, 128, 2, atomic_dq=True)
     raise ValueError(f"head_dim {head_dim} is invalid for the backward with atomic dQ; accepted: 64 or 128")
@@ -249,10 +269,18 @@ def _dkdv_step(k, v, k_all, q_smem, do_smem, lse_smem, delta_smem, q_ready, do_r
     """The t-th streamed block of consumer W's loop: ``_dkdv_split_step`` where dQ's shares are split
     by columns between the consumers (SPLIT), else ``_dkdv_pipelined_step``. Returns (dK, dV, h, start_m)
     of the block whose dQ share is still to be added (the pipelined step's previous block)."""
-    if SPLIT:
+    if SPLIT and HEAD_DIM == 64:
+        dk, dv = _dkdv_split_pipelined_step(
+            k, v, k_all, q_smem, do_smem, lse_smem, delta_smem, q_ready, do_ready, free, dk, dv, zero_t, t, start_n,
+            start_m, n_q, qk_scale, dq_desc, ds_smem, ds_bar, dq_smem.index(W), zero_q, b, prev_h, prev_m, W,
+            HEAD_DIM, BLOCK_M, STAGES, CAUSAL, MASKED, mma_t, mma_d)
+        prev_h = h
+        prev_m = start_m
+    elif SPLIT:
         dk, dv = _dkdv_split_step(k, v, k_all, q_smem, do_smem, lse_smem, delta_smem, q_ready, do_ready, free, dk,
                                   dv, zero_t, t, start_n, start_m, n_q, qk_scale, dq_desc, ds_smem, ds_bar,
-                                  dq_smem.index(W), b, h, W, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, MASKED, mma_t, mma_d)
+                                  dq_smem.index(W), zero_q, b, h, W, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, MASKED,
+                                  mma_t, mma_d)
         prev_h = h
         prev_m = start_m
     else:
@@ -302,8 +330,84 @@ def _probabilities_t(s, qk_scale, lse2, cols, n_q, start_n, CAUSAL: gl.constexpr
 
 
 @gluon.jit
+def _share_products(ds_all, k_all, ds_slot, zero_q, W: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """Consumer W's part of a block's dQ share from both consumers' dS̄ᵀ in ``ds_all``'s slot ds_slot
+    and both K tiles, issued as two asynchronous products of 64 keys: at head_dim 128 columns
+    [64·W, 64·W + 64) of all the block's 64 rows, at 64 rows [64·W, 64·W + 64) of its 128, every column."""
+    if HEAD_DIM == 128:
+        a0 = ds_all.index(2 * ds_slot).permute((1, 0))
+        a1 = ds_all.index(2 * ds_slot + 1).permute((1, 0))
+        k0 = k_all.index(0).reshape([64, HEAD_DIM]).slice(W * 64, 64, dim=1)
+        k1 = k_all.index(1).reshape([64, HEAD_DIM]).slice(W * 64, 64, dim=1)
+    else:
+        a0 = ds_all.index(2 * ds_slot).slice(W * 64, 64, dim=1).permute((1, 0))
+        a1 = ds_all.index(2 * ds_slot + 1).slice(W * 64, 64, dim=1).permute((1, 0))
+        k0 = k_all.index(0).reshape([64, HEAD_DIM])
+        k1 = k_all.index(1).reshape([64, HEAD_DIM])
+    tok = warpgroup_mma(a0, k0, zero_q, use_acc=False, is_async=True)
+    return warpgroup_mma(a1, k1, tok, is_async=True)
+
+
+@gluon.jit
+def _add_split_share(dq_desc, dq_buf, b, h, m, W: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """The TMA reduce-add of consumer W's part of a block's dQ share (``_share_products``), staged in
+    ``dq_buf``, into the fp32 dQ buffer: rows m …, columns 64·W … at head_dim 128; rows m + 64·W … at 64."""
+    if HEAD_DIM == 128:
+        tma_atomic_add(dq_desc, [b, h, m, W * 64], dq_buf)
+    else:
+        tma_atomic_add(dq_desc, [b, h, m + W * 64, 0], dq_buf)
+
+
+@gluon.jit
+def _dkdv_split_pipelined_step(k, v, k_all, q_smem, do_smem, lse_smem, delta_smem, q_ready, do_ready, free, dk, dv,
+                               zero_t, t, start_n, start_m, n_q, qk_scale, dq_desc, ds_all, ds_bar, dq_buf, zero_q,
+                               b, prev_h, prev_m, W: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                               STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASKED: gl.constexpr,
+                               mma_t: gl.constexpr, mma_d: gl.constexpr):
+    """``_dkdv_split_step`` with the dQ share one block behind (head_dim 64, split by rows): Sᵀ is issued,
+    then share t — the dS̄ᵀ both consumers left for block t − 1 in ``ds_all``'s slot t % 2 (zeros
+    before the first block); the wait for Sᵀ leaves the share in flight while Pᵀ's exponentials run;
+    the share is staged in fp32 (once the reduce-add from ``dq_buf`` before it has read it), P̄ᵀ·dO and
+    dPᵀ − δ are issued and waited for, dSᵀ formed, dK += dS̄ᵀ·Q issued, and while it computes block t's
+    dS̄ᵀ is written as share t + 1 into slot (t + 1) % 2 ("ds ready" of that slot) and the share is
+    reduce-added into rows prev_m + 64·W … of head prev_h. Slot (t + 1) % 2 held share t − 1: this
+    consumer's product reading it completed in step t − 1, the other's before it wrote share t, which
+    this step's wait on "ds ready" of slot t % 2 has seen."""
+    slot, phase, q, do, lse_s, delta_s, cols = _streamed_block(q_smem, do_smem, lse_smem, delta_smem, t, start_m,
+                                                               HEAD_DIM, BLOCK_M, STAGES, mma_t)
+    mbarrier.wait(q_ready.index(slot), phase)              # every barrier wait before the first product: a wait
+    mbarrier.wait(do_ready.index(slot), phase)             # loop between two would complete the one issued
+    mbarrier.wait(ds_bar.index(t % 2), (t // 2) & 1)        # share t written by both consumers
+    s_tok = warpgroup_mma(k, q.permute((1, 0)), zero_t, use_acc=False, is_async=True)
+    dq_tok = _share_products(ds_all, k_all, t % 2, zero_q, W, HEAD_DIM)
+    lse2 = _column_values(lse_s, mma_t) * LOG2E
+    s = warpgroup_mma_wait(1, deps=[s_tok])                 # Sᵀ done; the share in flight
+    p = _probabilities_t(s, qk_scale, lse2, cols, n_q, start_n, CAUSAL, MASKED, mma_t)
+    dq = warpgroup_mma_wait(0, deps=[dq_tok])
+    tma.store_wait(0)                                       # the reduce-add of the share before has read dq_buf
+    cta_barrier()
+    dq_buf.reshape([64, 64]).store(dq)
+    delta = _column_values(delta_s, mma_t)
+    p_bar = _a_operand(p, mma_d)
+    dv_tok = warpgroup_mma(p_bar, do, dv, is_async=True)
+    dp_tok = warpgroup_mma(v, do.permute((1, 0)), zero_t - delta[None, :], is_async=True)   # dPᵀ − δ
+    dp = warpgroup_mma_wait(0, deps=[dp_tok])               # P̄ᵀ·dO and dPᵀ done
+    ds = (p * dp).to(gl.bfloat16)
+    ds_bar_ = _a_operand(ds, mma_d)
+    dk_tok = warpgroup_mma(ds_bar_, q, dk, is_async=True)
+    ds_all.index(2 * ((t + 1) % 2) + W).store(ds)
+    fence_async_shared()
+    cta_barrier()                                           # this warpgroup's dS̄ᵀ and fp32 share written
+    mbarrier.arrive(ds_bar.index((t + 1) % 2), count=1)
+    _add_split_share(dq_desc, dq_buf, b, prev_h, prev_m, W, HEAD_DIM)
+    dv, dk, p_bar, ds_bar_ = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, p_bar, ds_bar_])
+    mbarrier.arrive(free.index(slot), count=1)
+    return dk, dv
+
+
+@gluon.jit
 def _dkdv_split_step(k, v, k_all, q_smem, do_smem, lse_smem, delta_smem, q_ready, do_ready, free, dk, dv, zero_t,
-                     t, start_n, start_m, n_q, qk_scale, dq_desc, ds_all, ds_bar, dq_buf, b, h, W: gl.constexpr,
+                     t, start_n, start_m, n_q, qk_scale, dq_desc, ds_all, ds_bar, dq_buf, zero_q, b, h, W: gl.constexpr,
                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                      MASKED: gl.constexpr, mma_t: gl.constexpr, mma_d: gl.constexpr):
     """The t-th streamed block of consumer W (keys start_n …, 64 of the program's 128) where dQ's
@@ -337,18 +441,15 @@ def _dkdv_split_step(k, v, k_all, q_smem, do_smem, lse_smem, delta_smem, q_ready
     cta_barrier()                                           # the whole warpgroup's half written
     mbarrier.arrive(ds_bar.index(ds_slot), count=1)
     mbarrier.wait(ds_bar.index(ds_slot), (t // 2) & 1)      # and the other consumer's
-    k0 = k_all.index(0).reshape([64, HEAD_DIM]).slice(W * 64, 64, dim=1)
-    k1 = k_all.index(1).reshape([64, HEAD_DIM]).slice(W * 64, 64, dim=1)
-    dq_tok = warpgroup_mma(ds_all.index(2 * ds_slot).permute((1, 0)), k0, zero_t, use_acc=False, is_async=True)
-    dq_tok = warpgroup_mma(ds_all.index(2 * ds_slot + 1).permute((1, 0)), k1, dq_tok, is_async=True)
+    dq_tok = _share_products(ds_all, k_all, ds_slot, zero_q, W, HEAD_DIM)
     dv, dk, dq, p_bar, ds_bar_ = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, dq_tok, p_bar, ds_bar_])
     mbarrier.arrive(free.index(slot), count=1)
     tma.store_wait(0)                                       # the previous block's reduce-add has read dq_buf
     cta_barrier()
-    dq_buf.reshape([BLOCK_M, 64]).store(dq)
+    dq_buf.reshape([64, 64]).store(dq)
     fence_async_shared()
     cta_barrier()
-    tma_atomic_add(dq_desc, [b, h, start_m, W * 64], dq_buf)
+    _add_split_share(dq_desc, dq_buf, b, h, start_m, W, HEAD_DIM)
     return dk, dv
 
 
@@ -449,7 +550,9 @@ def _dkdv_consumer(dk_desc, dv_desc, dq_desc, lse_smem, delta_smem, k_all, v_all
     blocks [diag_end, full_end), the ragged tail [full_end, m_lo + per_head); then dK·scale and dV
     in bf16 through its K and V tiles and TMA stores (rows past N_k are not written). SPLIT: both
     consumers meet once more after their last block ("ds ready" of the block after it), before
-    either overwrites its K tile, which the other's dQ products read."""
+    either overwrites its K tile, which the other's dQ products read; at head_dim 64, where the
+    shares are one block behind, each first leaves zeros as the share before the first block and
+    adds the last block's share before that meeting."""
     k_smem = k_all.index(W)
     v_smem = v_all.index(W)
     mma_t: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -463,16 +566,23 @@ def _dkdv_consumer(dk_desc, dv_desc, dq_desc, lse_smem, delta_smem, k_all, v_all
     dv = gl.zeros([64, HEAD_DIM], gl.float32, layout=mma_d)
     prev_h = hk * group                                     # the dQ share before the first: zeros
     prev_m = m_lo * BLOCK_M
-    if ATOMIC_DQ:
+    if SPLIT:                                               # a 64 × 64 part of the share
+        zero_q = gl.zeros([64, 64], gl.float32, layout=gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16]))
+        if HEAD_DIM == 64:              # share 0, before the first block: zeros
+            ds_smem.index(W).store(gl.zeros([64, BLOCK_M], gl.bfloat16, layout=mma_t))
+            fence_async_shared()
+            cta_barrier()
+            mbarrier.arrive(ds_bar.index(0), count=1)
+    elif ATOMIC_DQ:
         if HEAD_DIM == 128:                                 # the share transposed: d × query rows
             zero_q = gl.zeros([HEAD_DIM, BLOCK_M], gl.float32, layout=mma_t)
         else:
             zero_q = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=mma_d)
-        if not SPLIT:                                       # the pipelined step's share before the first
-            ds_smem = ds_smem.index(W)
-            ds_smem.store(gl.zeros([64, BLOCK_M], gl.bfloat16, layout=mma_t))
-            fence_async_shared()
-            cta_barrier()
+        ds_smem = ds_smem.index(W)                          # the pipelined step's share before the first
+        ds_smem.store(gl.zeros([64, BLOCK_M], gl.bfloat16, layout=mma_t))
+        fence_async_shared()
+        cta_barrier()
     else:
         zero_q = dv
     mbarrier.wait(kv_bar, 0)
@@ -495,7 +605,21 @@ def _dkdv_consumer(dk_desc, dv_desc, dq_desc, lse_smem, delta_smem, k_all, v_all
                 k, v, k_all, q_smem, do_smem, lse_smem, delta_smem, q_ready, do_ready, free, dk, dv, zero_t, base + m,
                 start_n, m * BLOCK_M, n_q, qk_scale, dq_desc, ds_smem, ds_bar, dq_smem, W, zero_q, b, h,
                 prev_h, prev_m, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, True, ATOMIC_DQ, SPLIT, mma_t, mma_d)
-    if SPLIT:
+    if SPLIT and HEAD_DIM == 64:      # the last block's share, then both meet
+        last = group * per_head
+        mbarrier.wait(ds_bar.index(last % 2), (last // 2) & 1)
+        dq = warpgroup_mma_wait(0, deps=[_share_products(ds_smem, k_all, last % 2, zero_q, W, HEAD_DIM)])
+        buf = dq_smem.index(W)
+        tma.store_wait(0)
+        cta_barrier()
+        buf.reshape([64, 64]).store(dq)
+        fence_async_shared()
+        cta_barrier()
+        _add_split_share(dq_desc, buf, b, prev_h, prev_m, W, HEAD_DIM)
+        mbarrier.arrive(ds_bar.index((last + 1) % 2), count=1)
+        mbarrier.wait(ds_bar.index((last + 1) % 2), ((last + 1) // 2) & 1)
+        tma.store_wait(0)
+    elif SPLIT:
         last = group * per_head
         mbarrier.arrive(ds_bar.index(last % 2), count=1)
         mbarrier.wait(ds_bar.index(last % 2), (last // 2) & 1)
@@ -570,9 +694,11 @@ def _key_program(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse
                  STAGES: gl.constexpr, CAUSAL: gl.constexpr, ATOMIC_DQ: gl.constexpr):
     """The program of both kernels above: shared memory, barriers, the partitions."""
     CONSUMERS: gl.constexpr = BLOCK_N // 64
-    SPLIT: gl.constexpr = ATOMIC_DQ and HEAD_DIM == 128 and BLOCK_M == 64   # dQ's shares split by columns
-    # grouped at 128 keys a program (1.5% at head_dim 128 causal); the grid's order at 64, where the
-    # grouping measured no faster and its arithmetic adds a spill under the 128-register cap
+    # dQ's shares split between the consumers (``BackwardTiles.split_dq``): by columns at head_dim 128, rows at 64
+    SPLIT: gl.constexpr = ATOMIC_DQ and BLOCK_N == 128 and ((HEAD_DIM == 128 and BLOCK_M == 64)
+                                                            or (HEAD_DIM == 64 and BLOCK_M == 128))
+    # grouped at 128 keys a program (1.5% at head_dim 128 causal); the grid's order at 64 keys, where the
+    # grouping measured no faster and its arithmetic adds a spill under a 128-register cap
     key_block, bhk = _launch_order(KEY_ORDER_HEADS if BLOCK_N == 128 else 1)
     start_n = key_block * BLOCK_N
     n_kv_heads = n_heads // group
@@ -605,7 +731,7 @@ def _key_program(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse
     if SPLIT:                                               # two slots of both consumers' dS̄ᵀ; a dQ tile each
         ds_smem = gl.allocate_shared_memory(gl.bfloat16, [2 * CONSUMERS, 64, BLOCK_M],
                                             gl.NVMMASharedLayout.get_default_for([64, BLOCK_M], gl.bfloat16))
-        dq_smem = gl.allocate_shared_memory(gl.float32, [CONSUMERS, 1, 1, BLOCK_M, 64], dq_desc.layout)
+        dq_smem = gl.allocate_shared_memory(gl.float32, [CONSUMERS, 1, 1, 64, 64], dq_desc.layout)
         ds_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(2):
             mbarrier.init(ds_bar.index(i), count=CONSUMERS)
