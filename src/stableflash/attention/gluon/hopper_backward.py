@@ -266,9 +266,11 @@ def _dkdv_step(k, v, k_all, q_smem, do_smem, lse_smem, delta_smem, q_ready, do_r
                h, prev_h, prev_m, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
                CAUSAL: gl.constexpr, MASKED: gl.constexpr, ATOMIC_DQ: gl.constexpr, SPLIT: gl.constexpr,
                mma_t: gl.constexpr, mma_d: gl.constexpr):
-    """The t-th streamed block of consumer W's loop: ``_dkdv_split_step`` where dQ's shares are split
-    by columns between the consumers (SPLIT), else ``_dkdv_pipelined_step``. Returns (dK, dV, h, start_m)
-    of the block whose dQ share is still to be added (the pipelined step's previous block)."""
+    """The t-th streamed block of consumer W's loop: where dQ's shares are split between the consumers
+    (SPLIT) ``_dkdv_split_pipelined_step`` at head_dim 64 (by rows, one block behind) and
+    ``_dkdv_split_step`` at 128 (by columns), else ``_dkdv_pipelined_step``. Returns (dK, dV, h,
+    start_m): this block's head and rows, whose dQ share the next step adds where shares are one block
+    behind."""
     if SPLIT and HEAD_DIM == 64:
         dk, dv = _dkdv_split_pipelined_step(
             k, v, k_all, q_smem, do_smem, lse_smem, delta_smem, q_ready, do_ready, free, dk, dv, zero_t, t, start_n,
