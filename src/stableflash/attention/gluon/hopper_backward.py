@@ -271,18 +271,17 @@ def _dkdv_step(k, v, k_all, q_smem, do_smem, lse_smem, delta_smem, q_ready, do_r
     ``_dkdv_split_step`` at 128 (by columns), else ``_dkdv_pipelined_step``. Returns (dK, dV, h,
     start_m): this block's head and rows, whose dQ share the next step adds where shares are one block
     behind."""
-    if SPLIT and HEAD_DIM == 64:
-        dk, dv = _dkdv_split_pipelined_step(
-            k, v, k_all, q_smem, do_smem, lse_smem, delta_smem, q_ready, do_ready, free, dk, dv, zero_t, t, start_n,
-            start_m, n_q, qk_scale, dq_desc, ds_smem, ds_bar, dq_smem.index(W), zero_q, b, prev_h, prev_m, W,
-            HEAD_DIM, BLOCK_M, STAGES, CAUSAL, MASKED, mma_t, mma_d)
-        prev_h = h
-        prev_m = start_m
-    elif SPLIT:
-        dk, dv = _dkdv_split_step(k, v, k_all, q_smem, do_smem, lse_smem, delta_smem, q_ready, do_ready, free, dk,
-                                  dv, zero_t, t, start_n, start_m, n_q, qk_scale, dq_desc, ds_smem, ds_bar,
-                                  dq_smem.index(W), zero_q, b, h, W, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, MASKED,
-                                  mma_t, mma_d)
+    if SPLIT:
+        if HEAD_DIM == 64:
+            dk, dv = _dkdv_split_pipelined_step(
+                k, v, k_all, q_smem, do_smem, lse_smem, delta_smem, q_ready, do_ready, free, dk, dv, zero_t, t,
+                start_n, start_m, n_q, qk_scale, dq_desc, ds_smem, ds_bar, dq_smem.index(W), zero_q, b, prev_h,
+                prev_m, W, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, MASKED, mma_t, mma_d)
+        else:
+            dk, dv = _dkdv_split_step(k, v, k_all, q_smem, do_smem, lse_smem, delta_smem, q_ready, do_ready, free,
+                                      dk, dv, zero_t, t, start_n, start_m, n_q, qk_scale, dq_desc, ds_smem, ds_bar,
+                                      dq_smem.index(W), zero_q, b, h, W, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, MASKED,
+                                      mma_t, mma_d)
         prev_h = h
         prev_m = start_m
     else:
@@ -386,9 +385,7 @@ def _dkdv_split_pipelined_step(k, v, k_all, q_smem, do_smem, lse_smem, delta_sme
     s = warpgroup_mma_wait(1, deps=[s_tok])                 # Sᵀ done; the share in flight
     p = _probabilities_t(s, qk_scale, lse2, cols, n_q, start_n, CAUSAL, MASKED, mma_t)
     dq = warpgroup_mma_wait(0, deps=[dq_tok])
-    tma.store_wait(0)                                       # the reduce-add of the share before has read dq_buf
-    cta_barrier()
-    dq_buf.reshape([64, 64]).store(dq)
+    _stage_dq_share(dq, dq_buf, 0)
     delta = _column_values(delta_s, mma_t)
     p_bar = _a_operand(p, mma_d)
     dv_tok = warpgroup_mma(p_bar, do, dv, is_async=True)
@@ -446,9 +443,7 @@ def _dkdv_split_step(k, v, k_all, q_smem, do_smem, lse_smem, delta_smem, q_ready
     dq_tok = _share_products(ds_all, k_all, ds_slot, zero_q, W, HEAD_DIM)
     dv, dk, dq, p_bar, ds_bar_ = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, dq_tok, p_bar, ds_bar_])
     mbarrier.arrive(free.index(slot), count=1)
-    tma.store_wait(0)                                       # the previous block's reduce-add has read dq_buf
-    cta_barrier()
-    dq_buf.reshape([64, 64]).store(dq)
+    _stage_dq_share(dq, dq_buf, 0)
     fence_async_shared()
     cta_barrier()
     _add_split_share(dq_desc, dq_buf, b, h, start_m, W, HEAD_DIM)
@@ -520,10 +515,11 @@ def _dq_share(k, ds_smem, zero_q, HEAD_DIM: gl.constexpr, IS_ASYNC: gl.constexpr
 
 
 @gluon.jit
-def _stage_dq_share(dq, buf):
-    """A dQ share (fp32 registers) written to ``buf``, once the reduce-add issued from it two shares
-    ago has read it."""
-    tma.store_wait(1)
+def _stage_dq_share(dq, buf, IN_FLIGHT: gl.constexpr = 1):
+    """A dQ share (fp32 registers) written to ``buf``, once at most IN_FLIGHT reduce-adds are still
+    reading shared memory: 1 where a consumer alternates two buffers (the one issued from ``buf``
+    two shares ago has read it), 0 where it has one."""
+    tma.store_wait(IN_FLIGHT)
     cta_barrier()                                           # every warp past the wait before buf is written
     buf.reshape(dq.shape).store(dq)
 
@@ -571,7 +567,7 @@ def _dkdv_consumer(dk_desc, dv_desc, dq_desc, lse_smem, delta_smem, k_all, v_all
     if SPLIT:                                               # a 64 × 64 part of the share
         zero_q = gl.zeros([64, 64], gl.float32, layout=gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16]))
-        if HEAD_DIM == 64:              # share 0, before the first block: zeros
+        if HEAD_DIM == 64:                                  # share 0, before the first block: zeros
             ds_smem.index(W).store(gl.zeros([64, BLOCK_M], gl.bfloat16, layout=mma_t))
             fence_async_shared()
             cta_barrier()
@@ -607,14 +603,12 @@ def _dkdv_consumer(dk_desc, dv_desc, dq_desc, lse_smem, delta_smem, k_all, v_all
                 k, v, k_all, q_smem, do_smem, lse_smem, delta_smem, q_ready, do_ready, free, dk, dv, zero_t, base + m,
                 start_n, m * BLOCK_M, n_q, qk_scale, dq_desc, ds_smem, ds_bar, dq_smem, W, zero_q, b, h,
                 prev_h, prev_m, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, True, ATOMIC_DQ, SPLIT, mma_t, mma_d)
-    if SPLIT and HEAD_DIM == 64:      # the last block's share, then both meet
+    if SPLIT and HEAD_DIM == 64:                            # the last block's share, then both meet
         last = group * per_head
         mbarrier.wait(ds_bar.index(last % 2), (last // 2) & 1)
         dq = warpgroup_mma_wait(0, deps=[_share_products(ds_smem, k_all, last % 2, zero_q, W, HEAD_DIM)])
         buf = dq_smem.index(W)
-        tma.store_wait(0)
-        cta_barrier()
-        buf.reshape([64, 64]).store(dq)
+        _stage_dq_share(dq, buf, 0)
         fence_async_shared()
         cta_barrier()
         _add_split_share(dq_desc, buf, b, prev_h, prev_m, W, HEAD_DIM)
