@@ -465,7 +465,7 @@ def test_train_tuner_picks_prints_each_tuners_picks_and_timings_as_json(monkeypa
 
 def test_kernel_breakdown_names_bad_arguments_before_it_looks_for_a_gpu(capsys, monkeypatch):
     """benchmarks/tools/kernel_breakdown.py: a malformed shape, a count of calls below one, both causal
-    switches or an unknown provider is refused (exit 2) with the argument named, whether or not a GPU
+    switches, an unknown provider or layout is refused (exit 2) with the argument named, whether or not a GPU
     is present; well-formed arguments without a GPU stop at the GPU check."""
     import torch
     tool = load("tools/kernel_breakdown")
@@ -473,6 +473,7 @@ def test_kernel_breakdown_names_bad_arguments_before_it_looks_for_a_gpu(capsys, 
     for argv, named in ((["--shape", "8,16,2048"], "argument --shape: shape '8,16,2048' is invalid"),
                         (["--calls", "0"], "--calls 0"), (["--causal", "--no-causal"], "--causal and --no-causal"),
                         (["--providers", "nope"], "argument --providers: provider 'nope' is unknown"),
+                        (["--layout", "bshd"], "argument --layout: invalid choice: 'bshd'"),
                         ([], "needs a CUDA GPU")):
         assert named in refused(tool.main, argv, capsys), argv
 
