@@ -579,7 +579,8 @@ def test_interleaved_bench_names_bad_arguments_and_summarises_rounds(capsys, mon
     """benchmarks/tools/interleaved_bench.py: a malformed shape, rounds or replay time below one, both
     causal switches, one provider or a repeated one, or an unknown provider is refused (exit 2) with
     the argument named; well-formed arguments without a GPU stop at the GPU check. ``summary``: medians
-    over the rounds, the first provider's median over each one's, each round's ratio."""
+    over the rounds, the first provider's median over each one's, each round's ratio, and the
+    stabilization's cost where both stableflash providers were timed (None otherwise)."""
     import torch
     tool = load("tools/interleaved_bench")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -595,6 +596,10 @@ def test_interleaved_bench_names_bad_arguments_and_summarises_rounds(capsys, mon
     assert row["median_ms"] == {"sdpa-default": 1.1, "stableflash": 1.0}
     assert row["ratio_to_first"]["stableflash"] == pytest.approx(1.1) and row["ratio_to_first"]["sdpa-default"] == 1.0
     assert row["per_round"]["stableflash"] == pytest.approx([1.0 / 0.9, 1.2 / 1.5, 1.1 / 1.0])
+    assert row["stabilization_cost"] is None
+    row = tool.summary((2, 4, 256, 64), True, {"sdpa-default": [1.0, 1.0, 1.0], "stableflash": [1.03, 1.05, 1.04],
+                                               "stableflash-none": [1.0, 0.99, 1.01]})
+    assert row["stabilization_cost"] == pytest.approx(1.04 / 1.0 - 1)
 
 
 def test_forward_timeline_names_bad_arguments_and_sums_the_phases(capsys, monkeypatch):

@@ -9,8 +9,10 @@ run twice gives ratios a percent or two apart. Here every round times each provi
 given (``stableflash.bench.attention.time_one``: CUDA-graph timing, (B, N, H, d) buffers seen as
 (B, H, N, d), bf16, fresh random inputs), and the rounds repeat: per shape and causal switch, each
 provider's median over the rounds, each one's ratio to the first provider (its median time over the
-provider's: above 1, faster than the first) and the ratio of every round, so that drift shows. Prints
-a line per shape and a table; ``--json`` writes them with the GPU and versions. Needs a CUDA GPU.
+provider's: above 1, faster than the first) and the ratio of every round, so that drift shows. With
+``stableflash`` and ``stableflash-none`` among the providers, also the stabilization's cost: the
+stabilized median over the unstabilized one, less 1. Prints a line per shape and a table; ``--json``
+writes them with the GPU and versions. Needs a CUDA GPU.
 """
 from __future__ import annotations
 
@@ -37,14 +39,20 @@ def time_rounds(shape, causal: bool, providers: list[str], rounds: int, rep_ms: 
     return times
 
 
+STABILIZED, UNSTABILIZED = "stableflash", "stableflash-none"    # stabilize=True and stabilize=False
+
+
 def summary(shape, causal: bool, times: dict[str, list[float]]) -> dict:
     """The row of one shape: median ms per provider, ratio to the first provider (its time over each
-    one's), and each round's ratio."""
+    one's), each round's ratio, and where both were timed the stabilization's cost (``STABILIZED``'s
+    median over ``UNSTABILIZED``'s, less 1; else None)."""
     first, *_ = times
     median = {p: statistics.median(t) for p, t in times.items()}
+    cost = median[STABILIZED] / median[UNSTABILIZED] - 1 if STABILIZED in median and UNSTABILIZED in median else None
     return {"shape": list(shape), "causal": causal, "ms": times, "median_ms": median,
             "ratio_to_first": {p: median[first] / m for p, m in median.items()},
-            "per_round": {p: [a / b for a, b in zip(times[first], t)] for p, t in times.items()}}
+            "per_round": {p: [a / b for a, b in zip(times[first], t)] for p, t in times.items()},
+            "stabilization_cost": cost}
 
 
 def main(argv=None) -> int:
@@ -81,15 +89,19 @@ def main(argv=None) -> int:
             out["rows"].append(row)
             others = "  ".join(f"{p} {row['median_ms'][p]:.4f} ms ({row['ratio_to_first'][p]:.3f}×, rounds "
                                f"{', '.join(f'{r:.3f}' for r in row['per_round'][p])})" for p in args.providers[1:])
+            cost = "" if row["stabilization_cost"] is None else f"  stabilization {row['stabilization_cost']:+.1%}"
             print(f"{'x'.join(map(str, shape))} causal={causal}: {args.providers[0]} "
-                  f"{row['median_ms'][args.providers[0]]:.4f} ms  {others}", flush=True)
+                  f"{row['median_ms'][args.providers[0]]:.4f} ms  {others}{cost}", flush=True)
     print(f"\n{out['gpu']}, torch {out['torch']}, triton {out['triton']}: {args.providers[0]}'s median time over each "
           f"provider's ({args.rounds} rounds)")
-    print("| shape | causal | " + " | ".join(args.providers[1:]) + " |")
-    print("|---|---|" + "---|" * (len(args.providers) - 1))
+    with_cost = STABILIZED in args.providers and UNSTABILIZED in args.providers
+    print("| shape | causal | " + " | ".join(args.providers[1:]) + (" | stabilization's cost" if with_cost else "")
+          + " |")
+    print("|---|---|" + "---|" * (len(args.providers) - 1 + with_cost))
     for row in out["rows"]:
+        cost = f" | {row['stabilization_cost']:+.1%}" if with_cost else ""
         print(f"| {'×'.join(map(str, row['shape']))} | {row['causal']} | "
-              + " | ".join(f"{row['ratio_to_first'][p]:.3f}" for p in args.providers[1:]) + " |")
+              + " | ".join(f"{row['ratio_to_first'][p]:.3f}" for p in args.providers[1:]) + cost + " |")
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))
     return 0
