@@ -136,9 +136,9 @@ class BackwardTiles(NamedTuple):
 
     def dkdv_constexprs(self, head_dim: int, causal: bool) -> dict:
         """The dK/dV kernel's compile-time arguments: what the launcher passes and the sm_90a compile
-        check compiles."""
+        check compiles (SPLIT_DQ: ``split_dq``)."""
         return {"HEAD_DIM": head_dim, "BLOCK_M": self.block_m, "BLOCK_N": self.block_n, "STAGES": self.stages,
-                "CAUSAL": causal}
+                "CAUSAL": causal, "SPLIT_DQ": self.split_dq(head_dim)}
 
     def dq_constexprs(self, head_dim: int, causal: bool) -> dict:
         """The dQ kernel's compile-time arguments."""
@@ -635,7 +635,7 @@ def _dkdv_consumer(dk_desc, dv_desc, dq_desc, lse_smem, delta_smem, k_all, v_all
 def attn_bwd_dkdv_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc,
                                 n_q, n_k, n_heads, group, qk_scale, scale,
                                 HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                                STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+                                STAGES: gl.constexpr, CAUSAL: gl.constexpr, SPLIT_DQ: gl.constexpr = False):
     """One program: dK and dV of keys [start_n, start_n + BLOCK_N) of one batch·kv-head, on a grid of
     (key blocks, B·H_kv) taken in ``_launch_order`` (with BLOCK_N 128, under a causal mask the first
     key blocks, which see the most queries, of four heads at a time start first). Descriptors: rank 4 over (B, H, N, d) — k, v, dk, dv with 64-row blocks (one
@@ -644,25 +644,28 @@ def attn_bwd_dkdv_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
     (``BackwardTiles.vector_block``). ``group``: query heads per key/value head;
     ``qk_scale``: scale·log2 e; ``scale``: the softmax scale (dK's factor). Launch with
     num_warps = 4: the first consumer warpgroup; the second (BLOCK_N = 128) and the producer warp
-    are worker partitions."""
+    are worker partitions. SPLIT_DQ: the fused kernel's (``BackwardTiles.dkdv_constexprs`` gives it
+    to both; without atomic dQ it is False), unused here."""
     _key_program(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dk_desc, lse_desc, delta_desc, n_q, n_k, n_heads,
-                 group, qk_scale, scale, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, False)
+                 group, qk_scale, scale, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, False, False)
 
 
 @gluon.jit
 def attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse_desc, delta_desc,
                            n_q, n_k, n_heads, group, qk_scale, scale,
                            HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                           STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+                           STAGES: gl.constexpr, CAUSAL: gl.constexpr, SPLIT_DQ: gl.constexpr = False):
     """``attn_bwd_dkdv_hopper_kernel`` that also adds each block pair's share of dQ, dS̄·K unscaled, to
     an fp32 (B, H, N_q, d) buffer that starts at zero: ``dq_desc``, a rank-4 descriptor of fp32 blocks
-    of ``BackwardTiles.dq_tile`` — (1, 1, BLOCK_M, d); at head_dim 128 (1, 1, 64, 64), each consumer
-    warpgroup adding half the columns (``_dkdv_split_step``), or with query blocks under 64 rows of
-    dQᵀ, (1, 1, d, BLOCK_M) blocks of a (B, H, d, N_q) buffer (``_dq_share``) — through TMA
+    of ``BackwardTiles.dq_tile`` — (1, 1, BLOCK_M, d); with SPLIT_DQ (``BackwardTiles.split_dq``)
+    (1, 1, 64, 64), each consumer warpgroup adding half the columns at head_dim 128
+    (``_dkdv_split_step``) or half the rows at 64 (``_dkdv_split_pipelined_step``); with query blocks
+    under 64 rows at head_dim 128, of dQᵀ, (1, 1, d, BLOCK_M) blocks of a (B, H, d, N_q) buffer
+    (``_dq_share``) — through TMA
     reduce-adds (one per consumer warpgroup and streamed block; the order of the additions is not
     fixed)."""
     _key_program(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse_desc, delta_desc, n_q, n_k, n_heads,
-                 group, qk_scale, scale, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, True)
+                 group, qk_scale, scale, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, True, SPLIT_DQ)
 
 
 @gluon.jit
@@ -687,12 +690,11 @@ def _launch_order(HEADS: gl.constexpr):
 def _key_program(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse_desc, delta_desc,
                  n_q, n_k, n_heads, group, qk_scale, scale,
                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                 STAGES: gl.constexpr, CAUSAL: gl.constexpr, ATOMIC_DQ: gl.constexpr):
-    """The program of both kernels above: shared memory, barriers, the partitions."""
+                 STAGES: gl.constexpr, CAUSAL: gl.constexpr, ATOMIC_DQ: gl.constexpr, SPLIT: gl.constexpr):
+    """The program of both kernels above: shared memory, barriers, the partitions. SPLIT: dQ's shares
+    split between the consumers (``BackwardTiles.split_dq``, with ATOMIC_DQ): by columns at head_dim
+    128, by rows at 64."""
     CONSUMERS: gl.constexpr = BLOCK_N // 64
-    # dQ's shares split between the consumers (``BackwardTiles.split_dq``): by columns at head_dim 128, rows at 64
-    SPLIT: gl.constexpr = ATOMIC_DQ and BLOCK_N == 128 and ((HEAD_DIM == 128 and BLOCK_M == 64)
-                                                            or (HEAD_DIM == 64 and BLOCK_M == 128))
     # grouped at 128 keys a program (1.5% at head_dim 128 causal); the grid's order at 64 keys, where the
     # grouping measured no faster and its arithmetic adds a spill under a 128-register cap
     key_block, bhk = _launch_order(KEY_ORDER_HEADS if BLOCK_N == 128 else 1)
