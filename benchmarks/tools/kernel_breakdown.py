@@ -5,11 +5,10 @@
 
 For each shape and provider (``stableflash bench attention``'s provider names and random inputs, laid
 out as ``--layout`` says: (B, H, N, d) contiguous, or the packed (B, N, 3, H, d) buffer a model passes,
-which ``interleaved_bench.py`` times): five
-warm-up calls of forward + backward (``torch.autograd.grad`` of the output with a fixed dO; with
-``--forward-only`` the forward under ``no_grad``), then ``--calls`` calls under ``torch.profiler``; prints,
-per provider, each GPU kernel's time per call (µs, largest first) and the total. Both causal switches
-unless one is named. Needs a CUDA GPU.
+which ``interleaved_bench.py`` times): five warm-up calls of forward + backward (``torch.autograd.grad``
+of the output with a fixed dO; with ``--forward-only`` the forward under ``no_grad``), then ``--calls``
+calls under ``torch.profiler``; prints, per provider, each GPU kernel's time per call (µs, largest
+first) and the total. Both causal switches unless one is named. Needs a CUDA GPU.
 """
 from __future__ import annotations
 
