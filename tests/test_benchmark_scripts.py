@@ -474,7 +474,7 @@ def test_kernel_breakdown_names_bad_arguments_before_it_looks_for_a_gpu(capsys, 
                         (["--calls", "0"], "--calls 0"), (["--causal", "--no-causal"], "--causal and --no-causal"),
                         (["--providers", "nope"], "argument --providers: provider 'nope' is unknown"),
                         (["--layout", "bshd"], "argument --layout: invalid choice: 'bshd'"),
-                        ([], "needs a CUDA GPU")):
+                        ([], "needs a CUDA GPU"), (["--graph", "--forward-only"], "needs a CUDA GPU")):
         assert named in refused(tool.main, argv, capsys), argv
 
 
@@ -650,3 +650,21 @@ def test_ab_kernels_runs_a_command_on_both_trees_in_rounds(tmp_path):
         assert (tmp_path / "out" / f"ab-A-{r}.txt").read_text().strip() == str(old / "stableflash" / "__init__.py")
         assert (tmp_path / "out" / f"ab-B-{r}.txt").read_text().strip() == str(repo / "src" / "stableflash" /
                                                                                   "__init__.py")
+
+
+def test_host_overhead_profiles_the_stabilized_paths(monkeypatch):
+    """benchmarks/tools/host_overhead.py --profile: ``profile_paths`` takes the stabilized provider's
+    function from ``providers()`` (whose entries hold the function and two switches) and writes one
+    cProfile section per timed path, each counting the calls; the paths stubbed by Python functions so
+    that no GPU is needed."""
+    import torch
+    tool = load("tools/host_overhead")
+    seen = []
+    monkeypatch.setattr(tool, "inputs", lambda shape: (torch.zeros(shape),) * 4)
+    monkeypatch.setattr(tool, "paths", lambda fn, q, k, v, do: {name: (lambda name=name: seen.append(name))
+                                                                   for name in tool.PATHS})
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    text = tool.profile_paths((1, 1, 8, 64), calls=3)
+    for name in tool.PATHS:
+        assert f"== {name}, 3 calls" in text
+        assert seen.count(name) == 20 + 3                    # 20 warm-up calls, then the profiled ones

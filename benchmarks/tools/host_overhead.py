@@ -137,7 +137,7 @@ def profile_paths(shape: tuple[int, int, int, int], calls: int, top: int = 25) -
     import cProfile
     import io
     import pstats
-    fn, _ = providers()["stableflash stabilize=True"]
+    fn, *_ = providers()["stableflash stabilize=True"]
     out = io.StringIO()
     for name, path in paths(fn, *inputs(shape)).items():
         for _ in range(20):
@@ -196,8 +196,6 @@ def main(argv=None) -> int:
     if len(shape) != 4:
         ap.error(f"--shape {args.shape!r} is invalid; accepted: four integers B,H,N,d")
     rows = measure(shape, args.calls)
-    if args.profile:
-        args.profile.write_text(profile_paths(shape, args.calls))
     import triton
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
           f"shape {args.shape}, causal bf16; microseconds per call (host-bound)")
@@ -212,6 +210,8 @@ def main(argv=None) -> int:
     if args.json:
         args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                                          "triton": triton.__version__, "shape": shape, "rows": rows}, indent=1) + "\n")
+    if args.profile:                                        # after the table: a failure here keeps the rows
+        args.profile.write_text(profile_paths(shape, args.calls))
     return 0
 
 

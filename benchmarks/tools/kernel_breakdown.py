@@ -1,7 +1,7 @@
 """Per-kernel GPU time of one attention call, ours against a peer, read by torch's profiler.
 
     python benchmarks/tools/kernel_breakdown.py [--shape 8,16,2048,128 ...] [--providers stableflash sdpa-default]
-        [--no-causal] [--forward-only] [--layout bhnd|bnhd] [--calls 20] [--json OUT.json]
+        [--no-causal] [--forward-only] [--layout bhnd|bnhd] [--calls 20] [--graph] [--json OUT.json]
 
 For each shape and provider (``stableflash bench attention``'s provider names and random inputs, laid
 out as ``--layout`` says: (B, H, N, d) contiguous, or the packed (B, N, 3, H, d) buffer a model passes,
@@ -9,6 +9,11 @@ which ``interleaved_bench.py`` times): five warm-up calls of forward + backward 
 of the output with a fixed dO; with ``--forward-only`` the forward under ``no_grad``), then ``--calls``
 calls under ``torch.profiler``; prints, per provider, each GPU kernel's time per call (µs, largest
 first) and the total. Both causal switches unless one is named. Needs a CUDA GPU.
+
+``--graph``: the call captured once in a CUDA graph (as ``interleaved_bench.py``'s timing replays it)
+and the graph replayed ``--calls`` times under the profiler: each kernel of one replay in the order it
+ran, its time and the gap before it (averaged over the replays), the kernels' sum, the span from the
+first kernel's start to the last one's end, and the replay's wall time by CUDA events (200 replays).
 """
 from __future__ import annotations
 
@@ -55,6 +60,66 @@ def kernel_times(shape, provider: str, causal: bool, forward_only: bool, calls: 
     return dict(sorted(times.items(), key=lambda kv: -kv[1]))
 
 
+def graph_replay(shape, provider: str, causal: bool, forward_only: bool, calls: int, layout: str = "bhnd") -> dict:
+    """One fwd+bwd call (or the forward) of ``provider`` captured in a CUDA graph: {"wall_us": a
+    replay's time by CUDA events, "span_us", "kernel_sum_us", "kernels": [{"kernel", "us",
+    "gap_before_us"}] in the order they ran}, the profiled figures averaged over ``calls`` replays."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from stableflash.bench.attention import _inputs, provider_context, provider_fn
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, do = _inputs(shape, torch.bfloat16, "cuda", gen, layout)
+    fn = provider_fn(provider, shape, causal, "cuda")
+    leaves = [t.detach().requires_grad_(not forward_only) for t in (q, k, v)]
+
+    def call():
+        with provider_context(provider):
+            if forward_only:
+                with torch.no_grad():
+                    fn(*leaves, causal)
+            else:
+                torch.autograd.grad(fn(*leaves, causal), leaves, do)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):                           # warm-up off the capture's stream, as torch asks
+        for _ in range(5):
+            call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    for _ in range(10):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(200):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    wall = start.elapsed_time(end) / 200 * 1000
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            graph.replay()
+        torch.cuda.synchronize()
+    events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                    key=lambda e: e.time_range.start)
+    if not events or len(events) % calls:
+        raise RuntimeError(f"the profiler reported {len(events)} kernels for {calls} replays; expected a multiple")
+    per = len(events) // calls
+    kernels, spans = [], []
+    for i in range(per):
+        runs = events[i::per]
+        gaps = [e.time_range.start - events[j * per + i - 1].time_range.end for j, e in enumerate(runs) if i > 0]
+        kernels.append({"kernel": runs[0].name, "us": sum(e.time_range.end - e.time_range.start for e in runs) / calls,
+                        "gap_before_us": sum(gaps) / calls if i > 0 else None})
+    for j in range(calls):
+        spans.append(events[j * per + per - 1].time_range.end - events[j * per].time_range.start)
+    del graph
+    return {"wall_us": wall, "span_us": sum(spans) / calls, "kernel_sum_us": sum(k["us"] for k in kernels),
+            "kernels": kernels}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", nargs="+", type=_shape, default=list(ROUTE_SHAPES),
@@ -67,6 +132,9 @@ def main(argv=None) -> int:
                     help="the inputs' memory: bhnd (B, H, N, d) contiguous (default), or bnhd, q, k, v views of "
                          "one packed (B, N, 3, H, d) buffer and dO (B, N, H, d), as a model passes them")
     ap.add_argument("--calls", type=int, default=20, help="profiled calls per provider (default 20)")
+    ap.add_argument("--graph", action="store_true",
+                    help="profile replays of the call captured in a CUDA graph: kernels in order, the gaps between "
+                         "them, the span and the replay's wall time")
     ap.add_argument("--json", type=Path, help="also write the times here")
     args = ap.parse_args(argv)
     if args.calls < 1:
@@ -79,9 +147,22 @@ def main(argv=None) -> int:
     switches = [False] if args.no_causal else [True] if args.causal else [True, False]
     out = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "calls": args.calls,
            "mode": "fwd" if args.forward_only else "fwd+bwd", "layout": args.layout, "us_per_call": {}}
+    if args.graph:
+        out["graph"] = {}
     for causal in switches:
         for shape in args.shape:
             for provider in args.providers:
+                if args.graph:
+                    key = f"{'causal' if causal else 'non-causal'} {'x'.join(map(str, shape))} {provider}"
+                    r = graph_replay(shape, provider, causal, args.forward_only, args.calls, args.layout)
+                    out["graph"][key] = r
+                    print(f"{key}: replay {r['wall_us']:.1f} µs (events), span {r['span_us']:.1f}, "
+                          f"kernels {r['kernel_sum_us']:.1f}")
+                    for k in r["kernels"]:
+                        gap = "" if k["gap_before_us"] is None else f"(+{k['gap_before_us']:.1f})"
+                        print(f"   {k['us']:9.1f} {gap:>8}  {k['kernel'][:110]}")
+                    sys.stdout.flush()
+                    continue
                 times = kernel_times(shape, provider, causal, args.forward_only, args.calls, args.layout)
                 key = f"{'causal' if causal else 'non-causal'} {'x'.join(map(str, shape))} {provider}"
                 out["us_per_call"][key] = {k: round(v, 2) for k, v in times.items()}
