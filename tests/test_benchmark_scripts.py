@@ -478,6 +478,25 @@ def test_kernel_breakdown_names_bad_arguments_before_it_looks_for_a_gpu(capsys, 
         assert named in refused(tool.main, argv, capsys), argv
 
 
+def test_kernel_breakdown_reads_graph_replays_from_profiler_events():
+    """benchmarks/tools/kernel_breakdown.py --graph: two replays of a three-kernel graph, given out of
+    order — each kernel's mean time and the mean gap before it, in the order the kernels ran, the
+    kernels' sum and the mean span; replays whose kernels differ, or a count of events that is not a
+    multiple of the replays, are refused."""
+    tool = load("tools/kernel_breakdown")
+    first = [("fwd", 0.0, 10.0), ("delta", 11.0, 13.0), ("bwd", 13.5, 33.5)]
+    second = [("fwd", 100.0, 112.0), ("delta", 115.0, 117.0), ("bwd", 117.5, 139.5)]
+    got = tool.per_replay(second + first[::-1], calls=2)
+    assert [k["kernel"] for k in got["kernels"]] == ["fwd", "delta", "bwd"]
+    assert [k["us"] for k in got["kernels"]] == [11.0, 2.0, 21.0]
+    assert [k["gap_before_us"] for k in got["kernels"]] == [None, 2.0, 0.5]
+    assert got["kernel_sum_us"] == 34.0 and got["span_us"] == (33.5 + 39.5) / 2
+    with pytest.raises(ValueError, match="differ in name or order"):
+        tool.per_replay(first + [("fwd", 100.0, 112.0), ("bwd", 113.0, 120.0), ("delta", 121.0, 122.0)], calls=2)
+    with pytest.raises(ValueError, match="5 kernels for 2 replays"):
+        tool.per_replay(first + second[:2], calls=2)
+
+
 def test_ncu_attention_table_reads_a_raw_export_and_names_what_it_lacks(tmp_path, capsys):
     ncu = load("tools/ncu_attention")
     head = ["ID", "Kernel Name", "gpu__time_duration.sum", "smsp__inst_executed.sum",

@@ -102,22 +102,29 @@ def graph_replay(shape, provider: str, causal: bool, forward_only: bool, calls: 
         for _ in range(calls):
             graph.replay()
         torch.cuda.synchronize()
-    events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
-                    key=lambda e: e.time_range.start)
-    if not events or len(events) % calls:
-        raise RuntimeError(f"the profiler reported {len(events)} kernels for {calls} replays; expected a multiple")
-    per = len(events) // calls
-    kernels, spans = [], []
-    for i in range(per):
-        runs = events[i::per]
-        gaps = [e.time_range.start - events[j * per + i - 1].time_range.end for j, e in enumerate(runs) if i > 0]
-        kernels.append({"kernel": runs[0].name, "us": sum(e.time_range.end - e.time_range.start for e in runs) / calls,
-                        "gap_before_us": sum(gaps) / calls if i > 0 else None})
-    for j in range(calls):
-        spans.append(events[j * per + per - 1].time_range.end - events[j * per].time_range.start)
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     del graph
-    return {"wall_us": wall, "span_us": sum(spans) / calls, "kernel_sum_us": sum(k["us"] for k in kernels),
-            "kernels": kernels}
+    return {"wall_us": wall, **per_replay([(e.name, e.time_range.start, e.time_range.end) for e in events], calls)}
+
+
+def per_replay(events: list[tuple[str, float, float]], calls: int) -> dict:
+    """{"span_us", "kernel_sum_us", "kernels"} of ``calls`` replays of one graph from the profiler's
+    (kernel name, start µs, end µs) events: the kernels of a replay in the order they ran, each one's
+    time and the gap between the previous one's end and its start (None for the first) averaged over
+    the replays, and the span from a replay's first start to its last end, averaged. ValueError when
+    the events are not the same kernels in every replay."""
+    events = sorted(events, key=lambda e: e[1])
+    if not events or len(events) % calls:
+        raise ValueError(f"the profiler reported {len(events)} kernels for {calls} replays; expected a multiple")
+    per = len(events) // calls
+    replays = [events[j * per:(j + 1) * per] for j in range(calls)]
+    if any([e[0] for e in r] != [e[0] for e in replays[0]] for r in replays):
+        raise ValueError("the replays' kernels differ in name or order")
+    kernels = [{"kernel": name, "us": sum(r[i][2] - r[i][1] for r in replays) / calls,
+                "gap_before_us": None if i == 0 else sum(r[i][1] - r[i - 1][2] for r in replays) / calls}
+               for i, (name, _, _) in enumerate(replays[0])]
+    return {"span_us": sum(r[-1][2] - r[0][1] for r in replays) / calls,
+            "kernel_sum_us": sum(k["us"] for k in kernels), "kernels": kernels}
 
 
 def main(argv=None) -> int:
