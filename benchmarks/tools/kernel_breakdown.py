@@ -27,11 +27,10 @@ from stableflash.bench.attention import LAYOUTS, ROUTE_SHAPES
 from stableflash.cli import _provider, _shape   # `stableflash bench attention`'s --shape and --providers
 
 
-def kernel_times(shape, provider: str, causal: bool, forward_only: bool, calls: int,
-                 layout: str = "bhnd") -> dict[str, float]:
-    """kernel name → µs per call of ``provider`` at ``shape``, inputs laid out as ``layout``."""
+def attention_call(shape, provider: str, causal: bool, forward_only: bool, layout: str):
+    """One call of ``provider`` at ``shape`` on fixed random inputs laid out as ``layout``: forward and
+    backward (``torch.autograd.grad`` of the output with a fixed dO), or the forward under ``no_grad``."""
     import torch
-    from torch.profiler import ProfilerActivity, profile
 
     from stableflash.bench.attention import _inputs, provider_context, provider_fn
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -46,6 +45,16 @@ def kernel_times(shape, provider: str, causal: bool, forward_only: bool, calls: 
                     fn(*leaves, causal)
             else:
                 torch.autograd.grad(fn(*leaves, causal), leaves, do)
+    return call
+
+
+def kernel_times(shape, provider: str, causal: bool, forward_only: bool, calls: int,
+                 layout: str = "bhnd") -> dict[str, float]:
+    """kernel name → µs per call of ``provider`` at ``shape``, inputs laid out as ``layout``."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    call = attention_call(shape, provider, causal, forward_only, layout)
     for _ in range(5):
         call()
     torch.cuda.synchronize()
@@ -67,19 +76,7 @@ def graph_replay(shape, provider: str, causal: bool, forward_only: bool, calls: 
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from stableflash.bench.attention import _inputs, provider_context, provider_fn
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v, do = _inputs(shape, torch.bfloat16, "cuda", gen, layout)
-    fn = provider_fn(provider, shape, causal, "cuda")
-    leaves = [t.detach().requires_grad_(not forward_only) for t in (q, k, v)]
-
-    def call():
-        with provider_context(provider):
-            if forward_only:
-                with torch.no_grad():
-                    fn(*leaves, causal)
-            else:
-                torch.autograd.grad(fn(*leaves, causal), leaves, do)
+    call = attention_call(shape, provider, causal, forward_only, layout)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):                           # warm-up off the capture's stream, as torch asks
@@ -159,8 +156,8 @@ def main(argv=None) -> int:
     for causal in switches:
         for shape in args.shape:
             for provider in args.providers:
+                key = f"{'causal' if causal else 'non-causal'} {'x'.join(map(str, shape))} {provider}"
                 if args.graph:
-                    key = f"{'causal' if causal else 'non-causal'} {'x'.join(map(str, shape))} {provider}"
                     r = graph_replay(shape, provider, causal, args.forward_only, args.calls, args.layout)
                     out["graph"][key] = r
                     print(f"{key}: replay {r['wall_us']:.1f} µs (events), span {r['span_us']:.1f}, "
@@ -171,7 +168,6 @@ def main(argv=None) -> int:
                     sys.stdout.flush()
                     continue
                 times = kernel_times(shape, provider, causal, args.forward_only, args.calls, args.layout)
-                key = f"{'causal' if causal else 'non-causal'} {'x'.join(map(str, shape))} {provider}"
                 out["us_per_call"][key] = {k: round(v, 2) for k, v in times.items()}
                 print(f"{key}: {sum(times.values()):.1f} µs")
                 for name, us in times.items():

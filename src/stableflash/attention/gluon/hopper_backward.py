@@ -165,9 +165,9 @@ class BackwardTiles(NamedTuple):
 
     def dq_tile(self, head_dim: int) -> tuple[int, int]:
         """With ``atomic_dq``: (rows, columns) of the fp32 tile one reduce-add adds into the dQ buffer —
-        (block_m, d) at head_dim 64; at 128 with 64-row query blocks (block_m, 64), each consumer
-        warpgroup adding its half of the columns (``_dkdv_split_step``); at 128 with narrower blocks
-        (d, block_m), the share transposed (``_dq_share``; the buffer is then dQᵀ)."""
+        (64, 64) where the consumers split the share (``split_dq``: each adds its half of the columns at
+        head_dim 128, of the rows at 64); otherwise (block_m, d) at head_dim 64 and, at 128 with
+        narrower query blocks, (d, block_m), the share transposed (``_dq_share``; the buffer is then dQᵀ)."""
         if self.split_dq(head_dim):
             return 64, 64
         return (self.block_m, head_dim) if head_dim != 128 else (head_dim, self.block_m)
