@@ -197,10 +197,14 @@ def pytest_collection_modifyitems(config, items):
     their collected order: under ``-n auto`` they start while most of the run is still ahead, and the
     run ends on short tests instead of one worker finishing a long test while the other waits.
     Where tests are collected (a worker, or the one process of ``-n 0``), before any of them runs,
-    Triton's interpreter loses its repeated setup (``_interpreter_without_repeated_setup``)."""
+    Triton's interpreter loses its repeated setup (``_interpreter_without_repeated_setup``). With a GPU
+    the kernels' launch cache checks each launch it shortcuts (``launch_cache.VERIFY``)."""
     _interpreter_without_repeated_setup()
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
     if cuda_available():
+        # every launch the launch cache shortcuts is checked against Triton's own binding
+        from stableflash.attention.triton import launch_cache
+        launch_cache.VERIFY = True
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:

@@ -4,10 +4,12 @@ On a GPU: flash_attention's forward and backward with the cache give bit for bit
 with every launch through Triton (same compiled kernels, same arguments), over shapes that change
 the autotuner's key, grouped-query heads and an input whose address is not 16-byte aligned (a
 different specialization, which must not reuse an aligned kernel); and once a shape has run, a
-second call launches without entering Triton's dispatch. On any machine: what the autotuner's
-choice is keyed on.
+second call launches without entering Triton's dispatch or its binder. On any machine: what the
+autotuner's choice is keyed on, and what a call's shortcut is keyed on.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -35,6 +37,60 @@ def test_the_tuners_key_is_its_key_arguments_and_the_tensors_dtypes():
     assert launch_cache._tuner_key(tuner, (x, x), {"n": 100, "factor": 2.0}) == base
     assert launch_cache._tuner_key(tuner, (x, x, 101, 2.0), {}) != base
     assert launch_cache._tuner_key(tuner, (x.half(), x, 100, 2.0), {}) != base
+
+
+@dataclasses.dataclass
+class _Descriptor:                             # the shape of triton's host-side tensor descriptors
+    base: torch.Tensor
+    shape: list
+    strides: list
+    block_shape: list
+    layout: object = None
+
+
+def test_a_calls_key_keeps_scalars_dtypes_alignment_and_descriptors_but_not_contents_or_addresses():
+    buf = torch.zeros(256)
+    x, y = buf[:64], buf[64:128]               # other addresses, both 16-byte aligned
+    key = launch_cache.call_key((x, x, 100, 2.0), {"BLOCK": 16})
+    assert key == launch_cache.call_key((y, torch.ones(64), 100, 2.0), {"BLOCK": 16})
+    assert key != launch_cache.call_key((buf[1:65], x, 100, 2.0), {"BLOCK": 16})     # 4 bytes off
+    assert key != launch_cache.call_key((x.double(), x, 100, 2.0), {"BLOCK": 16})
+    assert key != launch_cache.call_key((x, x, 101, 2.0), {"BLOCK": 16})
+    assert key != launch_cache.call_key((x, x, 100, 2.5), {"BLOCK": 16})
+    assert key != launch_cache.call_key((x, x, 100, 2.0), {"BLOCK": 32})
+    assert key != launch_cache.call_key((x, x, 100), {"factor": 2.0, "BLOCK": 16})     # by name, not position
+    # values that compare equal across types (1 == 1.0 == True) key apart
+    assert len({launch_cache.call_key((x, v), {}) for v in (1, 1.0, True)}) == 3
+    d = _Descriptor(x.view(8, 8), [8, 8], [8, 1], [4, 8])
+    dkey = launch_cache.call_key((d,), {})
+    assert dkey == launch_cache.call_key((_Descriptor(y.view(8, 8), [8, 8], [8, 1], [4, 8]),), {})
+    for other in (_Descriptor(x.view(8, 8), [8, 8], [8, 1], [8, 8]), _Descriptor(x.view(4, 16), [4, 16], [16, 1], [4, 8]),
+                  _Descriptor(x.view(8, 8), [8, 8], [8, 1], [4, 8], layout="swizzled"),
+                  _Descriptor(buf[2:66].view(8, 8), [8, 8], [8, 1], [4, 8])):
+        assert launch_cache.call_key((other,), {}) != dkey
+    assert launch_cache.call_key((x, [1, 2]), {}) is None                           # unhashable: no shortcut
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    swizzle: int
+
+
+def test_a_calls_key_names_a_frozen_layout_by_identity_and_keeps_it_alive():
+    launch_cache.clear()
+    layout = _Layout(128)
+    key = launch_cache.call_key((1,), {"LAYOUT": layout})
+    assert key == launch_cache.call_key((1,), {"LAYOUT": layout})
+    assert key != launch_cache.call_key((1,), {"LAYOUT": _Layout(128)})   # equal, another object: another key
+    assert launch_cache._pinned[id(layout)] is layout
+    launch_cache.clear()
+    assert launch_cache._pinned == {}
+
+
+def test_a_recorded_calls_arguments_follow_the_kernels_parameters():
+    call = launch_cache._Call(kernel=None, grid=(1, 1, 1), tail=(("n", True, None), ("BLOCK", False, 16)))
+    x = torch.zeros(4)
+    assert call.arguments((x, x), {"n": 7}) == [x, x, 7, 16]
 
 
 def _grads(q, k, v, do, causal):
@@ -88,3 +144,26 @@ def test_a_repeated_call_does_not_enter_tritons_dispatch(monkeypatch):
     monkeypatch.undo()
     expected = _through_tritons_dispatch(q, k, v, do, True)
     assert all(torch.equal(a, b) for a, b in zip(got, expected))
+
+
+@needs_cuda
+def test_a_repeated_call_does_not_bind_through_triton_and_the_record_stays_bounded(monkeypatch):
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    q, k, v, do = (torch.randn(1, 2, 128, 64, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(4))
+    launch_cache.clear()
+    expected = _grads(q, k, v, do, True)       # through Triton, then recorded on the second call
+    _grads(q, k, v, do, True)
+    monkeypatch.setattr(launch_cache, "VERIFY", False)
+    bound = []
+    real_bind = launch_cache._bind
+    monkeypatch.setattr(launch_cache, "_bind", lambda *a: bound.append(a) or real_bind(*a))
+    q2, k2, v2, do2 = (t.clone() for t in (q, k, v, do))      # new addresses, same alignment
+    got = _grads(q2, k2, v2, do2, True)
+    assert bound == []
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    monkeypatch.setattr(launch_cache, "MAX_CALLS", 2)
+    for n in (96, 160, 224):
+        x = torch.randn(1, 2, n, 64, device="cuda").to(torch.bfloat16)
+        _grads(x, x, x, x, True)
+        _grads(x, x, x, x, True)
+        assert len(launch_cache._calls) <= 2

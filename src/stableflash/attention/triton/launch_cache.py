@@ -7,18 +7,30 @@ kernel, and checks the kernel's globals (``benchmarks/tools/host_overhead.py`` m
 attention forward and backward launch three or four kernels with some seventy arguments each, so at a training
 step's small shapes that time is as long as the kernels'.
 
-``launch`` keeps what those lookups found. Its key is what Triton's own lookup depends on: the
-specialization that Triton's binder computes from the arguments (types, alignment, the integers
-equal to 1 or divisible by 16, every constexpr's value), the compile options given, Triton's debug
-switch and the device; in front of an autotuner also the exact values of the tuner's key
-arguments and the argument dtypes, which decide its choice. The first call with a key goes
-through Triton (tuning, compiling, launching as usual) and records the compiled kernel it
-returns; later calls bind the arguments and launch that kernel directly
-(``CompiledKernel[grid](*args)``, which calls Triton's launch hooks as its dispatch does). Under
-the interpreter every call goes through Triton.
+``launch`` keeps what those lookups found, at two levels:
+
+- The kernel: keyed on what Triton's own lookup depends on — the specialization that Triton's
+  binder computes from the arguments (types, alignment, the integers equal to 1 or divisible by
+  16, every constexpr's value), the compile options given, Triton's debug switch and the device;
+  in front of an autotuner also the exact values of the tuner's key arguments and the argument
+  dtypes, which decide its choice. The first call with a key goes through Triton (tuning,
+  compiling, launching as usual) and records the compiled kernel it returns; later calls bind the
+  arguments and launch that kernel directly (``CompiledKernel[grid](*args)``, which calls
+  Triton's launch hooks as its dispatch does).
+- The call: once a call has launched a recorded kernel, a call whose arguments agree with it in
+  everything but the tensors' contents and addresses (``call_key``: every scalar's type and value,
+  every tensor's dtype and its address modulo 16, a tensor descriptor's base by the same two and
+  its other fields by value, a frozen dataclass such as a Gluon layout by identity) launches the same kernel on the same grid without binding its arguments
+  through Triton or asking the tuner: the kernel's key is a function of these, so it cannot differ.
+  A training step's calls repeat their shapes, and binding costs a launch tens of microseconds.
+  ``VERIFY`` (the tests set it) binds through Triton as well on every such call and checks that
+  the kernel, grid and arguments are the ones the shortcut used.
+
+Under the interpreter every call goes through Triton.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import torch
@@ -29,16 +41,115 @@ from triton.runtime.interpreter import InterpretedFunction
 
 # off: every launch through Triton's dispatch (benchmarks compare both)
 ENABLED = True
+# on: every call found in ``_calls`` is also bound through Triton and checked against it (the tests)
+VERIFY = False
 
 _configs: dict[tuple, dict[str, Any]] = {}      # (tuner, its key values, dtypes) -> the config's kwargs
 _kernels: dict[tuple, Any] = {}                 # (kernel, device, specialization, options) -> CompiledKernel
+# (entry, device, debug, call_key) -> _Call; emptied when it or the pinned objects reach MAX_CALLS
+# (arguments that change on every call, such as a seed, would otherwise grow it without end)
+_calls: dict[tuple, "_Call"] = {}
+MAX_CALLS = 4096
 
 
 def clear() -> None:
-    """Forget every recorded choice and kernel (the next launch of each goes through Triton)."""
+    """Forget every recorded choice, kernel and call (the next launch of each goes through Triton)."""
     _configs.clear()
     _kernels.clear()
     _positions.clear()
+    _calls.clear()
+    _pinned.clear()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Call:
+    """A recorded call: the compiled kernel, its grid, and the kernel's parameters after the call's
+    positional arguments as (name, taken from the call's keyword arguments, else this value) — the
+    defaults and the tuner's choice."""
+
+    kernel: Any
+    grid: tuple[int, int, int]
+    tail: tuple[tuple[str, bool, Any], ...]
+
+    def arguments(self, args: tuple, kwargs: dict) -> list:
+        """The kernel's arguments in its parameters' order, as Triton's binder lists them."""
+        return [*args, *[kwargs[name] if given else value for name, given, value in self.tail]]
+
+
+_SCALARS = frozenset({int, float, bool, str, type(None)})
+# how ``call_key`` keys an argument of a class: _BY_VALUE, _BY_IDENTITY (a frozen dataclass, such as a
+# Gluon layout, whose own hash costs microseconds), or a tensor descriptor's fields but ``base``
+_BY_VALUE, _BY_IDENTITY = "value", "identity"
+_kinds: dict[type, object] = {}
+# the objects keyed by identity, kept alive so that no other object takes their id while a recorded call
+# names it; emptied with ``_calls``
+_pinned: dict[int, Any] = {}
+
+
+def _kind(cls: type, a) -> object:
+    if dataclasses.is_dataclass(a) and isinstance(getattr(a, "base", None), torch.Tensor):
+        return tuple(f.name for f in dataclasses.fields(a) if f.name != "base")
+    if dataclasses.is_dataclass(a) and a.__dataclass_params__.frozen:
+        return _BY_IDENTITY
+    return _BY_VALUE
+
+
+def _pin(a) -> int:
+    _pinned[id(a)] = a
+    return id(a)
+
+
+def _field(value):
+    cls = value.__class__
+    if cls in _SCALARS:
+        return value
+    if cls is list:
+        return tuple(value)
+    kind = _kinds.get(cls)
+    if kind is None:
+        kind = _kinds[cls] = _kind(cls, value)
+    return (cls, _pin(value)) if kind is _BY_IDENTITY else value
+
+
+def call_key(args: tuple, kwargs: dict) -> tuple | None:
+    """What a launch's kernel and grid can depend on in its arguments (the module docstring): scalars
+    by type and value, tensors by dtype and address modulo 16, tensor descriptors (dataclasses with
+    a ``base`` tensor) by class, base dtype and address modulo 16 and every other field, frozen
+    dataclasses (a layout) by identity, anything else hashable by type and value; None if an
+    argument is none of these (such a call binds through Triton every time)."""
+    out = [tuple(kwargs)]
+    add = out.append
+    for a in (*args, *kwargs.values()):
+        cls = a.__class__
+        if cls in _SCALARS:
+            add(cls)
+            add(a)
+            continue
+        if isinstance(a, torch.Tensor):
+            add(a.dtype)
+            add(a.data_ptr() & 15)
+            continue
+        kind = _kinds.get(cls)
+        if kind is None:
+            kind = _kinds[cls] = _kind(cls, a)
+        add(cls)
+        if kind is _BY_IDENTITY:
+            add(_pin(a))
+        elif kind is _BY_VALUE:
+            try:
+                hash(a)
+            except TypeError:
+                return None
+            add(a)
+        else:
+            base = a.base
+            add(base.dtype)
+            add(base.data_ptr() & 15)
+            for name in kind:
+                value = getattr(a, name)
+                field_cls = value.__class__
+                add(tuple(value) if field_cls is list else value if field_cls in _SCALARS else _field(value))
+    return tuple(out)
 
 
 _positions: dict[int, tuple[tuple[str, int], ...]] = {}   # tuner -> (key name, its position) pairs
@@ -73,6 +184,17 @@ def launch(entry, grid: Callable | tuple, *args, **kwargs) -> None:
     if not ENABLED or isinstance(entry, InterpretedFunction):
         entry[grid](*args, **kwargs)
         return
+    ckey = call_key(args, kwargs)
+    if ckey is not None:
+        ckey = (id(entry), driver.active.get_current_device(), knobs.runtime.debug, ckey)
+        call = _calls.get(ckey)
+        if call is not None:
+            values = call.arguments(args, kwargs)
+            if VERIFY:
+                _verify(entry, call, values, args, kwargs)
+            call.kernel[call.grid](*values)
+            return
+    given = kwargs
     tuned = isinstance(entry, Autotuner)
     raw = entry.fn if tuned else entry
     if tuned:
@@ -92,7 +214,29 @@ def launch(entry, grid: Callable | tuple, *args, **kwargs) -> None:
     if kernel is None:                              # Triton compiles (or finds) and launches
         _kernels[key] = raw[grid](*args, **kwargs)
         return
-    kernel[_grid_tuple(grid, bound)](*bound.values())
+    grid3 = _grid_tuple(grid, bound)
+    kernel[grid3](*bound.values())
+    if ckey is not None:
+        if len(_calls) >= MAX_CALLS or len(_pinned) >= MAX_CALLS:
+            _calls.clear()
+            _pinned.clear()
+        _calls[ckey] = _Call(kernel, grid3, tuple((name, name in given, None if name in given else bound[name])
+                                                  for name in list(bound)[len(args):]))
+
+
+def _verify(entry, call: _Call, values: list, args: tuple, kwargs: dict) -> None:
+    """Check a recorded call against what binding through Triton gives (``VERIFY``)."""
+    tuned = isinstance(entry, Autotuner)
+    raw = entry.fn if tuned else entry
+    if tuned:
+        config = _configs.get(_tuner_key(entry, args, kwargs))
+        assert config is not None, "a recorded call of a tuner without its recorded choice"
+        kwargs = {**kwargs, **config}
+    key, bound = _bind(raw, args, kwargs)
+    assert _kernels.get(key) is call.kernel, f"{raw.__name__}: the recorded call's kernel is not its arguments' kernel"
+    expected = list(bound.values())
+    assert len(values) == len(expected) and all(a is b or (a.__class__ in _SCALARS and a == b) for a, b in zip(values, expected)), \
+        f"{raw.__name__}: the recorded call's arguments are not its binder's"
 
 
 def _bind(raw, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
