@@ -190,3 +190,27 @@ def test_compiled_dropout_gives_eagers_values_for_the_same_seed():
         outs.append(_run(f, q, k, v, do))
     for name, a, b in zip(("O", "dQ", "dK", "dV"), *outs):
         assert torch.equal(a, b), name
+
+
+LAYOUTS = {  # (B, H, N, d) views as a model or a user hands them over
+    "packed qkv (B, N, 3, H, d)": lambda: torch.empty(2, 5, 3, 4, 8)[:, :, 0].transpose(1, 2),
+    "contiguous": lambda: torch.empty(2, 4, 5, 8),
+    "(B, N, H, d)": lambda: torch.empty(2, 6, 4, 8).transpose(1, 2),
+    "one head, one batch": lambda: torch.empty(1, 1, 7, 8),
+    "expanded heads (stride 0)": lambda: torch.empty(3, 1, 6, 8).expand(3, 4, 6, 8),
+    "last dimension strided": lambda: torch.empty(2, 4, 5, 16)[..., ::2],
+}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_an_output_follows_its_inputs_layout_as_torch_empty_permuted_lays_it_out(name):
+    t = LAYOUTS[name]()
+    dense = t if t.stride(-1) == 1 else t.contiguous()
+    order = sorted(range(4), key=lambda i: -dense.stride(i))
+    expected = torch.empty_permuted(dense.shape, order, dtype=t.dtype)
+    for _ in range(2):                         # the strides computed, then remembered
+        got = op._empty_like_layout(t)
+        assert got.shape == t.shape and got.dtype == t.dtype and got.stride() == expected.stride()
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode() as mode:             # a traced call's outputs: the same strides
+        assert op._empty_like_layout(mode.from_tensor(t)).stride() == expected.stride()

@@ -29,6 +29,7 @@ names its own δ source other than the stored O keeps it.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 from stableflash.attention.policy import PrecisionPolicy, with_consistent_delta
@@ -75,13 +76,25 @@ class Stabilization:
 
     @classmethod
     def named(cls, name: str, beta: float = 2.0, eps: float = 1e-3) -> "Stabilization":
-        """The stabilization ``name`` (one of ``NAMES``) with the rule's ``beta`` and ``eps``."""
+        """The stabilization ``name`` (one of ``NAMES``) with the rule's ``beta`` and ``eps``; for a name
+        and plain numbers, one frozen object per set of values (every attention call asks)."""
+        if type(name) is str and type(beta) in (int, float) and type(eps) in (int, float):
+            return _named(cls, name, beta, eps)
+        return cls._build(name, beta, eps)
+
+    @classmethod
+    def _build(cls, name: str, beta: float, eps: float) -> "Stabilization":
         if not isinstance(name, str) or name not in NAMES:
             raise ValueError(_unknown("stabilize", name))
         if name in (NONE, CONSISTENT_DELTA):
             return cls(ShiftRule("standard", beta, eps), name == CONSISTENT_DELTA)
         kind, _, delta = name.partition("+")
         return cls(ShiftRule(kind, beta, eps), bool(delta))
+
+
+@functools.lru_cache(maxsize=256, typed=True)
+def _named(cls, name: str, beta: float, eps: float) -> Stabilization:
+    return cls._build(name, beta, eps)
 
 
 def _unknown(arg: str, value) -> str:

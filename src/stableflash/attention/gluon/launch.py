@@ -6,7 +6,6 @@ import functools
 import math
 
 import torch
-import triton
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -172,9 +171,9 @@ def launch_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tens
             _descriptor(residual, t.q_rows) if store_r else o_desc, lse, n_q, k.shape[2], H, H // k.shape[1], B * H,
             scale * LOG2E)
     if t.persistent:        # one program per SM at most, each taking units of two query blocks (hopper_forward._pair)
-        grid = (min(B * H * ((triton.cdiv(n_q, t.block_m) + 1) // 2), _processors(q.device)), 1)
+        grid = (min(B * H * ((launch_cache.cdiv(n_q, t.block_m) + 1) // 2), _processors(q.device)), 1)
     else:
-        grid = (triton.cdiv(n_q, t.block_m), B * H)
+        grid = (launch_cache.cdiv(n_q, t.block_m), B * H)
     return grid, args, {**t.constexprs(d, causal, store_r), **t.options}
 
 

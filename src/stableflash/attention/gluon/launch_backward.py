@@ -134,11 +134,11 @@ def launch_args_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     if t.atomic_dq:                          # the dK/dV kernel's arguments with dQ's fp32 buffer after dV's
         descriptors += (_dq_buffer_descriptor(dq, t),)
     vectors = (vector_descriptor(lse, t.vector_block), vector_descriptor(delta, t.vector_block))
-    dkdv = ((triton.cdiv(n_k, t.block_n), B * Hk), (*descriptors, *vectors, *scalars),
+    dkdv = ((launch_cache.cdiv(n_k, t.block_n), B * Hk), (*descriptors, *vectors, *scalars),
             {**t.dkdv_constexprs(d, causal), **t.options})
     if t.atomic_dq:
         return {"fused": dkdv}
-    dq_ = ((triton.cdiv(n_q, t.dq_block_m), B * H),
+    dq_ = ((launch_cache.cdiv(n_q, t.dq_block_m), B * H),
            (_descriptor(q, 64), _descriptor(k, t.dq_block_n), _descriptor(v, t.dq_block_n), _descriptor(do, 64),
             _descriptor(dq, 64), lse, delta, *scalars),
            {**t.dq_constexprs(d, causal), **t.options})
@@ -196,7 +196,7 @@ def _atomic_backward(do, q, k, v, o, residual, lse, causal: bool, scale: float |
                                                tiles).values()
     launch_cache.launch(attn_bwd_hopper_kernel, grid, *args, **meta)
     rows = B * H * n_q
-    launch_cache.launch(scale_dq_kernel, (triton.cdiv(rows, 64),), dq_sum, dq, rows, H, n_q, *dq_sum.stride(),
+    launch_cache.launch(scale_dq_kernel, (launch_cache.cdiv(rows, 64),), dq_sum, dq, rows, H, n_q, *dq_sum.stride(),
                         *dq.stride()[:3], 1.0 / math.sqrt(d) if scale is None else float(scale), HEAD_DIM=d,
                         BLOCK_R=64, SRC_T=transposed)
 

@@ -95,8 +95,12 @@ def _config_reason(config) -> str | None:
 def _misaligned(named: dict[str, torch.Tensor]) -> str | None:
     for name, t in named.items():
         strides = t.stride()
-        if strides[-1] != 1 or t.data_ptr() % 16 or any(s == 0 or (s * t.element_size()) % 16 for s in strides[:-1]):
+        size = t.element_size()
+        if strides[-1] != 1 or t.data_ptr() % 16:
             return f"{name} with strides {strides} is not TMA-aligned"
+        for s in strides[:-1]:
+            if s == 0 or (s * size) % 16:
+                return f"{name} with strides {strides} is not TMA-aligned"
     return None
 
 

@@ -52,6 +52,12 @@ _calls: dict[tuple, "_Call"] = {}
 MAX_CALLS = 4096
 
 
+def cdiv(a: int, b: int) -> int:
+    """⌈a / b⌉ of host integers, for grids: ``triton.cdiv`` is a Triton function, whose call costs the
+    host microseconds."""
+    return -(-a // b)
+
+
 def clear() -> None:
     """Forget every recorded choice, kernel and call (the next launch of each goes through Triton)."""
     _configs.clear()

@@ -300,16 +300,24 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
 def _address(t: torch.Tensor) -> int:
     """t's data address; for a traced tensor (torch.compile's fake tensors) its byte offset into its
     storage, whose base torch.compile keeps 16-byte aligned (inductor copies a graph input that is not)."""
-    return t.storage_offset() * t.element_size() if is_fake(t) else t.data_ptr()
+    return t.data_ptr() if type(t) is torch.Tensor or not is_fake(t) else t.storage_offset() * t.element_size()
 
 
 def _use_tma(*ts: torch.Tensor) -> bool:
     """TMA needs compute capability ≥ 9, 16-byte aligned head bases and row strides (otherwise the
     pointer path runs)."""
-    if not TMA or interpreting() or torch.cuda.get_device_capability(ts[0].device)[0] < 9:
+    if not TMA or interpreting():
+        return False
+    device = ts[0].device
+    if _capability(device.index if device.index is not None else torch.cuda.current_device())[0] < 9:
         return False
     bytes_ = ts[0].element_size()
     return not any(_address(t) % 16 or any((s * bytes_) % 16 for s in t.stride()[:3]) for t in ts)
@@ -354,15 +362,27 @@ def _empty_like_layout(t: torch.Tensor) -> torch.Tensor:
     docs/notebook/training-speed-log.md has the profile and its command). Used by the ops and their fakes alike,
     so that torch.compile sees the strides the kernels produce."""
     t = _last_dim_contiguous(t)
+    if type(t) is torch.Tensor or not is_fake(t):       # a real tensor's sizes are ints: its strides, made once
+        return torch.empty_strided(t.shape, _layout_strides(tuple(t.shape), t.stride()), dtype=t.dtype,
+                                   device=t.device)
     order = sorted(range(t.dim()), key=lambda i: -t.stride(i))
     return torch.empty_permuted(t.shape, order, dtype=t.dtype, device=t.device)
+
+
+@functools.lru_cache(maxsize=1024)
+def _layout_strides(shape: tuple[int, ...], strides: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides ``_empty_like_layout`` gives a tensor of ``shape`` laid out as one of ``strides``:
+    ``torch.empty_permuted``'s, computed once per pair (an allocation with them known takes the host
+    half the time)."""
+    order = sorted(range(len(shape)), key=lambda i: -strides[i])
+    return torch.empty_permuted(shape, order, device="meta").stride()
 
 
 def varlen_grid(longest: int, block: int, programs: int) -> tuple[int, int]:
     """A packed batch's grid: sequence·head on the first axis, which takes up to 2³¹ − 1 programs
     (the second and third take 65,535: a step of many short documents has more sequence·heads
     than that), and the blocks of the longest sequence on the second."""
-    return programs, triton.cdiv(longest, block)
+    return programs, launch_cache.cdiv(longest, block)
 
 
 def _v_for_fp8_product(v: torch.Tensor, fmt: Format) -> torch.Tensor:
@@ -495,9 +515,9 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sc
         grid = lambda meta: varlen_grid(masks.max_q, meta["BLOCK_M"], n_seq * H)  # noqa: E731
     elif PERSISTENT and not masks.any:
         programs = _programs(q.device)
-        grid = lambda meta: (min(triton.cdiv(n_q, meta["BLOCK_M"]) * B * H, programs),)  # noqa: E731
+        grid = lambda meta: (min(launch_cache.cdiv(n_q, meta["BLOCK_M"]) * B * H, programs),)  # noqa: E731
     else:
-        grid = lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]), B * H)  # noqa: E731
+        grid = lambda meta: (launch_cache.cdiv(n_q, meta["BLOCK_M"]), B * H)  # noqa: E731
     tile = key_block_config(config.block_k, d) if config.block_k else None
     v8 = _v_for_fp8_product(v, config.p_bar) if config.fp8_product else v
     _launch(_fwd_tuned, attn_fwd_kernel, grid, q, k, v, v8, o, lse, o32, *_strides(q), *_strides(k), *_strides(v),
@@ -648,7 +668,7 @@ def delta_dot(o: torch.Tensor, r: torch.Tensor, do: torch.Tensor, delta: torch.T
     d, block = int(d), 64
     zero = {} if clear is None else dict(ZERO=clear, stride_zb=clear.stride(0), stride_zh=clear.stride(1),
                                          stride_zm=clear.stride(2), stride_zd=clear.stride(3), CLEAR=True)
-    _run(delta_dot_kernel, (triton.cdiv(n_q, block), B * H), o, r, do, delta, *_strides(o), *_strides(do), H,
+    _run(delta_dot_kernel, (launch_cache.cdiv(n_q, block), B * H), o, r, do, delta, *_strides(o), *_strides(do), H,
          n_q, HEAD_DIM=d, BLOCK_M=block, HAS_R=has_r, **zero)
 
 
@@ -672,7 +692,7 @@ def _backward_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     extra, switches = _mask_launch(masks, LOG2E, seed)
     extra.pop("mask_mul", None)                # the forward's alone
     n_m, n_n, n_bh, n_bhk = n_q, n_k, B * H, B * Hk
-    blocks = lambda n, size, rows: (triton.cdiv(n, size), rows)  # noqa: E731
+    blocks = lambda n, size, rows: (launch_cache.cdiv(n, size), rows)  # noqa: E731
     if masks.cu_q is not None:                 # programs over the longest sequence, sequences · heads
         n_seq = masks.cu_q.shape[0] - 1
         n_m, n_n, n_bh, n_bhk = masks.max_q, masks.max_k, n_seq * H, n_seq * Hk
