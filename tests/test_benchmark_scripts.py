@@ -687,3 +687,39 @@ def test_host_overhead_profiles_the_stabilized_paths(monkeypatch):
     for name in tool.PATHS:
         assert f"== {name}, 3 calls" in text
         assert seen.count(name) == 20 + 3                    # 20 warm-up calls, then the profiled ones
+
+
+def test_host_overhead_breakdown_sums_each_parts_inclusive_time_and_restores_it(monkeypatch):
+    """benchmarks/tools/host_overhead.py --breakdown: ``breakdown`` wraps module functions and a class's
+    static methods, sums their inclusive wall time over the timed calls only (not the 20 warm-up ones),
+    and puts the originals back, also when a call raises."""
+    import sys
+    import time
+    import types
+    tool = load("tools/host_overhead")
+    mod = types.ModuleType("fake_parts")
+
+    class Op:
+        @staticmethod
+        def run(x):
+            time.sleep(0.001)
+            return mod.helper(x) + 1
+
+    def helper(x):
+        time.sleep(0.002)
+        return x
+
+    mod.Op, mod.helper = Op, helper
+    monkeypatch.setitem(sys.modules, "fake_parts", mod)
+    targets = [("fake_parts", "Op.run"), ("fake_parts", "helper")]
+    original_run = Op.__dict__["run"]
+    parts = tool.breakdown(lambda: mod.Op.run(1), lambda out: mod.helper(out), calls=5, targets=targets)
+    assert list(parts) == ["forward call", "torch.autograd.grad", "Op.run", "helper"]
+    assert 3000 <= parts["Op.run"] < 3000 + 5000                # 1 ms of its own + the helper's 2 ms, per call
+    assert 4000 <= parts["helper"] < 4000 + 5000                # called in forward and backward: 2 × 2 ms
+    assert parts["forward call"] >= parts["Op.run"]
+    assert Op.__dict__["run"] is original_run and mod.helper is helper
+    with pytest.raises(ZeroDivisionError):
+        with tool.summed(targets, {}):
+            raise ZeroDivisionError
+    assert Op.__dict__["run"] is original_run and mod.helper is helper

@@ -2,6 +2,7 @@
 backward, when the GPU work is too small to matter (a 1 × 1 × 128 × 64 causal bf16 call by default).
 
     python benchmarks/tools/host_overhead.py [--shape 1,1,128,64] [--calls 300] [--json OUT.json] [--profile OUT.txt]
+                                             [--breakdown OUT.json]
 
 Per provider: microseconds per call of the forward alone (under ``torch.no_grad``), of forward and
 backward in eager mode, and of forward and backward through ``torch.compile`` (``fullgraph``, default
@@ -25,13 +26,21 @@ forward row moved by ±40% between passes of one machine).
 backward) under cProfile and write the functions with the most own time to the file: where the
 host's microseconds go, function by function.
 
+--breakdown: also time the ``stabilize=True`` provider's eager forward and backward by part, without a
+profiler: each function of ``BREAKDOWN`` wrapped so that its inclusive wall time is summed over the calls
+(nested functions overlap), beside the forward call and ``torch.autograd.grad`` as a whole; written as
+JSON, printed as a table.
+
 The training step's profile (``train_profile.py``) shows the time outside kernels per step; this
 says which part of one attention call it comes from.
 """
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
 import dataclasses
+import importlib
 import json
 import statistics
 import sys
@@ -178,6 +187,81 @@ def forward_parts(q, k, v, calls: int) -> dict:
             "forward_without_launch_us": without, "forward_without_driver_launch_us": without_driver}
 
 
+# --breakdown's functions, (module, attribute; a class's static method as "Class.method"), outermost first
+BREAKDOWN = [("stableflash.attention.api", "attend"),
+             ("stableflash.attention.triton.op", "_EagerAttention.forward"),
+             ("stableflash.attention.triton.op", "_forward"),
+             ("stableflash.attention.gluon.route", "why_not"),
+             ("stableflash.attention.gluon.route", "forward"),
+             ("stableflash.attention.triton.op", "_EagerAttention.backward"),
+             ("stableflash.attention.triton.op", "_backward_impl"),
+             ("stableflash.attention.gluon.route", "why_not_backward"),
+             ("stableflash.attention.gluon.route", "backward"),
+             ("stableflash.attention.gluon.launch_backward", "launch_args_backward"),
+             ("stableflash.attention.gluon.launch_backward", "_delta"),
+             ("stableflash.attention.triton.op", "_empty_like_layout"),
+             ("stableflash.attention.triton.launch_cache", "launch"),
+             ("stableflash.attention.triton.launch_cache", "call_key"),
+             ("stableflash.attention.triton.launch_cache", "_bind")]
+
+
+@contextlib.contextmanager
+def summed(targets, sums: dict):
+    """Within the block each (module, attribute) of ``targets`` adds its inclusive wall time in seconds
+    to ``sums[attribute]`` on every call; the originals are put back after."""
+    restore = []
+    try:
+        for module_name, attribute in targets:
+            owner = importlib.import_module(module_name)
+            *path, name = attribute.split(".")
+            for part in path:
+                owner = getattr(owner, part)
+            original = owner.__dict__[name]
+            static = isinstance(original, staticmethod)
+            fn = original.__func__ if static else original
+
+            def timed(*args, _fn=fn, _key=attribute, **kwargs):
+                start = time.perf_counter()
+                try:
+                    return _fn(*args, **kwargs)
+                finally:
+                    sums[_key] += time.perf_counter() - start
+
+            setattr(owner, name, staticmethod(timed) if static else timed)
+            restore.append((owner, name, original))
+        yield sums
+    finally:
+        for owner, name, original in reversed(restore):
+            setattr(owner, name, original)
+
+
+def breakdown(forward, backward, calls: int, targets=BREAKDOWN) -> dict[str, float]:
+    """Microseconds per call: ``forward()`` (which returns the output), ``backward(output)``, and each
+    target's inclusive time within them, over ``calls`` pairs after 20 warm-up pairs outside the timing."""
+    for _ in range(20):
+        backward(forward())
+    sums = collections.defaultdict(float)
+    with summed(targets, sums):
+        for _ in range(calls):
+            start = time.perf_counter()
+            out = forward()
+            middle = time.perf_counter()
+            backward(out)
+            sums["forward call"] += middle - start
+            sums["torch.autograd.grad"] += time.perf_counter() - middle
+    order = ["forward call", "torch.autograd.grad", *(attribute for _, attribute in targets)]
+    return {name: sums[name] / calls * 1e6 for name in order}
+
+
+def stabilized_breakdown(shape: tuple[int, int, int, int], calls: int) -> dict[str, float]:
+    """``breakdown`` of the ``stabilize=True`` provider's eager forward and ``torch.autograd.grad``."""
+    fn, *_ = providers()["stableflash stabilize=True"]
+    q, k, v, do = inputs(shape)
+    result = breakdown(lambda: fn(q, k, v), lambda o: torch.autograd.grad(o, (q, k, v), do), calls)
+    torch.cuda.synchronize()
+    return result
+
+
 class _NoLaunch:
     """A recorded kernel whose launch does nothing: what is left is the launch cache's own work."""
 
@@ -191,6 +275,7 @@ def main(argv=None) -> int:
     ap.add_argument("--calls", type=int, default=300, help="calls per repeat (default: %(default)s)")
     ap.add_argument("--json", type=Path, help="also write the rows here")
     ap.add_argument("--profile", type=Path, help="also write a cProfile of the stabilize=True paths here")
+    ap.add_argument("--breakdown", type=Path, help="also write the stabilize=True eager call's time by part here")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("host_overhead.py needs a CUDA device", file=sys.stderr)
@@ -215,6 +300,14 @@ def main(argv=None) -> int:
                                          "triton": triton.__version__, "shape": shape, "rows": rows}, indent=1) + "\n")
     if args.profile:                                        # after the table: a failure here keeps the rows
         args.profile.write_text(profile_paths(shape, args.calls))
+    if args.breakdown:
+        parts = stabilized_breakdown(shape, args.calls)
+        print("| stabilize=True, eager, inclusive (nested parts overlap) | µs per call |\n|---|---|")
+        for name, us in parts.items():
+            print(f"| {name} | {us:.1f} |")
+        args.breakdown.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                                              "triton": triton.__version__, "shape": shape, "calls": args.calls,
+                                              "us_per_call": parts}, indent=1) + "\n")
     return 0
 
 
