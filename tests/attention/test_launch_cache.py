@@ -88,9 +88,45 @@ def test_a_calls_key_names_a_frozen_layout_by_identity_and_keeps_it_alive():
 
 
 def test_a_recorded_calls_arguments_follow_the_kernels_parameters():
-    call = launch_cache._Call(kernel=None, grid=(1, 1, 1), tail=(("n", True, None), ("BLOCK", False, 16)))
+    call = launch_cache._Call(kernel=None, names=("x", "y", "n", "BLOCK"), tail=(("n", True, None), ("BLOCK", False, 16)))
     x = torch.zeros(4)
     assert call.arguments((x, x), {"n": 7}) == [x, x, 7, 16]
+
+
+def test_a_shortcut_call_evaluates_its_grid_anew(monkeypatch):
+    """A grid function may read what the arguments do not hold — the batch, which the strides of
+    contiguous (B, H, N, d) tensors do not show — so a call that repeats another's arguments launches
+    the recorded kernel on its own grid, evaluated with the arguments by name. Triton's binder and the
+    device are stood in for, so that no GPU is needed."""
+    import types
+    launched = []
+
+    class Kernel:                              # a compiled kernel: kernel[grid](*arguments)
+        def __getitem__(self, grid):
+            return lambda *args: launched.append((grid, args))
+
+    kernel = Kernel()
+
+    class Entry:                               # a jit function: entry[grid](*args, **kwargs) returns its kernel
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launched.append(("through Triton", grid)) or kernel
+
+    def bind(raw, args, kwargs):
+        return ("specialization",), {"x": args[0], "n": args[1], "BLOCK": kwargs["BLOCK"]}
+
+    monkeypatch.setattr(launch_cache, "_bind", bind)
+    monkeypatch.setattr(launch_cache, "driver", types.SimpleNamespace(
+        active=types.SimpleNamespace(get_current_device=lambda: 0)))
+    monkeypatch.setattr(launch_cache, "VERIFY", False)
+    launch_cache.clear()
+    entry, x = Entry(), torch.zeros(4)
+    for batch in (2, 2, 2, 5):
+        launch_cache.launch(entry, lambda meta, b=batch: (meta["n"] // meta["BLOCK"], b), x, 64, BLOCK=16)
+    assert launched[0][0] == "through Triton"
+    assert [grid for grid, _ in launched[1:]] == [(4, 2, 1), (4, 2, 1), (4, 5, 1)]
+    assert all(args == (x, 64, 16) for _, args in launched[1:])
+    assert len(launch_cache._calls) == 1       # the last two calls took the recorded call
+    launch_cache.clear()
 
 
 def _grads(q, k, v, do, causal):
@@ -161,6 +197,9 @@ def test_a_repeated_call_does_not_bind_through_triton_and_the_record_stays_bound
     got = _grads(q2, k2, v2, do2, True)
     assert bound == []
     assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    q4, k4, v4, do4 = (torch.cat([t, t.flip(0)]) for t in (q2, k2, v2, do2))   # another batch, same strides
+    got = _grads(q4, k4, v4, do4, True)
+    assert all(torch.equal(a[:1], b) and torch.equal(a[1:], b) for a, b in zip(got, expected))
     monkeypatch.setattr(launch_cache, "MAX_CALLS", 2)
     for n in (96, 160, 224):
         x = torch.randn(1, 2, n, 64, device="cuda").to(torch.bfloat16)

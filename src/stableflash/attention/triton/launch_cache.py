@@ -20,8 +20,11 @@ step's small shapes that time is as long as the kernels'.
 - The call: once a call has launched a recorded kernel, a call whose arguments agree with it in
   everything but the tensors' contents and addresses (``call_key``: every scalar's type and value,
   every tensor's dtype and its address modulo 16, a tensor descriptor's base by the same two and
-  its other fields by value, a frozen dataclass such as a Gluon layout by identity) launches the same kernel on the same grid without binding its arguments
-  through Triton or asking the tuner: the kernel's key is a function of these, so it cannot differ.
+  its other fields by value, a frozen dataclass such as a Gluon layout by identity) launches the same
+  kernel without binding its arguments through Triton or asking the tuner: the kernel's key is a
+  function of these, so it cannot differ. The grid is not: a grid function may read what the
+  arguments do not hold (the batch, whose stride a contiguous tensor's strides do not show), so it is
+  evaluated on every call, with the arguments by name as Triton evaluates it.
   A training step's calls repeat their shapes, and binding costs a launch tens of microseconds.
   ``VERIFY`` (the tests set it) binds through Triton as well on every such call and checks that
   the kernel, grid and arguments are the ones the shortcut used.
@@ -69,12 +72,12 @@ def clear() -> None:
 
 @dataclasses.dataclass(frozen=True)
 class _Call:
-    """A recorded call: the compiled kernel, its grid, and the kernel's parameters after the call's
+    """A recorded call: the compiled kernel, the kernel's parameters' names, and those after the call's
     positional arguments as (name, taken from the call's keyword arguments, else this value) — the
     defaults and the tuner's choice."""
 
     kernel: Any
-    grid: tuple[int, int, int]
+    names: tuple[str, ...]
     tail: tuple[tuple[str, bool, Any], ...]
 
     def arguments(self, args: tuple, kwargs: dict) -> list:
@@ -196,9 +199,10 @@ def launch(entry, grid: Callable | tuple, *args, **kwargs) -> None:
         call = _calls.get(ckey)
         if call is not None:
             values = call.arguments(args, kwargs)
+            grid3 = _grid_tuple(grid, dict(zip(call.names, values)) if callable(grid) else None)
             if VERIFY:
-                _verify(entry, call, values, args, kwargs)
-            call.kernel[call.grid](*values)
+                _verify(entry, call, values, grid, grid3, args, kwargs)
+            call.kernel[grid3](*values)
             return
     given = kwargs
     tuned = isinstance(entry, Autotuner)
@@ -226,11 +230,11 @@ def launch(entry, grid: Callable | tuple, *args, **kwargs) -> None:
         if len(_calls) >= MAX_CALLS or len(_pinned) >= MAX_CALLS:
             _calls.clear()
             _pinned.clear()
-        _calls[ckey] = _Call(kernel, grid3, tuple((name, name in given, None if name in given else bound[name])
+        _calls[ckey] = _Call(kernel, tuple(bound), tuple((name, name in given, None if name in given else bound[name])
                                                   for name in list(bound)[len(args):]))
 
 
-def _verify(entry, call: _Call, values: list, args: tuple, kwargs: dict) -> None:
+def _verify(entry, call: _Call, values: list, grid, grid3: tuple, args: tuple, kwargs: dict) -> None:
     """Check a recorded call against what binding through Triton gives (``VERIFY``)."""
     tuned = isinstance(entry, Autotuner)
     raw = entry.fn if tuned else entry
@@ -240,6 +244,7 @@ def _verify(entry, call: _Call, values: list, args: tuple, kwargs: dict) -> None
         kwargs = {**kwargs, **config}
     key, bound = _bind(raw, args, kwargs)
     assert _kernels.get(key) is call.kernel, f"{raw.__name__}: the recorded call's kernel is not its arguments' kernel"
+    assert _grid_tuple(grid, bound) == grid3, f"{raw.__name__}: the recorded call's grid is not its binder's"
     expected = list(bound.values())
     assert len(values) == len(expected) and all(a is b or (a.__class__ in _SCALARS and a == b) for a, b in zip(values, expected)), \
         f"{raw.__name__}: the recorded call's arguments are not its binder's"
