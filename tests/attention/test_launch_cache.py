@@ -126,6 +126,10 @@ def test_a_shortcut_call_evaluates_its_grid_anew(monkeypatch):
     assert [grid for grid, _ in launched[1:]] == [(4, 2, 1), (4, 2, 1), (4, 5, 1)]
     assert all(args == (x, 64, 16) for _, args in launched[1:])
     assert len(launch_cache._calls) == 1       # the last two calls took the recorded call
+    # a descriptor whose field cannot be hashed: no shortcut, the call binds (and launches) as before
+    odd = _Descriptor(x.view(2, 2), [[2, 2]], [2, 1], [2, 2])
+    launch_cache.launch(entry, (1,), odd, 64, BLOCK=16)
+    assert launched[-1] == ((1, 1, 1), (odd, 64, 16)) and len(launch_cache._calls) == 1
     launch_cache.clear()
 
 

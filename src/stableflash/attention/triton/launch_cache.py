@@ -121,7 +121,7 @@ def _field(value):
 
 
 def call_key(args: tuple, kwargs: dict) -> tuple | None:
-    """What a launch's kernel and grid can depend on in its arguments (the module docstring): scalars
+    """What a launch's kernel can depend on in its arguments (the module docstring): scalars
     by type and value, tensors by dtype and address modulo 16, tensor descriptors (dataclasses with
     a ``base`` tensor) by class, base dtype and address modulo 16 and every other field, frozen
     dataclasses (a layout) by identity, anything else hashable by type and value; None if an
@@ -196,7 +196,10 @@ def launch(entry, grid: Callable | tuple, *args, **kwargs) -> None:
     ckey = call_key(args, kwargs)
     if ckey is not None:
         ckey = (id(entry), driver.active.get_current_device(), knobs.runtime.debug, ckey)
-        call = _calls.get(ckey)
+        try:
+            call = _calls.get(ckey)
+        except TypeError:                           # a descriptor field that cannot be hashed
+            ckey = call = None
         if call is not None:
             values = call.arguments(args, kwargs)
             grid3 = _grid_tuple(grid, dict(zip(call.names, values)) if callable(grid) else None)
