@@ -28,7 +28,7 @@ step's small shapes that time is as long as the kernels'.
   A training step's calls repeat their shapes, and binding costs a launch tens of microseconds.
   ``VERIFY`` (the tests set it) binds through Triton as well on every such call and checks that
   the kernel, grid and arguments are the ones the shortcut used. Triton's own settings (its
-  ``knobs``, but the debug switch, which the key holds) are read when a call binds, not by the
+  ``knobs``, except the debug switch, which the key holds) are read when a call binds, not by the
   shortcut: call ``clear()`` after changing them.
 
 Under the interpreter every call goes through Triton.
