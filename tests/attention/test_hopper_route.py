@@ -397,3 +397,21 @@ def test_packed_qkv_backward_on_the_hopper_route_eager_and_compiled(counted, mon
         for name, x, x_t, r in zip(("O", "dqkv"), got, portable, ref):
             err, err_t = (((y.double() - r).norm() / r.norm()).item() for y in (x, x_t))
             assert err <= 1.25 * err_t + 1e-4, (name, err, err_t)
+
+
+def test_a_devices_capability_is_asked_once_per_device_and_the_current_one_stands_for_no_index(monkeypatch):
+    """``support.device_capability``: what the route, the Gluon launcher and the Triton op's TMA switch
+    read; the driver stood in for, so that no GPU is needed."""
+    from stableflash.attention.gluon import support
+    asked = []
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: asked.append(index) or (9, index))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    support._capability.cache_clear()
+    try:
+        assert support.device_capability(torch.device("cuda", 0)) == (9, 0)
+        assert support.device_capability(torch.device("cuda")) == (9, 1)
+        assert support.device_capability(torch.device("cuda", 1)) == (9, 1)
+        assert support.device_capability(torch.device("cuda", 0)) == (9, 0)
+        assert asked == [0, 1]
+    finally:
+        support._capability.cache_clear()

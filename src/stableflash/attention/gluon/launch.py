@@ -10,6 +10,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from stableflash.attention.gluon.hopper_forward import Tiles, attn_fwd_hopper_kernel, descriptor_layout, tiles_for
+from stableflash.attention.gluon.support import device_capability
 from stableflash.attention.triton import launch_cache
 
 HEAD_DIMS = (64, 128)
@@ -67,15 +68,10 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
                              "capability 9.0 (Hopper: H100, H200)")
         if t.device != q.device:
             raise ValueError(f"{name} on {t.device} is invalid; accepted: q's device {q.device}")
-    cap = _capability(q.device.index if q.device.index is not None else torch.cuda.current_device())
+    cap = device_capability(q.device)
     if cap != (9, 0):
         raise ValueError(f"q on {q.device} of compute capability {cap} is invalid; accepted: compute capability "
                          "(9, 0) (the kernel is compiled for sm_90a: Hopper's wgmma and TMA)")
-
-
-@functools.cache
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
 
 
 # TensorDescriptor's fields with defaults (padding, and what a release adds), as its constructor sets them

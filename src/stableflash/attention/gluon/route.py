@@ -45,7 +45,7 @@ from dataclasses import replace
 
 import torch
 
-from stableflash.attention.gluon.support import unavailable_reason
+from stableflash.attention.gluon.support import device_capability, unavailable_reason
 
 # off: every call on the Triton kernels (the benchmarks' "stableflash-portable" provider)
 ENABLED = True
@@ -72,11 +72,6 @@ def triton_only():
         yield
     finally:
         ENABLED = was
-
-
-@functools.cache
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
 
 
 @functools.lru_cache(maxsize=64)
@@ -184,7 +179,7 @@ def _common_reason(q, k, v, config, masks, pointers: bool, aligned: dict) -> str
         return reason
     if q.device.type != "cuda":
         return f"the tensors are on {q.device}, not CUDA"
-    cap = _capability(q.device.index if q.device.index is not None else torch.cuda.current_device())
+    cap = device_capability(q.device)
     if cap != (9, 0):
         return f"compute capability {cap} (the kernels are compiled for sm_90a)"
     return None

@@ -2,7 +2,8 @@
 
 Imports nothing beyond the standard library at module level; ``unavailable_reason`` tries the
 imports once and names the first thing missing (no triton, a triton without Gluon, a Gluon
-without the Hopper module or one of the names the kernels call).
+without the Hopper module or one of the names the kernels call). ``device_capability``: a CUDA
+device's compute capability, read once per device.
 """
 from __future__ import annotations
 
@@ -51,3 +52,18 @@ def available() -> bool:
     """True where this triton offers the Gluon Hopper API the kernels use (they can be compiled for
     sm_90a here, GPU or not; running them needs a CUDA device of compute capability 9.0)."""
     return unavailable_reason() is None
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    import torch
+    return torch.cuda.get_device_capability(index)
+
+
+def device_capability(device) -> tuple[int, int]:
+    """(major, minor) compute capability of the CUDA ``device`` (a ``torch.device``; without an index,
+    the current device), asked of the driver once per device."""
+    if device.index is not None:
+        return _capability(device.index)
+    import torch
+    return _capability(torch.cuda.current_device())

@@ -157,9 +157,7 @@ def call_key(args: tuple, kwargs: dict) -> tuple | None:
             add(base.dtype)
             add(base.data_ptr() & 15)
             for name in kind:
-                value = getattr(a, name)
-                field_cls = value.__class__
-                add(tuple(value) if field_cls is list else value if field_cls in _SCALARS else _field(value))
+                add(_field(getattr(a, name)))
     return tuple(out)
 
 

@@ -31,6 +31,7 @@ from triton.runtime.autotuner import Autotuner
 from triton.runtime.interpreter import InterpretedFunction
 
 from stableflash.attention.gluon import route as hopper_route
+from stableflash.attention.gluon.support import device_capability
 from stableflash.attention.masking import draw_seed, drop_threshold
 from stableflash.attention.triton import launch_cache
 from stableflash.attention.triton.backward import (attn_bwd_dkdv_kernel, attn_bwd_dq_kernel,
@@ -300,24 +301,21 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-@functools.cache
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
+def _has_data(t: torch.Tensor) -> bool:
+    """Not a traced tensor (torch.compile's fake tensors); a plain tensor skips ``is_fake``'s checks."""
+    return type(t) is torch.Tensor or not is_fake(t)
 
 
 def _address(t: torch.Tensor) -> int:
     """t's data address; for a traced tensor (torch.compile's fake tensors) its byte offset into its
     storage, whose base torch.compile keeps 16-byte aligned (inductor copies a graph input that is not)."""
-    return t.data_ptr() if type(t) is torch.Tensor or not is_fake(t) else t.storage_offset() * t.element_size()
+    return t.data_ptr() if _has_data(t) else t.storage_offset() * t.element_size()
 
 
 def _use_tma(*ts: torch.Tensor) -> bool:
     """TMA needs compute capability ≥ 9, 16-byte aligned head bases and row strides (otherwise the
     pointer path runs)."""
-    if not TMA or interpreting():
-        return False
-    device = ts[0].device
-    if _capability(device.index if device.index is not None else torch.cuda.current_device())[0] < 9:
+    if not TMA or interpreting() or device_capability(ts[0].device)[0] < 9:
         return False
     bytes_ = ts[0].element_size()
     return not any(_address(t) % 16 or any((s * bytes_) % 16 for s in t.stride()[:3]) for t in ts)
@@ -362,7 +360,7 @@ def _empty_like_layout(t: torch.Tensor) -> torch.Tensor:
     docs/notebook/training-speed-log.md has the profile and its command). Used by the ops and their fakes alike,
     so that torch.compile sees the strides the kernels produce."""
     t = _last_dim_contiguous(t)
-    if type(t) is torch.Tensor or not is_fake(t):       # a real tensor's sizes are ints: its strides, made once
+    if _has_data(t):                           # a real tensor's sizes are ints: its strides, made once
         return torch.empty_strided(t.shape, _layout_strides(tuple(t.shape), t.stride()), dtype=t.dtype,
                                    device=t.device)
     order = sorted(range(t.dim()), key=lambda i: -t.stride(i))
