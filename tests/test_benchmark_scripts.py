@@ -726,3 +726,12 @@ def test_host_overhead_breakdown_sums_each_parts_inclusive_time_and_restores_it(
         with tool.summed(targets, {}):
             raise ZeroDivisionError
     assert Op.__dict__["run"] is original_run and mod.helper is helper
+
+
+@pytest.mark.parametrize("argv, named", [(["--shape", "1,2"], "--shape"), (["--shape", "1,a,3,4"], "--shape"),
+                                         (["--shape", "1,0,8,64"], "--shape"), (["--calls", "0"], "--calls")])
+def test_host_overhead_refuses_bad_arguments_naming_them_before_asking_for_a_gpu(argv, named, capsys):
+    tool = load("tools/host_overhead")
+    with pytest.raises(SystemExit) as stop:
+        tool.main(argv)
+    assert stop.value.code == 2 and named in capsys.readouterr().err

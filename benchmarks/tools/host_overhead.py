@@ -277,12 +277,17 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", type=Path, help="also write a cProfile of the stabilize=True paths here")
     ap.add_argument("--breakdown", type=Path, help="also write the stabilize=True eager call's time by part here")
     args = ap.parse_args(argv)
+    try:
+        shape = tuple(int(x) for x in args.shape.split(","))
+    except ValueError:
+        shape = ()
+    if len(shape) != 4 or min(shape) < 1:
+        ap.error(f"--shape {args.shape!r} is invalid; accepted: four integers B,H,N,d, each at least 1")
+    if args.calls < 1:
+        ap.error(f"--calls {args.calls} is invalid; accepted: an integer of at least 1")
     if not torch.cuda.is_available():
         print("host_overhead.py needs a CUDA device", file=sys.stderr)
         return 1
-    shape = tuple(int(x) for x in args.shape.split(","))
-    if len(shape) != 4:
-        ap.error(f"--shape {args.shape!r} is invalid; accepted: four integers B,H,N,d")
     rows = measure(shape, args.calls)
     import triton
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
