@@ -358,3 +358,16 @@ def test_attention_softcap_caps_the_scores_of_every_layer(gen):
         assert rel_err(y, reference.attention(q, k, v, causal=True)) > 1e-3
     with pytest.raises(ValueError, match=r"attn_softcap=1.5 cannot apply to the layers on backend 'sdpa' \(\[1\]\)"):
         make_config("tiny", overrides=["attn_softcap=1.5", "attention=emulated; 1: sdpa"])
+
+
+@pytest.mark.parametrize("attention", ["triton", "emulated stabilize=tie-shift"])
+def test_a_compiled_model_has_no_graph_break(gen, attention):
+    """Each layer reads its attention's keyword arguments on every forward; torch.compile traces that
+    too, without a break (a ``functools.cached_property`` there broke the graph in every layer on
+    Python 3.11, whose version takes a lock). On the CPU the Triton kernels run under the interpreter."""
+    torch._dynamo.reset()
+    model = tiny(attention, dtype=torch.bfloat16, n_layer=2).to(DEVICE)
+    x = tokens(gen, b=1, t=32).to(DEVICE)
+    explained = torch._dynamo.explain(model)(x, x)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    assert explained.graph_count == 1

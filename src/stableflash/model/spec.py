@@ -37,7 +37,6 @@ was not stabilized; ``upgrade_stored_spec`` rewrites such text in this grammar, 
 """
 from __future__ import annotations
 
-import functools
 import math
 import re
 from dataclasses import dataclass, field, fields
@@ -147,12 +146,15 @@ class AttentionChoice:
             base, low, changes = _decompose(self.policy)
             exact = base in ("fp32", "fp64") and not changes     # the same whatever the input dtype
             object.__setattr__(self, "policy", base if exact else _build_policy(base, low, changes))
+        # built once, as a plain attribute: a model's layers read it through ``kwargs`` on every forward,
+        # where torch.compile traces them (a functools.cached_property takes a lock on Python 3.11, at
+        # which torch.compile breaks the graph)
+        object.__setattr__(self, "_stabilization", parse_stabilize(self.stabilize, self.beta, self.eps))
 
-    @functools.cached_property
+    @property
     def stabilization(self) -> Stabilization:
-        """The Stabilization this choice runs (its name with beta and eps), built once: a model's
-        layers read it through ``kwargs`` on every forward."""
-        return parse_stabilize(self.stabilize, self.beta, self.eps)
+        """The Stabilization this choice runs (its name with beta and eps)."""
+        return self._stabilization
 
     def kwargs(self) -> dict:
         """Keyword arguments for ``stableflash.attention.flash_attention`` (the caller adds ``causal``)."""
