@@ -71,6 +71,22 @@ def test_a_calls_key_keeps_scalars_dtypes_alignment_and_descriptors_but_not_cont
     assert launch_cache.call_key((x, [1, 2]), {}) is None                           # unhashable: no shortcut
 
 
+def test_a_calls_key_reads_each_signature_once():
+    """The classes and keyword names of a call are read into one plan per signature; calls of that
+    signature share it, and each position keeps its role (a tensor's address, a scalar's value)."""
+    launch_cache.clear()
+    x, y = torch.zeros(64), torch.zeros(64)
+    first = launch_cache.call_key((x, 100, 2.0), {"BLOCK": 16})
+    assert first == launch_cache.call_key((y, 100, 2.0), {"BLOCK": 16})
+    assert len(launch_cache._plans) == 1
+    assert first != launch_cache.call_key((y, 100, 2.0), {"WIDTH": 16})      # another keyword: another plan
+    assert first != launch_cache.call_key((y, 100, 2), {"BLOCK": 16})        # another class: another plan
+    assert len(launch_cache._plans) == 3
+    assert launch_cache.call_key((y, 7, 2.0), {"BLOCK": 16}) != first         # same plan, another value
+    launch_cache.clear()
+    assert launch_cache._plans == {}
+
+
 @dataclasses.dataclass(frozen=True)
 class _Layout:
     swizzle: int

@@ -422,7 +422,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, masking: Maskin
     resolved = resolve_policy(policy, q.dtype)          # validates the policy argument (memoized)
     as_asked, resolved = resolved, stab.policy_for(resolved)      # a consistent δ where asked (memoized)
     delta_changed = resolved.delta != as_asked.delta
-    if backend == "auto":
+    picked = backend == "auto"
+    if picked:
         backend = _pick_auto(q, k, rule, policy, resolved, softcap, delta_changed, masking, attn_mask,
                              varlen is not None, dropout_p, return_lse)
         if backend == "triton" and block_k != DEFAULT_BLOCK_K:
@@ -437,8 +438,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, masking: Maskin
     if backend == "sdpa":
         _check_sdpa(stabilize, rule, delta_changed, resolved, softcap, varlen, return_lse)
         return _sdpa(q, k, v, masking, attn_mask, dropout_p, scale_val)
+    # "auto" chose "triton" only where the kernels' input checks passed (``_triton_reason``)
     o, lse = _attention(q, k, v, backend, masking, scale_val, rule, resolved, block_q, block_k, softcap,
-                        attn_mask, dropout_p, varlen, packed)
+                        attn_mask, dropout_p, varlen, packed, inputs_checked=picked)
     if rule.kind == "paper":
         _paper_watch.observe(o, (q, k, v))
     return (o, lse) if return_lse else o
@@ -485,8 +487,9 @@ def _sdpa(q, k, v, masking: Masking, attn_mask, dropout_p: float, scale: float) 
 
 
 def _attention(q, k, v, backend, masking, scale_val, rule, resolved, block_q, block_k, softcap, attn_mask,
-               dropout_p, varlen, packed=None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The checked call on a backend other than SDPA: (O, LSE)."""
+               dropout_p, varlen, packed=None, inputs_checked: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The checked call on a backend other than SDPA: (O, LSE). ``inputs_checked``: the Triton
+    backend's ``check_inputs`` already passed for these arguments."""
     cu_q, cu_k, max_q, max_k = varlen if varlen is not None else (None,) * 4
     if backend == "reference":
         kw = dict(masking=masking, scale=scale_val, rule=rule, softcap=softcap, dropout_p=dropout_p,
@@ -504,7 +507,9 @@ def _attention(q, k, v, backend, masking, scale_val, rule, resolved, block_q, bl
         tri = _triton_module()
         if tri is None:
             raise ValueError("backend='triton' needs the triton package (pip install 'stableflash[triton]')")
-        tri.check_inputs(q, k, masking=masking, attn_mask=attn_mask, varlen=varlen is not None, dropout_p=dropout_p)
+        if not inputs_checked:
+            tri.check_inputs(q, k, masking=masking, attn_mask=attn_mask, varlen=varlen is not None,
+                             dropout_p=dropout_p)
         return tri.triton_attention(q, k, v, masking=masking, scale=scale_val, rule=rule, policy=resolved,
                                     softcap=softcap, block_k=None if block_k == DEFAULT_BLOCK_K else block_k,
                                     attn_mask=attn_mask, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q,

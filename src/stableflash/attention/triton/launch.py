@@ -169,16 +169,20 @@ def stabilized_config(dtype: torch.dtype = torch.bfloat16) -> KernelConfig:
     return kernel_config(stab.policy_for(resolve_policy(None, dtype)), stab.rule, dtype)
 
 
+# the standard row maximum, made once: the checks below ask ``kernel_config`` with it on every call
+_STANDARD_RULE = ShiftRule()
+
+
 def check_policy(policy: PrecisionPolicy, dtype: torch.dtype) -> None:
     """ValueError, naming what the kernels accept, if they cannot run ``policy`` for ``dtype`` inputs."""
-    kernel_config(policy, ShiftRule(), dtype)
+    kernel_config(policy, _STANDARD_RULE, dtype)
 
 
 def check_key_block(block_k: int | None, policy: PrecisionPolicy, dtype: torch.dtype, head_dim: int | None) -> int:
     """The forward's key block for ``block_k`` (0: the kernel's own, for None); ValueError where
     ``kernel_config`` refuses it, or where its tile cannot hold ``head_dim`` (None: the block's
     size alone is checked)."""
-    block_k = kernel_config(policy, ShiftRule(), dtype, None, block_k).block_k
+    block_k = kernel_config(policy, _STANDARD_RULE, dtype, None, block_k).block_k
     if block_k is None:
         return 0
     if head_dim is not None:

@@ -36,6 +36,7 @@ Under the interpreter every call goes through Triton.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Any, Callable
 
 import torch
@@ -70,6 +71,7 @@ def clear() -> None:
     _positions.clear()
     _calls.clear()
     _pinned.clear()
+    _plans.clear()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,42 +124,80 @@ def _field(value):
     return (cls, _pin(value)) if kind is _BY_IDENTITY else value
 
 
+class _KeyPlan:
+    """How ``call_key`` reads the arguments of one signature — the keyword names and every argument's
+    class, in order: which positions are scalars (taken by value, together, by one ``itemgetter``),
+    tensors, tensor descriptors (with their field names), frozen dataclasses (by identity) and other
+    objects taken by value (hashed on each call). The plan is part of the key: it holds the
+    signature, so two calls whose classes differ (1, 1.0 and True compare equal) never share one."""
+
+    __slots__ = ("scalars", "tensors", "descriptors", "identities", "hashed", "unhashable")
+
+    def __init__(self, classes: tuple, sample: tuple) -> None:
+        scalars, tensors, descriptors, identities, hashed = [], [], [], [], []
+        self.unhashable = False
+        for i, (cls, a) in enumerate(zip(classes, sample)):
+            if cls in _SCALARS:
+                scalars.append(i)
+            elif isinstance(a, torch.Tensor):
+                tensors.append(i)
+            else:
+                kind = _kinds.get(cls)
+                if kind is None:
+                    kind = _kinds[cls] = _kind(cls, a)
+                if kind is _BY_IDENTITY:
+                    identities.append(i)
+                elif kind is _BY_VALUE:
+                    hashed.append(i)
+                else:
+                    descriptors.append((i, kind))
+        self.unhashable = list in classes or dict in classes or set in classes
+        self.scalars = (lambda vals: ()) if not scalars else \
+            (lambda vals, i=scalars[0]: (vals[i],)) if len(scalars) == 1 else operator.itemgetter(*scalars)
+        self.tensors, self.descriptors = tuple(tensors), tuple(descriptors)
+        self.identities, self.hashed = tuple(identities), tuple(hashed)
+
+
+# (keyword names, every argument's class) -> its _KeyPlan; emptied with ``_calls``
+_plans: dict[tuple, _KeyPlan] = {}
+
+
 def call_key(args: tuple, kwargs: dict) -> tuple | None:
     """What a launch's kernel can depend on in its arguments (the module docstring): scalars
     by type and value, tensors by dtype and address modulo 16, tensor descriptors (dataclasses with
     a ``base`` tensor) by class, base dtype and address modulo 16 and every other field, frozen
     dataclasses (a layout) by identity, anything else hashable by type and value; None if an
-    argument is none of these (such a call binds through Triton every time)."""
-    out = [tuple(kwargs)]
+    argument is none of these (such a call binds through Triton every time). The classes and
+    keyword names are read once per signature (``_KeyPlan``)."""
+    vals = (*args, *kwargs.values()) if kwargs else args
+    signature = (tuple(kwargs), tuple(map(type, vals)))
+    plan = _plans.get(signature)
+    if plan is None:
+        plan = _plans[signature] = _KeyPlan(signature[1], vals)
+    if plan.unhashable:
+        return None
+    out = [plan, plan.scalars(vals)]
     add = out.append
-    for a in (*args, *kwargs.values()):
-        cls = a.__class__
-        if cls in _SCALARS:
-            add(cls)
-            add(a)
-            continue
-        if isinstance(a, torch.Tensor):
-            add(a.dtype)
-            add(a.data_ptr() & 15)
-            continue
-        kind = _kinds.get(cls)
-        if kind is None:
-            kind = _kinds[cls] = _kind(cls, a)
-        add(cls)
-        if kind is _BY_IDENTITY:
-            add(_pin(a))
-        elif kind is _BY_VALUE:
-            try:
-                hash(a)
-            except TypeError:
-                return None
-            add(a)
-        else:
-            base = a.base
-            add(base.dtype)
-            add(base.data_ptr() & 15)
-            for name in kind:
-                add(_field(getattr(a, name)))
+    for i in plan.tensors:
+        t = vals[i]
+        add(t.dtype)
+        add(t.data_ptr() & 15)
+    for i in plan.hashed:
+        a = vals[i]
+        try:
+            hash(a)
+        except TypeError:
+            return None
+        add(a)
+    for i in plan.identities:
+        add(_pin(vals[i]))
+    for i, fields in plan.descriptors:
+        a = vals[i]
+        base = a.base
+        add(base.dtype)
+        add(base.data_ptr() & 15)
+        for name in fields:
+            add(_field(getattr(a, name)))
     return tuple(out)
 
 
@@ -230,9 +270,10 @@ def launch(entry, grid: Callable | tuple, *args, **kwargs) -> None:
     grid3 = _grid_tuple(grid, bound)
     kernel[grid3](*bound.values())
     if ckey is not None:
-        if len(_calls) >= MAX_CALLS or len(_pinned) >= MAX_CALLS:
+        if len(_calls) >= MAX_CALLS or len(_pinned) >= MAX_CALLS or len(_plans) >= MAX_CALLS:
             _calls.clear()
             _pinned.clear()
+            _plans.clear()
         _calls[ckey] = _Call(kernel, tuple(bound), tuple((name, name in given, None if name in given else bound[name])
                                                   for name in list(bound)[len(args):]))
 
