@@ -74,16 +74,23 @@ def test_auto_dispatch(gen, monkeypatch):
             calls.append(("run", kw))
             return q.clone(), q.new_zeros(q.shape[:3])
 
+    def reason(q, k, policy, masking, attn_mask, varlen, dropout_p):
+        """``_triton_reason`` on a CUDA machine whose kernels take the call: their input check, passed."""
+        Kernels().check_inputs(q, k, masking=masking, attn_mask=attn_mask, varlen=varlen, dropout_p=dropout_p)
+        return None
+
     monkeypatch.setattr(api, "_triton_module", lambda: Kernels())
-    monkeypatch.setattr(api, "_triton_reason", lambda *a: None)
+    monkeypatch.setattr(api, "_triton_reason", reason)
     am = torch.ones(8, 8, dtype=torch.bool)
     q, k, v = (t.bfloat16() for t in (q, k, v))
-    sf.flash_attention(q, k, v, window=(2, 0), attn_mask=am, dropout_p=0.1)     # bf16 is stabilized: the kernels
-    (_, check), (_, run) = calls
     masking = Masking(False, Alignment.TOP_LEFT, Window(2, 0))
-    assert check == dict(masking=masking, attn_mask=run["attn_mask"], varlen=False, dropout_p=0.1)
-    assert run["attn_mask"].shape == (1, 2, 8, 8) and run["attn_mask"].stride()[1] == 0    # expanded, not copied
-    assert run["masking"] == masking and run["dropout_p"] == 0.1 and run["cu_seqlens_q"] is None
+    for backend in ("auto", "triton"):          # auto checks once, while choosing; triton when it runs
+        calls.clear()
+        sf.flash_attention(q, k, v, window=(2, 0), attn_mask=am, dropout_p=0.1, backend=backend)   # bf16: stabilized
+        (_, check), (_, run) = calls
+        assert check == dict(masking=masking, attn_mask=run["attn_mask"], varlen=False, dropout_p=0.1)
+        assert run["attn_mask"].shape == (1, 2, 8, 8) and run["attn_mask"].stride()[1] == 0    # expanded, not copied
+        assert run["masking"] == masking and run["dropout_p"] == 0.1 and run["cu_seqlens_q"] is None
 
 
 def test_the_triton_backend_takes_every_mask_through_the_public_call(gen):
