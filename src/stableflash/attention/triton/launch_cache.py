@@ -100,11 +100,17 @@ _pinned: dict[int, Any] = {}
 
 
 def _kind(cls: type, a) -> object:
-    if dataclasses.is_dataclass(a) and isinstance(getattr(a, "base", None), torch.Tensor):
-        return tuple(f.name for f in dataclasses.fields(a) if f.name != "base")
-    if dataclasses.is_dataclass(a) and a.__dataclass_params__.frozen:
-        return _BY_IDENTITY
-    return _BY_VALUE
+    """How ``call_key`` keys an argument of class ``cls`` (``a`` one of them), read once per class."""
+    kind = _kinds.get(cls)
+    if kind is None:
+        if dataclasses.is_dataclass(a) and isinstance(getattr(a, "base", None), torch.Tensor):
+            kind = tuple(f.name for f in dataclasses.fields(a) if f.name != "base")
+        elif dataclasses.is_dataclass(a) and a.__dataclass_params__.frozen:
+            kind = _BY_IDENTITY
+        else:
+            kind = _BY_VALUE
+        _kinds[cls] = kind
+    return kind
 
 
 def _pin(a) -> int:
@@ -118,10 +124,7 @@ def _field(value):
         return value
     if cls is list:
         return tuple(value)
-    kind = _kinds.get(cls)
-    if kind is None:
-        kind = _kinds[cls] = _kind(cls, value)
-    return (cls, _pin(value)) if kind is _BY_IDENTITY else value
+    return (cls, _pin(value)) if _kind(cls, value) is _BY_IDENTITY else value
 
 
 class _KeyPlan:
@@ -135,16 +138,13 @@ class _KeyPlan:
 
     def __init__(self, classes: tuple, sample: tuple) -> None:
         scalars, tensors, descriptors, identities, hashed = [], [], [], [], []
-        self.unhashable = False
         for i, (cls, a) in enumerate(zip(classes, sample)):
             if cls in _SCALARS:
                 scalars.append(i)
             elif isinstance(a, torch.Tensor):
                 tensors.append(i)
             else:
-                kind = _kinds.get(cls)
-                if kind is None:
-                    kind = _kinds[cls] = _kind(cls, a)
+                kind = _kind(cls, a)
                 if kind is _BY_IDENTITY:
                     identities.append(i)
                 elif kind is _BY_VALUE:
