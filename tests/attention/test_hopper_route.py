@@ -20,7 +20,9 @@ atomic dQ (counted), within 1.25× (+1e-4) the Triton backward's error against f
 buffers, grouped-query heads, tied maxima, causal or not, and ``flash_attn_qkvpacked_func``'s one
 gradient of qkv, eager and compiled; with ``torch.use_deterministic_algorithms`` at head_dim 64 the
 Triton backward runs, bit for bit the portable path's, and at 128 from ``DETERMINISTIC_MIN_KEYS``
-keys the two Gluon backward kernels, bit for bit repeatable.
+keys the two Gluon backward kernels, bit for bit repeatable. A backward whose signature ran before
+runs its kept plan (``launch_backward._AtomicPlan``): the same kernels and arguments, checked against
+the launches the call builds, dK and dV bit for bit what the plans switched off give.
 """
 import contextlib
 
@@ -415,3 +417,61 @@ def test_a_devices_capability_is_asked_once_per_device_and_the_current_one_stand
         assert asked == [0, 1]
     finally:
         support._capability.cache_clear()
+
+
+@pytest.mark.gpu
+@on_hopper
+@pytest.mark.parametrize("d", [64, 128])
+def test_a_repeated_backward_runs_its_plan(d, counted, monkeypatch):
+    """``flash_attn_qkvpacked_func`` (the GPT model's call) at a routed length, eager, as a training loop
+    repeats it: the first calls build the route backward's launches, later ones run the kept plan —
+    with ``launch_cache.VERIFY`` on, each replay checked against the launches the call builds (the
+    same kernel, grid and arguments) before it runs; with it off, as users run it. dK and dV bit for
+    bit what the plans switched off give (dQ is added up in no fixed order), and every result within
+    1.25× (+1e-4) the Triton backward's error against float64. ``launch_cache.clear`` retires the plan:
+    the next call builds its launches again."""
+    from stableflash.attention import flash_attn_qkvpacked_func
+    from stableflash.attention.gluon import launch_backward
+    from stableflash.attention.triton import launch_cache
+    monkeypatch.setattr(route, "FORWARD_MIN_KEYS", {key: 2**31 for key in route.FORWARD_MIN_KEYS})
+    ran = {"plan": 0, "checked": 0}
+    for name, key in (("__call__", "plan"), ("checking", "checked")):
+        real = getattr(launch_backward._AtomicPlan, name)
+
+        def counting(self, *args, _real=real, _key=key):
+            ran[_key] += 1
+            return _real(self, *args)
+        monkeypatch.setattr(launch_backward._AtomicPlan, name, counting)
+    gen = torch.Generator(device="cuda").manual_seed(d)
+    B, n, H = 2, route.BACKWARD_MIN_KEYS[d] + 64, 4
+    qkv = torch.randn(B, n, 3, H, d, generator=gen, device="cuda").to(torch.bfloat16)
+    do = torch.randn(B, n, H, d, generator=gen, device="cuda").to(torch.bfloat16)
+
+    def run():
+        x = qkv.detach().clone().requires_grad_(True)
+        o = flash_attn_qkvpacked_func(x, causal=True)
+        return o, torch.autograd.grad(o, x, do)[0]
+    launch_cache.clear()
+    with monkeypatch.context() as m:
+        m.setattr(launch_backward, "PLANS", False)
+        unplanned = run()
+    results = []
+    for verify in (False, True, False, False):   # recorded, checked, then run as users run it
+        monkeypatch.setattr(launch_cache, "VERIFY", verify)
+        results.append(run())
+    assert ran["checked"] >= 1 and ran["plan"] >= 2, ran
+    launch_cache.clear()
+    before = dict(ran)
+    results.append(run())                      # a retired plan: the launches built again (and a plan recorded)
+    assert ran == before
+    with route.triton_only():
+        portable = run()
+    q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
+    ref_o, dq, dk, dv = expanded_reference(q, k, v, do.transpose(1, 2), True)
+    ref = (ref_o.transpose(1, 2), torch.stack([t.transpose(1, 2) for t in (dq, dk, dv)], 2))
+    for got in results:
+        assert torch.equal(got[0], unplanned[0]) and torch.equal(got[1][:, :, 1:], unplanned[1][:, :, 1:])
+        for name, x, x_t, r in zip(("O", "dqkv"), got, portable, ref):
+            err, err_t = (((y.double() - r).norm() / r.norm()).item() for y in (x, x_t))
+            assert err <= 1.25 * err_t + 1e-4, (name, err, err_t)
+    assert counted["backward"] == 1 + len(results)

@@ -149,6 +149,120 @@ def test_a_shortcut_call_evaluates_its_grid_anew(monkeypatch):
     launch_cache.clear()
 
 
+def _replay_world(monkeypatch, hooks=False):
+    """A recorded call of a stand-in kernel (``_scale_kernel``'s parameters with a descriptor) and what
+    its launches receive, without a GPU: Triton's binder and the device stood in for."""
+    import types
+    launched = []
+
+    class Kernel:                              # a compiled kernel: run(...) as Triton's runner calls it, or [grid]
+        function, packed_metadata = "function", "metadata"
+
+        def run(self, *args):
+            launched.append(("run", args))
+
+        def __getitem__(self, grid):
+            return lambda *args: launched.append(("getitem", grid, args))
+
+    kernel = Kernel()
+
+    class Entry:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: kernel
+
+    def bind(raw, args, kwargs):
+        return ("specialization",), dict(zip(("desc", "y", "n", "factor", "BLOCK"), (*args, kwargs["BLOCK"])))
+
+    monkeypatch.setattr(launch_cache, "_bind", bind)
+    monkeypatch.setattr(launch_cache, "driver", types.SimpleNamespace(active=types.SimpleNamespace(
+        get_current_device=lambda: 0, get_current_stream=lambda device: 1234)))
+    monkeypatch.setattr(launch_cache.knobs.runtime, "launch_enter_hook", (lambda *a: None) if hooks else None)
+    monkeypatch.setattr(launch_cache.knobs.runtime, "launch_exit_hook", None)
+    monkeypatch.setattr(launch_cache, "VERIFY", False)
+    launch_cache.clear()
+    return Entry(), kernel, launched
+
+
+def test_a_replay_puts_new_tensors_in_the_recorded_places_and_keeps_none_of_the_old(monkeypatch):
+    """``launch_cache.Replay``: the recorded call's values with the given tensors in its tensors'
+    places (a descriptor's place: the recorded descriptor rebased on the tensor), launched through
+    the compiled kernel's ``run`` as Triton's runner does (the current stream, the kernel's function
+    and metadata, no launch metadata or hooks) — or through ``kernel[grid]`` when a launch hook is
+    set; the replay holds no tensor of the recorded call, and ``clear`` retires it."""
+    entry, kernel, launched = _replay_world(monkeypatch)
+    x, y = torch.zeros(64), torch.zeros(64)
+    rows = x.view(8, 8)
+    desc = _Descriptor(rows, [8, 8], [8, 1], [4, 8])
+    args, kwargs = (desc, y, 64, 2.0), {"BLOCK": 16}
+    assert launch_cache.replay_of(entry, args, kwargs) is None          # nothing recorded yet
+    launch_cache.launch(entry, (4,), *args, **kwargs)                     # through Triton
+    launch_cache.launch(entry, (4,), *args, **kwargs)                     # binds, records the call
+    replay = launch_cache.replay_of(entry, args, kwargs)
+    assert replay is not None and replay.current
+    assert replay.recorded == ((x.data_ptr(), torch.float32), (y.data_ptr(), torch.float32))
+    assert not any(isinstance(a, torch.Tensor) for a in replay.template)
+    assert all(d is None or d.base is None for _, d in replay.places)
+    x2, y2 = torch.ones(64), torch.ones(64)
+    launched.clear()
+    replay((4, 1, 1), [x2, y2])
+    (how, sent), = launched
+    assert how == "run" and sent[:9] == (4, 1, 1, 1234, "function", "metadata", None, None, None)
+    new_desc, *rest = sent[9:]
+    assert rest[0] is y2 and rest[1:] == [64, 2.0, 16]
+    assert new_desc.base is x2 and (new_desc.shape, new_desc.strides, new_desc.block_shape) == ([8, 8], [8, 1], [4, 8])
+    assert desc.base is rows                                               # the caller's descriptor untouched
+    launch_cache.clear()
+    assert not replay.current
+
+
+def test_a_replay_goes_through_the_kernels_runner_when_a_launch_hook_is_set(monkeypatch):
+    entry, kernel, launched = _replay_world(monkeypatch, hooks=True)
+    y = torch.zeros(64)
+    args, kwargs = (_Descriptor(y.view(8, 8), [8, 8], [8, 1], [4, 8]), y, 64, 2.0), {"BLOCK": 16}
+    for _ in range(2):
+        launch_cache.launch(entry, (4,), *args, **kwargs)
+    launched.clear()
+    launch_cache.replay_of(entry, args, kwargs)((2, 3, 1), [y, y])
+    (how, grid, sent), = launched
+    assert how == "getitem" and grid == (2, 3, 1) and sent[1] is y and list(sent[2:]) == [64, 2.0, 16]
+
+
+def test_a_replays_check_refuses_arguments_its_binder_would_not_give(monkeypatch):
+    """``Replay.check`` (the plans' form under ``launch_cache.VERIFY``): the recorded kernel and the
+    binder's arguments, tensors by address and dtype, descriptors by every field."""
+    entry, kernel, launched = _replay_world(monkeypatch)
+    x = torch.zeros(64)
+    desc = _Descriptor(x.view(8, 8), [8, 8], [8, 1], [4, 8])
+    args, kwargs = (desc, x, 64, 2.0), {"BLOCK": 16}
+    for _ in range(2):
+        launch_cache.launch(entry, (4,), *args, **kwargs)
+    replay = launch_cache.replay_of(entry, args, kwargs)
+    replay.check(entry, args, kwargs, [x, x])
+    with pytest.raises(AssertionError, match="arguments"):
+        replay.check(entry, args, kwargs, [x, torch.zeros(64)])        # another address
+    with pytest.raises(AssertionError, match="arguments"):
+        replay.check(entry, (desc, x, 64, 3.0), kwargs, [x, x])        # another scalar
+    with pytest.raises(AssertionError, match="arguments"):
+        other = _Descriptor(x.view(8, 8), [8, 8], [8, 1], [8, 8])
+        replay.check(entry, (other, x, 64, 2.0), kwargs, [x, x])       # another block
+    launch_cache.clear()
+
+
+def test_no_replay_under_the_interpreter_or_with_the_cache_off(monkeypatch):
+    entry, kernel, launched = _replay_world(monkeypatch)
+    x = torch.zeros(64)
+    args, kwargs = (x, x, 64, 2.0), {"BLOCK": 16}
+    for _ in range(2):
+        launch_cache.launch(entry, (4,), *args, **kwargs)
+    assert launch_cache.replay_of(entry, args, kwargs) is not None
+    monkeypatch.setattr(launch_cache, "ENABLED", False)
+    assert launch_cache.replay_of(entry, args, kwargs) is None
+    monkeypatch.setattr(launch_cache, "ENABLED", True)
+    interpreted = object.__new__(launch_cache.InterpretedFunction)
+    assert launch_cache.replay_of(interpreted, args, kwargs) is None
+    launch_cache.clear()
+
+
 def _grads(q, k, v, do, causal):
     return run(q, k, v, do, causal=causal, backend="triton")
 

@@ -56,6 +56,8 @@ _kernels: dict[tuple, Any] = {}                 # (kernel, device, specializatio
 # (arguments that change on every call, such as a seed, would otherwise grow it without end)
 _calls: dict[tuple, "_Call"] = {}
 MAX_CALLS = 4096
+# how many times ``clear`` ran: a ``Replay`` made before the last one is stale
+_generation = 0
 
 
 def cdiv(a: int, b: int) -> int:
@@ -65,7 +67,10 @@ def cdiv(a: int, b: int) -> int:
 
 
 def clear() -> None:
-    """Forget every recorded choice, kernel and call (the next launch of each goes through Triton)."""
+    """Forget every recorded choice, kernel and call (the next launch of each goes through Triton);
+    every ``Replay`` made before turns stale (``Replay.current``)."""
+    global _generation
+    _generation += 1
     _configs.clear()
     _kernels.clear()
     _positions.clear()
@@ -300,3 +305,124 @@ def _bind(raw, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     device = driver.active.get_current_device()
     bound, specialization, options = raw.device_caches[device][4](*args, **kwargs)
     return (id(raw), device, tuple(specialization), tuple(options.items()), knobs.runtime.debug), bound
+
+
+class Replay:
+    """A recorded call launched again with other tensors in the places of its tensors: no key, no
+    binding, no lookup. ``replay_of`` makes one from a call that ``launch`` has recorded; calling it
+    with ``tensors`` (one per place, in the arguments' order) launches the recorded kernel with the
+    recorded values everywhere else — a tensor descriptor's place gets the recorded descriptor
+    with the given tensor as its base.
+
+    The caller vouches for what ``call_key`` would have checked: every other argument the same, and
+    each given tensor of the recorded one's dtype, address modulo 16 and (for a descriptor's base)
+    the shape and strides the descriptor records; the launcher reads a tensor's address alone, so a
+    tensor that starts where the recorded view starts may stand for it. ``VERIFY`` does not reach
+    a replay; its user checks it against ``launch`` (``check``) in its own tests."""
+
+    __slots__ = ("kernel", "template", "places", "recorded", "generation")
+
+    def __init__(self, kernel, values: list, generation: int) -> None:
+        self.kernel = kernel
+        # (position, the recorded descriptor without its base, or None for a tensor); the template holds
+        # no tensor, so that a replay keeps none of the recorded call's memory alive
+        places, recorded = [], []
+        for i, a in enumerate(values):
+            if isinstance(a, torch.Tensor):
+                places.append((i, None))
+                recorded.append((a.data_ptr(), a.dtype))
+            elif _is_descriptor(a):
+                desc = object.__new__(a.__class__)
+                desc.__dict__ = {**a.__dict__, "base": None}
+                places.append((i, desc))
+                recorded.append((a.base.data_ptr(), a.base.dtype))
+        self.places = tuple(places)
+        # each place's tensor in the recorded call, by (address, dtype): how a user tells which of its
+        # tensors goes where
+        self.recorded = tuple(recorded)
+        self.template = [None if any(i == j for j, _ in places) else a for i, a in enumerate(values)]
+        self.generation = generation
+
+    @property
+    def current(self) -> bool:
+        """False once ``clear`` ran after it was made (Triton's settings may have changed)."""
+        return self.generation == _generation
+
+    def values(self, tensors) -> list:
+        """The kernel's arguments with ``tensors`` in the recorded tensors' places."""
+        values = self.template.copy()
+        for (i, desc), t in zip(self.places, tensors):
+            if desc is None:
+                values[i] = t
+            else:
+                d = object.__new__(desc.__class__)
+                d.__dict__ = {**desc.__dict__, "base": t}
+                values[i] = d
+        return values
+
+    def __call__(self, grid: tuple[int, int, int], tensors) -> None:
+        kernel = self.kernel
+        values = self.values(tensors)
+        runtime = knobs.runtime
+        if _unhooked(runtime.launch_enter_hook) and _unhooked(runtime.launch_exit_hook):
+            # what ``kernel[grid](*values)`` does when no hook is set, without its closure
+            stream = driver.active.get_current_stream(driver.active.get_current_device())
+            kernel.run(grid[0], grid[1], grid[2], stream, kernel.function, kernel.packed_metadata, None, None, None,
+                       *values)
+        else:
+            kernel[grid](*values)
+
+    def check(self, entry, args: tuple, kwargs: dict, tensors) -> None:
+        """Assert that ``launch(entry, grid, *args, **kwargs)`` would launch this kernel with these
+        ``tensors``' values: the same compiled kernel through Triton's binder, every argument equal,
+        tensors by address and dtype, descriptors by every field (the grid is the caller's)."""
+        raw = entry.fn if isinstance(entry, Autotuner) else entry
+        name = getattr(raw, "__name__", type(raw).__name__)
+        if isinstance(entry, Autotuner):
+            config = _configs.get(_tuner_key(entry, args, kwargs))
+            assert config is not None, f"{name}: a replay of a tuner without its recorded choice"
+            kwargs = {**kwargs, **config}
+        key, bound = _bind(raw, args, kwargs)
+        assert _kernels.get(key) is self.kernel, f"{name}: the replay's kernel is not its arguments' kernel"
+        expected, got = list(bound.values()), self.values(tensors)
+        assert len(got) == len(expected) and all(map(_same_argument, got, expected)), \
+            f"{name}: the replay's arguments are not its binder's"
+
+
+def _unhooked(hook) -> bool:
+    """Whether a launch hook of Triton's knobs calls nothing: None, or a chain of no hooks (the form
+    newer releases keep)."""
+    return hook is None or getattr(hook, "calls", None) == []
+
+
+def _is_descriptor(a) -> bool:
+    return dataclasses.is_dataclass(a) and isinstance(getattr(a, "base", None), torch.Tensor)
+
+
+def _same_argument(a, b) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.data_ptr() == b.data_ptr()
+                and a.dtype == b.dtype)
+    if _is_descriptor(a) or _is_descriptor(b):
+        return (a.__class__ is b.__class__ and _same_argument(a.base, b.base)
+                and {k: v for k, v in a.__dict__.items() if k != "base"}
+                == {k: v for k, v in b.__dict__.items() if k != "base"})
+    return a is b or (a.__class__ is b.__class__ and a == b)
+
+
+def replay_of(entry, args: tuple, kwargs: dict) -> Replay | None:
+    """A ``Replay`` of the call ``launch(entry, grid, *args, **kwargs)`` has recorded (the same key),
+    or None: none recorded yet (a key's first call goes through Triton, the next records it), the
+    cache off, the interpreter, or arguments ``call_key`` cannot key."""
+    if not ENABLED or isinstance(entry, InterpretedFunction):
+        return None
+    ckey = call_key(args, kwargs)
+    if ckey is None:
+        return None
+    try:
+        call = _calls.get((id(entry), driver.active.get_current_device(), knobs.runtime.debug, ckey))
+    except TypeError:
+        return None
+    if call is None:
+        return None
+    return Replay(call.kernel, call.arguments(args, kwargs), _generation)

@@ -662,12 +662,19 @@ def delta_dot(o: torch.Tensor, r: torch.Tensor, do: torch.Tensor, delta: torch.T
     """δ = rowsum(dO ∘ O), with ``has_r`` rowsum(dO ∘ (O + R)) (``r`` contiguous (B, H, N_q, d); any
     tensor without), into ``delta`` (B, H, N_q) fp32, by the δ kernel of its own; ``clear``: an fp32
     tensor of o's shape (any strides) the same kernel fills with zeros."""
+    grid, args, kwargs = delta_dot_launch(o, r, do, delta, has_r, clear)
+    _run(delta_dot_kernel, grid, *args, **kwargs)
+
+
+def delta_dot_launch(o: torch.Tensor, r: torch.Tensor, do: torch.Tensor, delta: torch.Tensor, has_r: bool,
+                     clear: torch.Tensor | None = None) -> tuple[tuple[int, int], tuple, dict]:
+    """(grid, arguments, keyword arguments) of ``delta_dot``'s launch of ``delta_dot_kernel``."""
     B, H, n_q, d = o.shape
     d, block = int(d), 64
     zero = {} if clear is None else dict(ZERO=clear, stride_zb=clear.stride(0), stride_zh=clear.stride(1),
                                          stride_zm=clear.stride(2), stride_zd=clear.stride(3), CLEAR=True)
-    _run(delta_dot_kernel, (launch_cache.cdiv(n_q, block), B * H), o, r, do, delta, *_strides(o), *_strides(do), H,
-         n_q, HEAD_DIM=d, BLOCK_M=block, HAS_R=has_r, **zero)
+    return ((launch_cache.cdiv(n_q, block), B * H), (o, r, do, delta, *_strides(o), *_strides(do), H, n_q),
+            dict(HEAD_DIM=d, BLOCK_M=block, HAS_R=has_r, **zero))
 
 
 def _backward_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
@@ -679,9 +686,23 @@ def _backward_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     from dO·(O+R), which the δ kernel adds to O, or an empty tensor). ``masks`` and dropout's
     ``seed``: the forward's. Kernels: δ, dK/dV, dQ; with ``FUSED_DELTA`` (no masks, δ a row sum of
     dO ∘ O) dQ computing δ, then dK/dV."""
+    do, q, k, v, o = [_last_dim_contiguous(t) for t in (do, q, k, v, o)]
+    packed = _GRADS.get()                      # a packed op's gradient of qkv, (B, N, 3, H, d) contiguous
+    if packed is None:
+        dq, dk, dv = _empty_like_layout(q), _empty_like_layout(k), _empty_like_layout(k)   # dK, dV: one set of strides
+        dq_out, dk_out, dv_out, dkv_at = dq, dk, dv, {}
+    else:
+        # the kernels get the whole tensor, with the views' strides and dK, dV at offsets into it: a
+        # traced call's writes into a view are functionalized into writes to a copy, whose layout
+        # the view's strides would not describe
+        dq, dk, dv = unpack_qkv(packed)
+        dq_out, dk_out, dv_out = packed, packed, do         # dv_out: not read (DV_IN_DK)
+        dkv_at = dict(dk_offset=packed.stride(2), dv_offset=2 * packed.stride(2), DV_IN_DK=True)
+    if _INLINE.get() is None and hopper_route.why_not_backward(do, q, k, v, config, masks, interpreting()) is None:
+        hopper_route.backward(do, q, k, v, o, residual, lse, causal, scale, dq, dk, dv)
+        return dq, dk, dv
     emu, softcap = config.emulated, config.softcap or 0.0
     cap = dict(SOFTCAP=config.softcap is not None)
-    do, q, k, v, o = (_last_dim_contiguous(t) for t in (do, q, k, v, o))
     B, H, n_q, d = q.shape
     d = int(d)
     Hk, n_k = k.shape[1], k.shape[2]
@@ -698,20 +719,6 @@ def _backward_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     has_r = residual.numel() > 0
     r = residual.contiguous() if has_r else o  # the δ kernels' R (ignored without HAS_R)
     fuse = FUSED_DELTA and not config.delta.extra_pass and not masks.any
-    packed = _GRADS.get()                      # a packed op's gradient of qkv, (B, N, 3, H, d) contiguous
-    if packed is None:
-        dq, dk, dv = _empty_like_layout(q), _empty_like_layout(k), _empty_like_layout(k)   # dK, dV: one set of strides
-        dq_out, dk_out, dv_out, dkv_at = dq, dk, dv, {}
-    else:
-        # the kernels get the whole tensor, with the views' strides and dK, dV at offsets into it: a
-        # traced call's writes into a view are functionalized into writes to a copy, whose layout
-        # the view's strides would not describe
-        dq, dk, dv = unpack_qkv(packed)
-        dq_out, dk_out, dv_out = packed, packed, do         # dv_out: not read (DV_IN_DK)
-        dkv_at = dict(dk_offset=packed.stride(2), dv_offset=2 * packed.stride(2), DV_IN_DK=True)
-    if _INLINE.get() is None and hopper_route.why_not_backward(do, q, k, v, config, masks, interpreting()) is None:
-        hopper_route.backward(do, q, k, v, o, residual, lse, causal, scale, dq, dk, dv)
-        return dq, dk, dv
     delta = torch.empty(B, H, n_q, dtype=torch.float32, device=q.device)
     common = (*_strides(q), *_strides(k), *_strides(v), *_strides(do))
 
@@ -857,20 +864,25 @@ class _PackedBody:
         self._fn, self._grads, self._opaque = fn, grads, opaque
         self.__name__, self.__globals__ = name, fn.__globals__
         self.__signature__ = _packed_signature(fn, "torch.Tensor" if grads else None)
+        self._names = tuple(self.__signature__.parameters)
+        self._at = self._names.index("qkv")              # fn's q, k, v there; a backward's dO before it
+        assert not grads or self._at == 1
 
     def __call__(self, *args, **kwargs):
-        bound = self.__signature__.bind(*args, **kwargs)
-        bound.apply_defaults()
-        named = dict(bound.arguments)
-        qkv = named.pop("qkv")
+        if kwargs or len(args) != len(self._names):      # torch's dispatcher passes every argument by position
+            bound = self.__signature__.bind(*args, **kwargs)
+            bound.apply_defaults()
+            args = tuple(bound.arguments.values())
+        at = self._at
         if not self._grads:
-            return self._fn(*unpack_qkv(qkv), **named)      # after the views: causal, scale, ... by name
+            return self._fn(*args[:at], *unpack_qkv(args[at]), *args[at + 1:])
         if self._opaque is not None:
+            named = dict(zip(self._names, args))
             config = _config_of(tuple(named[f] for f in OP_FIELDS))
             masks = Masks.from_op_args(*(named[m] for m in MASK_ARGS))
-            if why_not_inline_backward(named["do"], *unpack_qkv(qkv), config, masks) is not None:
-                return self._opaque(*args, **kwargs)
-        return _into_packed_grad(self._fn, named.pop("do"), qkv, **named)
+            if why_not_inline_backward(named["do"], *unpack_qkv(named["qkv"]), config, masks) is not None:
+                return self._opaque(*args)
+        return _into_packed_grad(self._fn, args[0], args[1], *args[2:])
 
 
 attn_bwd_packed = torch.library.custom_op("stableflash::attn_bwd_packed", mutates_args=())(
