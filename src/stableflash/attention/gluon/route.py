@@ -47,7 +47,10 @@ import torch
 
 from stableflash.attention.gluon.support import device_capability, unavailable_reason
 
-# off: every call on the Triton kernels (the benchmarks' "stableflash-portable" provider)
+# off: every call on the Triton kernels (the benchmarks' "stableflash-portable" provider). A
+# torch.compile'd graph keeps the choice made while it was traced (an inline op or the opaque one), and
+# inductor's cache, which does not key on this switch, may hand a later process a graph traced under
+# the other setting: switch it with a fresh cache (TORCHINDUCTOR_CACHE_DIR) when compiling
 ENABLED = True
 # the head dims routed here, from this many keys (per head_dim and causal) on: where the Gluon forward is
 # faster than the Triton forward
