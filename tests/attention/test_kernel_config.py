@@ -96,8 +96,9 @@ def test_op_args_are_primitive_and_round_trip(policy, dtype, softcap, block_k):
     assert KernelConfig.from_op_args(*args) == c
     # the custom ops' schemas name the fields after (..., causal, scale), then the masks' arguments
     # (and, for the backward, dropout's seed)
-    for custom_op, tail in ((op.attn_fwd, op.MASK_ARGS), (op.attn_bwd, (*op.MASK_ARGS, "seed"))):
-        names = [a.name for a in custom_op._opoverload._schema.arguments]
+    for custom_op, tail in ((op.attn_fwd, op.MASK_ARGS), (op.attn_bwd, (*op.MASK_ARGS, "seed")),
+                            (op.attn_bwd_packed, (*op.MASK_ARGS, "seed"))):
+        names = [a.name for a in getattr(custom_op, "_opoverload", custom_op)._schema.arguments]
         assert tuple(names[names.index("scale") + 1:]) == OP_FIELDS + tail
 
 
