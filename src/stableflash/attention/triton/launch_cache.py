@@ -318,7 +318,8 @@ class Replay:
     each given tensor of the recorded one's dtype, address modulo 16 and (for a descriptor's base)
     the shape and strides the descriptor records; the launcher reads a tensor's address alone, so a
     tensor that starts where the recorded view starts may stand for it. ``VERIFY`` does not reach
-    a replay; its user checks it against ``launch`` (``check``) in its own tests."""
+    a replay by itself: under it, the replay's user builds the launch as well and checks the replay
+    against it (``check``)."""
 
     __slots__ = ("kernel", "template", "places", "recorded", "generation")
 
@@ -340,7 +341,8 @@ class Replay:
         # each place's tensor in the recorded call, by (address, dtype): how a user tells which of its
         # tensors goes where
         self.recorded = tuple(recorded)
-        self.template = [None if any(i == j for j, _ in places) else a for i, a in enumerate(values)]
+        taken = {i for i, _ in places}
+        self.template = [None if i in taken else a for i, a in enumerate(values)]
         self.generation = generation
 
     @property
