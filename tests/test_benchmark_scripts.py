@@ -735,3 +735,30 @@ def test_host_overhead_refuses_bad_arguments_naming_them_before_asking_for_a_gpu
     with pytest.raises(SystemExit) as stop:
         tool.main(argv)
     assert stop.value.code == 2 and named in capsys.readouterr().err
+
+
+def test_train_interleaved_names_bad_arguments_and_pairs_each_round(capsys, monkeypatch):
+    """benchmarks/tools/train_interleaved.py: one attention (without --without-plans) or a repeated one,
+    an unknown spec, fewer than four rounds, a batch or warm-up below one and an unknown compile mode are
+    refused (exit 2) naming the argument; well-formed arguments without a GPU stop at the GPU check.
+    ``paired_summary``: each case's medians, and the first case's step over its own in the same round,
+    median and quartiles."""
+    import torch
+    tool = load("tools/train_interleaved")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for argv, named in ((["--attention", "triton"], "two or more different attentions"),
+                        (["--attention", "sdpa", "--attention", "sdpa"], "two or more different attentions"),
+                        (["--attention", "sdpa", "--attention", "nope"], "--attention entry 'nope'"),
+                        (["--rounds", "3"], "--rounds 3"), (["--batch-size", "0"], "--batch-size 0"),
+                        (["--warmup", "0"], "--warmup 0"), (["--compile-mode", "fast"], "--compile-mode 'fast'"),
+                        ([], "needs a CUDA GPU"), (["--attention", "triton", "--without-plans"], "needs a CUDA GPU")):
+        assert named in refused(tool.main, argv, capsys), argv
+    walls = {"sdpa": [10.0, 12.0, 11.0, 20.0, 10.0], "triton": [12.5, 12.0, 22.0, 25.0, 11.0]}
+    issues = {"sdpa": [9.0, 9.5, 9.0, 9.0, 9.0], "triton": [12.0, 11.0, 11.0, 11.0, 11.0]}
+    table = tool.paired_summary(walls, issues)
+    assert table["sdpa"]["paired_ratio_median"] == 1.0 and table["sdpa"]["paired_ratio_quartiles"] == [1.0, 1.0]
+    ratios = sorted(a / b for a, b in zip(walls["sdpa"], walls["triton"]))
+    assert table["triton"]["paired_ratio_median"] == pytest.approx(ratios[2])
+    q1, q3 = table["triton"]["paired_ratio_quartiles"]
+    assert ratios[0] <= q1 <= ratios[2] <= q3 <= ratios[4]
+    assert table["triton"]["median_ms"] == 12.5 and table["triton"]["issue_median_ms"] == 11.0

@@ -1,0 +1,137 @@
+"""A training step's speed against SDPA's where the host decides it: the steps of several attentions
+interleaved one at a time in one process, so that the host's drift between processes cancels.
+
+    python benchmarks/tools/train_interleaved.py [--attention SPEC ...] [--batch-size 4] [--no-compile]
+        [--compile-mode default] [--rounds 60] [--without-plans] [--json OUT.json]
+
+``stableflash bench train`` times each attention in turn, and at small batches, where a step waits for
+the host, the same command gives ratios tens of percent apart from process to process (the host's
+speed drifts over seconds). Here the models of every case are built (the step of ``bench train``: same
+model, optimizer, compile and data) and warmed up first; then each round runs one step of every case in
+turn, each synchronised before and after: its wall time and the host's time to issue it. Per case: the
+median step, the median host issue time, and the first case's step over the case's own in the same
+round — its median and quartiles (above 1: faster than the first). ``--without-plans`` adds one more case:
+the last attention with the Gluon route's launch plans off (``launch_backward.PLANS``), the launches
+built on every call. Prints a table; ``--json`` writes it with every round's times, the GPU and the
+versions. Needs a CUDA GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from stableflash.bench.training import COMPILE_MODES, TrainBenchConfig
+
+
+def paired_summary(walls: dict[str, list[float]], issues: dict[str, list[float]]) -> dict[str, dict]:
+    """Per case (the first one the reference): its median step and host issue time (ms), and the
+    reference's step over its own in each round — that ratio's median and quartiles."""
+    first, *_ = walls
+    out = {}
+    for case, times in walls.items():
+        ratios = [a / b for a, b in zip(walls[first], times)]
+        q1, _, q3 = statistics.quantiles(ratios, n=4)
+        out[case] = {"median_ms": statistics.median(times), "issue_median_ms": statistics.median(issues[case]),
+                     "paired_ratio_median": statistics.median(ratios), "paired_ratio_quartiles": [q1, q3]}
+    return out
+
+
+def build_steps(specs: list[str], cfg: TrainBenchConfig, without_plans: bool) -> dict[str, tuple]:
+    """case name → (step, plans switch): each attention's training step, warmed up (``cfg.warmup``
+    steps), and with ``without_plans`` the last one's again as "<spec>, plans off"."""
+    import torch
+
+    from stableflash.bench.training import training_step
+    steps = {}
+    for spec in specs:
+        step, _ = training_step(spec, cfg, torch.device("cuda"))
+        for _ in range(cfg.warmup):
+            step()
+        steps[spec] = (step, True)
+    if without_plans:
+        steps[f"{specs[-1]}, plans off"] = (steps[specs[-1]][0], False)
+    torch.cuda.synchronize()
+    return steps
+
+
+def run_rounds(steps: dict[str, tuple], rounds: int) -> tuple[dict, dict]:
+    """(wall ms, host issue ms) per case and round: one step of every case per round, in order."""
+    import torch
+    from tqdm import tqdm
+
+    from stableflash.attention.gluon import launch_backward
+    walls = {case: [] for case in steps}
+    issues = {case: [] for case in steps}
+    was = launch_backward.PLANS
+    try:
+        for _ in tqdm(range(rounds), desc="rounds", unit="round"):
+            for case, (step, plans) in steps.items():
+                launch_backward.PLANS = plans
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                step()
+                t1 = time.perf_counter()
+                torch.cuda.synchronize()
+                t2 = time.perf_counter()
+                walls[case].append((t2 - t0) * 1e3)
+                issues[case].append((t1 - t0) * 1e3)
+    finally:
+        launch_backward.PLANS = was
+    return walls, issues
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--attention", action="append",
+                    help="attention spec, repeatable; the first is the reference (default: sdpa, then triton)")
+    ap.add_argument("--batch-size", type=int, default=4, help="sequences per step (default 4)")
+    ap.add_argument("--no-compile", action="store_true", help="eager steps (default: torch.compile)")
+    ap.add_argument("--compile-mode", default="default", help=f"one of {', '.join(COMPILE_MODES)} (default: default)")
+    ap.add_argument("--rounds", type=int, default=60, help="rounds of one step of every case (default 60)")
+    ap.add_argument("--warmup", type=int, default=6, help="steps of each case before the rounds (default 6)")
+    ap.add_argument("--without-plans", action="store_true",
+                    help="also the last attention with the route's launch plans off")
+    ap.add_argument("--json", type=Path, help="also write the table and every round's times here")
+    args = ap.parse_args(argv)
+    specs = args.attention or ["sdpa", "triton"]
+    if len(set(specs)) != len(specs) or (len(specs) < 2 and not args.without_plans):
+        ap.error(f"--attention {' '.join(specs)} is invalid; accepted: two or more different attentions "
+                 "(or one with --without-plans)")
+    if args.rounds < 4:
+        ap.error(f"--rounds {args.rounds} is invalid; accepted: an integer ≥ 4 (the ratios' quartiles)")
+    try:
+        cfg = TrainBenchConfig(attentions=tuple(specs), batch_size=args.batch_size, compile=not args.no_compile,
+                               compile_mode=args.compile_mode, warmup=args.warmup)
+    except ValueError as err:                  # a spec, the batch, the warm-up or the mode, named as bench train names them
+        ap.error(str(err).replace("batch_size=", "--batch-size ").replace("warmup=", "--warmup ")
+                 .replace("compile_mode=", "--compile-mode ").replace("attention spec", "--attention"))
+    import torch
+    if not torch.cuda.is_available():
+        ap.error("needs a CUDA GPU (it times training steps there); none is visible")
+    import triton
+    walls, issues = run_rounds(build_steps(specs, cfg, args.without_plans), args.rounds)
+    table = paired_summary(walls, issues)
+    mode = "eager" if args.no_compile else f"torch.compile ({args.compile_mode})"
+    out = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+           "model": cfg.model, "batch_size": args.batch_size, "mode": mode, "rounds": args.rounds,
+           "cases": table, "wall_ms": walls, "issue_ms": issues}
+    first = next(iter(table))
+    print(f"\n{out['gpu']}, torch {out['torch']}, triton {out['triton']}: {cfg.model}, batch {args.batch_size}, "
+          f"{mode}, {args.rounds} rounds; ratio = {first}'s step over the case's in the same round")
+    print("| case | median step (ms) | host issue (ms) | ratio median | quartiles |")
+    print("|---|---|---|---|---|")
+    for case, row in table.items():
+        q1, q3 = row["paired_ratio_quartiles"]
+        print(f"| {case} | {row['median_ms']:.2f} | {row['issue_median_ms']:.2f} | {row['paired_ratio_median']:.3f} "
+              f"| {q1:.3f}–{q3:.3f} |")
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
