@@ -193,6 +193,27 @@ def test_delta_kernel_clears_the_dq_buffer(d):
     assert torch.allclose(delta.double(), want, rtol=1e-5, atol=1e-5)
 
 
+@needs_gluon
+def test_each_backward_launch_goes_out_before_the_next_is_built(monkeypatch):
+    """``launch_backward._atomic_launches`` hands δ's launch over before it builds the backward kernel's
+    arguments: where N_q is not a multiple of 4 (130 here) ``vector_descriptor`` copies δ into padded
+    rows as the descriptor is built, so a δ kernel launched after that would leave the copy unwritten
+    (found on a GPU: the float64 comparisons at N_q = 130 failed when all three launches were built
+    first). No GPU needed: the launches are recorded, not run."""
+    from stableflash.attention.gluon import launch_backward as lb
+    from stableflash.attention.gluon.hopper_backward import atomic_backward_tiles
+    events = []
+    real = lb.launch_args_backward
+    monkeypatch.setattr(lb, "launch_args_backward", lambda *a, **kw: events.append("backward built") or real(*a, **kw))
+    gen = torch.Generator().manual_seed(1)
+    q, k, v, do, o, r = (torch.randn(1, 2, 130, 64, generator=gen).to(torch.bfloat16) for _ in range(6))
+    lse = torch.randn(1, 2, 130, generator=gen)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    lb._atomic_launches(do, q, k, v, o, r, lse, True, None, dq, dk, dv, atomic_backward_tiles(64),
+                        lambda index, kernel, grid, args, kwargs: events.append(kernel.__name__))
+    assert events == ["delta_dot_kernel", "backward built", "attn_bwd_hopper_kernel", "scale_dq_kernel"]
+
+
 @pytest.fixture(scope="module")
 def offline():
     """The sm_90a compile checks of the two kernels at ``CONFIGS`` with the default tiles and of the
