@@ -738,7 +738,7 @@ def test_host_overhead_refuses_bad_arguments_naming_them_before_asking_for_a_gpu
 
 
 def test_train_interleaved_names_bad_arguments_and_pairs_each_round(capsys, monkeypatch):
-    """benchmarks/tools/train_interleaved.py: one attention (without --without-plans) or a repeated one,
+    """benchmarks/tools/train_interleaved.py: one attention (without --without-plans or --without-route) or a repeated one,
     an unknown spec, fewer than four rounds, a batch or warm-up below one and an unknown compile mode are
     refused (exit 2) naming the argument; well-formed arguments without a GPU stop at the GPU check.
     ``paired_summary``: each case's medians, and the first case's step over its own in the same round,
@@ -751,7 +751,8 @@ def test_train_interleaved_names_bad_arguments_and_pairs_each_round(capsys, monk
                         (["--attention", "sdpa", "--attention", "nope"], "--attention entry 'nope'"),
                         (["--rounds", "3"], "--rounds 3"), (["--batch-size", "0"], "--batch-size 0"),
                         (["--warmup", "0"], "--warmup 0"), (["--compile-mode", "fast"], "--compile-mode 'fast'"),
-                        ([], "needs a CUDA GPU"), (["--attention", "triton", "--without-plans"], "needs a CUDA GPU")):
+                        ([], "needs a CUDA GPU"), (["--attention", "triton", "--without-plans"], "needs a CUDA GPU"),
+                        (["--attention", "triton", "--without-route"], "needs a CUDA GPU")):
         assert named in refused(tool.main, argv, capsys), argv
     walls = {"sdpa": [10.0, 12.0, 11.0, 20.0, 10.0], "triton": [12.5, 12.0, 22.0, 25.0, 11.0]}
     issues = {"sdpa": [9.0, 9.5, 9.0, 9.0, 9.0], "triton": [12.0, 11.0, 11.0, 11.0, 11.0]}

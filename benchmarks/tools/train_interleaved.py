@@ -2,7 +2,7 @@
 interleaved one at a time in one process, so that the host's drift between processes cancels.
 
     python benchmarks/tools/train_interleaved.py [--attention SPEC ...] [--batch-size 4] [--no-compile]
-        [--compile-mode default] [--rounds 60] [--without-plans] [--json OUT.json]
+        [--compile-mode default] [--rounds 60] [--without-plans] [--without-route] [--json OUT.json]
 
 ``stableflash bench train`` times each attention in turn, and at small batches, where a step waits for
 the host, the same command gives ratios tens of percent apart from process to process (the host's
@@ -12,8 +12,12 @@ turn, each synchronised before and after: its wall time and the host's time to i
 median step, the median host issue time, and the first case's step over the case's own in the same
 round — its median and quartiles (above 1: faster than the first). ``--without-plans`` adds one more case:
 the last attention with the Gluon route's launch plans off (``launch_backward.PLANS``), the launches
-built on every call. Prints a table; ``--json`` writes it with every round's times, the GPU and the
-versions. Needs a CUDA GPU.
+built on every call. ``--without-route`` adds the last attention with the Gluon route off
+(``route.ENABLED``, while its model is compiled and while it steps): every call on the Triton kernels,
+which torch.compile launches itself; torch's AOT autograd cache is switched off for the process, since
+it would hand that model the graph traced with the route on (the route's choice is not in its key).
+Prints a table; ``--json`` writes it with every round's times, the GPU and the versions. Needs a CUDA
+GPU.
 """
 from __future__ import annotations
 
@@ -40,20 +44,32 @@ def paired_summary(walls: dict[str, list[float]], issues: dict[str, list[float]]
     return out
 
 
-def build_steps(specs: list[str], cfg: TrainBenchConfig, without_plans: bool) -> dict[str, tuple]:
-    """case name → (step, plans switch): each attention's training step, warmed up (``cfg.warmup``
-    steps), and with ``without_plans`` the last one's again as "<spec>, plans off"."""
+def build_steps(specs: list[str], cfg: TrainBenchConfig, without_plans: bool,
+                without_route: bool = False) -> dict[str, tuple]:
+    """case name → (step, plans switch, route switch): each attention's training step, warmed up
+    (``cfg.warmup`` steps); with ``without_plans`` the last one's again as "<spec>, plans off"; with
+    ``without_route`` the last attention's model built again with the route off, "<spec>, route off"."""
     import torch
 
+    from stableflash.attention.gluon import route
     from stableflash.bench.training import training_step
-    steps = {}
-    for spec in specs:
-        step, _ = training_step(spec, cfg, torch.device("cuda"))
-        for _ in range(cfg.warmup):
-            step()
-        steps[spec] = (step, True)
+
+    def built(spec: str, route_on: bool):
+        was, route.ENABLED = route.ENABLED, route_on
+        try:
+            step, _ = training_step(spec, cfg, torch.device("cuda"))
+            for _ in range(cfg.warmup):
+                step()
+        finally:
+            route.ENABLED = was
+        return step
+
+    steps = {spec: (built(spec, True), True, True) for spec in specs}
     if without_plans:
-        steps[f"{specs[-1]}, plans off"] = (steps[specs[-1]][0], False)
+        steps[f"{specs[-1]}, plans off"] = (steps[specs[-1]][0], False, True)
+    if without_route:
+        torch._functorch.config.enable_autograd_cache = False
+        steps[f"{specs[-1]}, route off"] = (built(specs[-1], False), True, False)
     torch.cuda.synchronize()
     return steps
 
@@ -63,14 +79,14 @@ def run_rounds(steps: dict[str, tuple], rounds: int) -> tuple[dict, dict]:
     import torch
     from tqdm import tqdm
 
-    from stableflash.attention.gluon import launch_backward
+    from stableflash.attention.gluon import launch_backward, route
     walls = {case: [] for case in steps}
     issues = {case: [] for case in steps}
-    was = launch_backward.PLANS
+    was = launch_backward.PLANS, route.ENABLED
     try:
         for _ in tqdm(range(rounds), desc="rounds", unit="round"):
-            for case, (step, plans) in steps.items():
-                launch_backward.PLANS = plans
+            for case, (step, plans, route_on) in steps.items():
+                launch_backward.PLANS, route.ENABLED = plans, route_on
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
                 step()
@@ -80,7 +96,7 @@ def run_rounds(steps: dict[str, tuple], rounds: int) -> tuple[dict, dict]:
                 walls[case].append((t2 - t0) * 1e3)
                 issues[case].append((t1 - t0) * 1e3)
     finally:
-        launch_backward.PLANS = was
+        launch_backward.PLANS, route.ENABLED = was
     return walls, issues
 
 
@@ -95,12 +111,14 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=6, help="steps of each case before the rounds (default 6)")
     ap.add_argument("--without-plans", action="store_true",
                     help="also the last attention with the route's launch plans off")
+    ap.add_argument("--without-route", action="store_true",
+                    help="also the last attention with the Gluon route off (its model compiled so)")
     ap.add_argument("--json", type=Path, help="also write the table and every round's times here")
     args = ap.parse_args(argv)
     specs = args.attention or ["sdpa", "triton"]
-    if len(set(specs)) != len(specs) or (len(specs) < 2 and not args.without_plans):
+    if len(set(specs)) != len(specs) or (len(specs) < 2 and not (args.without_plans or args.without_route)):
         ap.error(f"--attention {' '.join(specs)} is invalid; accepted: two or more different attentions "
-                 "(or one with --without-plans)")
+                 "(or one with --without-plans or --without-route)")
     if args.rounds < 4:
         ap.error(f"--rounds {args.rounds} is invalid; accepted: an integer ≥ 4 (the ratios' quartiles)")
     try:
@@ -113,7 +131,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         ap.error("needs a CUDA GPU (it times training steps there); none is visible")
     import triton
-    walls, issues = run_rounds(build_steps(specs, cfg, args.without_plans), args.rounds)
+    walls, issues = run_rounds(build_steps(specs, cfg, args.without_plans, args.without_route), args.rounds)
     table = paired_summary(walls, issues)
     mode = "eager" if args.no_compile else f"torch.compile ({args.compile_mode})"
     out = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
