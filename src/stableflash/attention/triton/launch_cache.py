@@ -283,20 +283,29 @@ def launch(entry, grid: Callable | tuple, *args, **kwargs) -> None:
                                                   for name in list(bound)[len(args):]))
 
 
-def _verify(entry, call: _Call, values: list, grid, grid3: tuple, args: tuple, kwargs: dict) -> None:
-    """Check a recorded call against what binding through Triton gives (``VERIFY``)."""
-    tuned = isinstance(entry, Autotuner)
-    raw = entry.fn if tuned else entry
-    if tuned:
+def _through_binder(entry, args: tuple, kwargs: dict, what: str) -> tuple[str, Any, dict]:
+    """(the kernel's name, the compiled kernel recorded for these arguments' key or None, the arguments
+    bound to its parameters) as a launch through Triton would find them: a tuner's recorded choice
+    merged in, then Triton's binder. The checks' common part (``_verify``, ``Replay.check``); ``what``
+    names the checked thing in the assertion for a tuner without a recorded choice."""
+    raw = entry.fn if isinstance(entry, Autotuner) else entry
+    name = getattr(raw, "__name__", type(raw).__name__)
+    if isinstance(entry, Autotuner):
         config = _configs.get(_tuner_key(entry, args, kwargs))
-        assert config is not None, "a recorded call of a tuner without its recorded choice"
+        assert config is not None, f"{name}: {what} of a tuner without its recorded choice"
         kwargs = {**kwargs, **config}
     key, bound = _bind(raw, args, kwargs)
-    assert _kernels.get(key) is call.kernel, f"{raw.__name__}: the recorded call's kernel is not its arguments' kernel"
-    assert _grid_tuple(grid, bound) == grid3, f"{raw.__name__}: the recorded call's grid is not its binder's"
+    return name, _kernels.get(key), bound
+
+
+def _verify(entry, call: _Call, values: list, grid, grid3: tuple, args: tuple, kwargs: dict) -> None:
+    """Check a recorded call against what binding through Triton gives (``VERIFY``)."""
+    name, kernel, bound = _through_binder(entry, args, kwargs, "a recorded call")
+    assert kernel is call.kernel, f"{name}: the recorded call's kernel is not its arguments' kernel"
+    assert _grid_tuple(grid, bound) == grid3, f"{name}: the recorded call's grid is not its binder's"
     expected = list(bound.values())
     assert len(values) == len(expected) and all(a is b or (a.__class__ in _SCALARS and a == b) for a, b in zip(values, expected)), \
-        f"{raw.__name__}: the recorded call's arguments are not its binder's"
+        f"{name}: the recorded call's arguments are not its binder's"
 
 
 def _bind(raw, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -333,9 +342,7 @@ class Replay:
                 places.append((i, None))
                 recorded.append((a.data_ptr(), a.dtype))
             elif _is_descriptor(a):
-                desc = object.__new__(a.__class__)
-                desc.__dict__ = {**a.__dict__, "base": None}
-                places.append((i, desc))
+                places.append((i, _rebased(a, None)))
                 recorded.append((a.base.data_ptr(), a.base.dtype))
         self.places = tuple(places)
         # each place's tensor in the recorded call, by (address, dtype): how a user tells which of its
@@ -354,12 +361,7 @@ class Replay:
         """The kernel's arguments with ``tensors`` in the recorded tensors' places."""
         values = self.template.copy()
         for (i, desc), t in zip(self.places, tensors):
-            if desc is None:
-                values[i] = t
-            else:
-                d = object.__new__(desc.__class__)
-                d.__dict__ = {**desc.__dict__, "base": t}
-                values[i] = d
+            values[i] = t if desc is None else _rebased(desc, t)
         return values
 
     def __call__(self, grid: tuple[int, int, int], tensors) -> None:
@@ -378,14 +380,8 @@ class Replay:
         """Assert that ``launch(entry, grid, *args, **kwargs)`` would launch this kernel with these
         ``tensors``' values: the same compiled kernel through Triton's binder, every argument equal,
         tensors by address and dtype, descriptors by every field (the grid is the caller's)."""
-        raw = entry.fn if isinstance(entry, Autotuner) else entry
-        name = getattr(raw, "__name__", type(raw).__name__)
-        if isinstance(entry, Autotuner):
-            config = _configs.get(_tuner_key(entry, args, kwargs))
-            assert config is not None, f"{name}: a replay of a tuner without its recorded choice"
-            kwargs = {**kwargs, **config}
-        key, bound = _bind(raw, args, kwargs)
-        assert _kernels.get(key) is self.kernel, f"{name}: the replay's kernel is not its arguments' kernel"
+        name, kernel, bound = _through_binder(entry, args, kwargs, "a replay")
+        assert kernel is self.kernel, f"{name}: the replay's kernel is not its arguments' kernel"
         expected, got = list(bound.values()), self.values(tensors)
         assert len(got) == len(expected) and all(map(_same_argument, got, expected)), \
             f"{name}: the replay's arguments are not its binder's"
@@ -395,6 +391,13 @@ def _unhooked(hook) -> bool:
     """Whether a launch hook of Triton's knobs calls nothing: None, or a chain of no hooks (the form
     newer releases keep)."""
     return hook is None or getattr(hook, "calls", None) == []
+
+
+def _rebased(desc, base):
+    """A copy of the tensor descriptor ``desc`` over ``base``, its other fields shared (not checked again)."""
+    copy = object.__new__(desc.__class__)
+    copy.__dict__ = {**desc.__dict__, "base": base}
+    return copy
 
 
 def _is_descriptor(a) -> bool:
