@@ -297,6 +297,19 @@ def test_stabilize_names_a_rule_and_a_delta_choice():
             parse_stabilize(bad)
 
 
+def test_a_named_stabilization_is_one_object_eagerly_and_built_plainly_while_compiling(monkeypatch):
+    """``Stabilization.named``: eagerly, one frozen object per name and numbers (its memo); while
+    torch.compile traces, built without the memo, which dynamo would warn about tracing through —
+    the same value either way."""
+    from stableflash.attention import stabilization
+    eager = stabilization.Stabilization.named("tie-shift", 3.0, 1e-3)
+    assert stabilization.Stabilization.named("tie-shift", 3.0, 1e-3) is eager
+    before = stabilization._named.cache_info()
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    traced = stabilization.Stabilization.named("tie-shift", 3.0, 1e-3)
+    assert traced == eager and traced is not eager and stabilization._named.cache_info() == before
+
+
 @pytest.mark.parametrize("old, new", [("guard", "consistent-delta"), ("ours", "tie-shift"), ("bounded", "all-shift"),
                                       ("ours+guard", "tie-shift+consistent-delta"), ("standard", "none")])
 def test_an_earlier_stabilize_spelling_is_refused_with_its_current_name(gen, old, new):

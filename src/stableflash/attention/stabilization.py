@@ -32,6 +32,8 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 
+import torch
+
 from stableflash.attention.policy import PrecisionPolicy, with_consistent_delta
 from stableflash.attention.shift import LEGACY_RULES, RULES, ShiftRule
 
@@ -77,8 +79,10 @@ class Stabilization:
     @classmethod
     def named(cls, name: str, beta: float = 2.0, eps: float = 1e-3) -> "Stabilization":
         """The stabilization ``name`` (one of ``NAMES``) with the rule's ``beta`` and ``eps``; for a name
-        and plain numbers, one frozen object per set of values (every attention call asks)."""
-        if type(name) is str and type(beta) in (int, float) and type(eps) in (int, float):
+        and plain numbers, one frozen object per set of values (every eager attention call asks;
+        torch.compile traces it once, and would warn about tracing through the memo)."""
+        if type(name) is str and type(beta) in (int, float) and type(eps) in (int, float) \
+                and not torch.compiler.is_compiling():
             return _named(cls, name, beta, eps)
         return cls._build(name, beta, eps)
 
