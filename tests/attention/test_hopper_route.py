@@ -88,6 +88,32 @@ def test_the_forward_at_head_dim_64_is_routed_from_its_key_counts():
     assert route.why_not(q, k, v, CONFIG, Masks(), causal=True) == "the tensors are on cpu, not CUDA"
 
 
+@needs_gluon
+def test_traced_sizes_are_answered_as_concrete_ones():
+    """Under ``torch.compile(dynamic=True)`` the ops' fake implementations ask the route with symbolic
+    sizes (unhashable): each answer is the one the same concrete sizes get — the forward's and the
+    backward's key counts by head_dim (a traced count named by its symbol), and past them the device."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    dynamic = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC] * 4)
+    for n, d in ((128, 64), (4096, 64), (600, 128)):
+        concrete = [_bf16(2, 3, n, d) for _ in range(4)]
+        traced = [mode.from_tensor(t, symbolic_context=dynamic) for t in concrete]
+        assert all(isinstance(s, torch.SymInt) for s in traced[0].shape[2:])
+        do, q, k, v = traced
+        for got, want in ((route.why_not(q, k, v, CONFIG, Masks(), pointers=False),
+                           route.why_not(*concrete[1:], CONFIG, Masks(), pointers=False)),
+                          (route.why_not_backward(do, q, k, v, CONFIG, Masks(), pointers=False),
+                           route.why_not_backward(*concrete, CONFIG, Masks(), pointers=False))):
+            assert want is not None and got is not None
+            if want.startswith(f"{n} keys"):               # a traced key count is named by its symbol
+                got, want = got.split(" ", 1)[1], want.split(" ", 1)[1]
+            assert got == want, (n, d)
+        assert route.forward_routed(d, True, n) == bool(route.forward_routed(q.shape[-1], True, k.shape[2]))
+
+
 def _config_of(stabilize):
     """The kernels' configuration of ``flash_attention(q, k, v, stabilize=...)`` for bf16 inputs."""
     from stableflash.attention.policy import resolve_policy

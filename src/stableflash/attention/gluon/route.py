@@ -114,6 +114,7 @@ def why_not(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config, masks, in
     d = q.shape[-1]
     if d not in HEAD_DIMS:
         return f"head_dim {d} (routed: {HEAD_DIMS})"
+    d = int(d)                  # traced: a symbolic size, specialized (the kernels take it as a constant)
     if not forward_routed(d, causal, k.shape[2]):
         return (f"{k.shape[2]} keys (the {'causal ' if causal else ''}forward at head_dim {d} is routed from "
                 f"{FORWARD_MIN_KEYS[(d, bool(causal))]} on)")
@@ -124,7 +125,7 @@ def forward_routed(head_dim: int, causal: bool, n_keys: int) -> bool:
     """Whether ``why_not``'s head_dim and length rules (``HEAD_DIMS``, ``FORWARD_MIN_KEYS``) let a forward
     of this head_dim, causal switch and key count run on the Gluon kernel; the call's other
     conditions are ``why_not``'s to check."""
-    return head_dim in HEAD_DIMS and n_keys >= FORWARD_MIN_KEYS[(head_dim, bool(causal))]
+    return head_dim in HEAD_DIMS and n_keys >= FORWARD_MIN_KEYS[(int(head_dim), bool(causal))]
 
 
 def why_not_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config, masks,
@@ -137,6 +138,7 @@ def why_not_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     d = q.shape[-1]
     if d not in BACKWARD_HEAD_DIMS:
         return f"head_dim {d} (routed backward: {BACKWARD_HEAD_DIMS})"
+    d = int(d)                  # as in why_not: a traced size cannot key the tables below
     if torch.are_deterministic_algorithms_enabled():
         if d not in DETERMINISTIC_MIN_KEYS:
             return (f"torch.use_deterministic_algorithms is on (the Gluon backward at head_dim {d} adds dQ in no "
