@@ -11,7 +11,7 @@ model, optimizer, compile and data) and warmed up first; then each round runs on
 turn, each synchronised before and after: its wall time and the host's time to issue it. Per case: the
 median step, the median host issue time, and the first case's step over the case's own in the same
 round — its median and quartiles (above 1: faster than the first). ``--without-plans`` adds one more case:
-the last attention with the Gluon route's launch plans off (``launch_backward.PLANS``), the launches
+the last attention with the Gluon route's launch plans off (``launch_cache.PLANS``), the launches
 built on every call. ``--without-route`` adds the last attention with the Gluon route off
 (``route.ENABLED``, while its model is compiled and while it steps): every call on the Triton kernels,
 which torch.compile launches itself; torch's AOT autograd cache is switched off for the process, since
@@ -79,14 +79,15 @@ def run_rounds(steps: dict[str, tuple], rounds: int) -> tuple[dict, dict]:
     import torch
     from tqdm import tqdm
 
-    from stableflash.attention.gluon import launch_backward, route
+    from stableflash.attention.gluon import route
+    from stableflash.attention.triton import launch_cache
     walls = {case: [] for case in steps}
     issues = {case: [] for case in steps}
-    was = launch_backward.PLANS, route.ENABLED
+    was = launch_cache.PLANS, route.ENABLED
     try:
         for _ in tqdm(range(rounds), desc="rounds", unit="round"):
             for case, (step, plans, route_on) in steps.items():
-                launch_backward.PLANS, route.ENABLED = plans, route_on
+                launch_cache.PLANS, route.ENABLED = plans, route_on
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
                 step()
@@ -96,7 +97,7 @@ def run_rounds(steps: dict[str, tuple], rounds: int) -> tuple[dict, dict]:
                 walls[case].append((t2 - t0) * 1e3)
                 issues[case].append((t1 - t0) * 1e3)
     finally:
-        launch_backward.PLANS, route.ENABLED = was
+        launch_cache.PLANS, route.ENABLED = was
     return walls, issues
 
 

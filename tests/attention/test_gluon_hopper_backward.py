@@ -209,7 +209,8 @@ def test_each_backward_launch_goes_out_before_the_next_is_built(monkeypatch):
     q, k, v, do, o, r = (torch.randn(1, 2, 130, 64, generator=gen).to(torch.bfloat16) for _ in range(6))
     lse = torch.randn(1, 2, 130, generator=gen)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    lb._atomic_launches(do, q, k, v, o, r, lse, True, None, dq, dk, dv, atomic_backward_tiles(64),
+    tiles = atomic_backward_tiles(64)
+    lb._atomic_launches(do, q, k, v, o, r, lse, True, None, dq, dk, dv, tiles, *lb._atomic_buffers(q, tiles),
                         lambda index, kernel, grid, args, kwargs: events.append(kernel.__name__))
     assert events == ["delta_dot_kernel", "backward built", "attn_bwd_hopper_kernel", "scale_dq_kernel"]
 
@@ -416,3 +417,30 @@ def test_delta_from_the_stored_output_without_a_residual(fixed_triton_tiles):
     want = _triton_backward(do, q, k, v, o, o.new_empty(0), lse, True, 0.125)
     for x, y in zip(got, want):
         assert (x.double() - y.double()).norm() <= 1e-2 * y.double().norm()
+
+
+@needs_gluon
+@pytest.mark.parametrize("copied", [None, "residual", "lse"])
+def test_a_callers_plan_key_is_dropped_where_the_backward_copies_a_tensor(copied, monkeypatch):
+    """``backward_into`` keeps a plan under the key its caller made (the op's, which the op replays with
+    its own tensors) only where it launched on those tensors: a residual or L that it had to make
+    contiguous keeps the plan under the key of the tensors it launched on instead. No GPU needed: the
+    launches are stubbed."""
+    from stableflash.attention.gluon import launch_backward as lb
+    from stableflash.attention.triton import launch_cache
+    kept = {}
+    monkeypatch.setattr(lb, "_plans", kept)
+    monkeypatch.setattr(lb, "_atomic_launches", lambda *a: ["launch"])
+    monkeypatch.setattr(launch_cache.Plan, "record", classmethod(lambda cls, tensors, buffers, launches: "plan"))
+    monkeypatch.setattr(launch_cache, "plan_key", lambda tensors, causal, scale: ("its own key",))
+    gen = torch.Generator().manual_seed(2)
+    q, k, v, do, o = (torch.randn(1, 2, 64, 64, generator=gen).to(torch.bfloat16) for _ in range(5))
+    r = torch.randn(1, 2, 64, 64, generator=gen).to(torch.bfloat16)
+    lse = torch.randn(1, 2, 64, generator=gen)
+    if copied == "residual":
+        r = r.transpose(2, 3).contiguous().transpose(2, 3)
+    elif copied == "lse":
+        lse = torch.randn(1, 64, 2, generator=gen).transpose(1, 2)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    lb.backward_into(do, q, k, v, o, r, lse, True, None, dq, dk, dv, key=("the op's key",))
+    assert kept == {("its own key",) if copied else ("the op's key",): "plan"}

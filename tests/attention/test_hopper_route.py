@@ -20,9 +20,9 @@ atomic dQ (counted), within 1.25× (+1e-4) the Triton backward's error against f
 buffers, grouped-query heads, tied maxima, causal or not, and ``flash_attn_qkvpacked_func``'s one
 gradient of qkv, eager and compiled; with ``torch.use_deterministic_algorithms`` at head_dim 64 the
 Triton backward runs, bit for bit the portable path's, and at 128 from ``DETERMINISTIC_MIN_KEYS``
-keys the two Gluon backward kernels, bit for bit repeatable. A backward whose signature ran before
-runs its kept plan (``launch_backward._AtomicPlan``): the same kernels and arguments, checked against
-the launches the call builds, dK and dV bit for bit what the plans switched off give.
+keys the two Gluon backward kernels, bit for bit repeatable. A forward or backward whose signature ran
+before replays its kept plan (``launch_cache.Plan``): the same kernels and arguments, checked against
+the launches the call builds; O, dK and dV bit for bit what the plans switched off give.
 """
 import contextlib
 
@@ -457,17 +457,9 @@ def test_a_repeated_backward_runs_its_plan(d, counted, monkeypatch):
     1.25× (+1e-4) the Triton backward's error against float64. ``launch_cache.clear`` retires the plan:
     the next call builds its launches again."""
     from stableflash.attention import flash_attn_qkvpacked_func
-    from stableflash.attention.gluon import launch_backward
     from stableflash.attention.triton import launch_cache
     monkeypatch.setattr(route, "FORWARD_MIN_KEYS", {key: 2**31 for key in route.FORWARD_MIN_KEYS})
-    ran = {"plan": 0, "checked": 0}
-    for name, key in (("__call__", "plan"), ("checking", "checked")):
-        real = getattr(launch_backward._AtomicPlan, name)
-
-        def counting(self, *args, _real=real, _key=key):
-            ran[_key] += 1
-            return _real(self, *args)
-        monkeypatch.setattr(launch_backward._AtomicPlan, name, counting)
+    ran = _count_plans(monkeypatch)
     gen = torch.Generator(device="cuda").manual_seed(d)
     B, n, H = 2, route.BACKWARD_MIN_KEYS[d] + 64, 4
     qkv = torch.randn(B, n, 3, H, d, generator=gen, device="cuda").to(torch.bfloat16)
@@ -477,14 +469,7 @@ def test_a_repeated_backward_runs_its_plan(d, counted, monkeypatch):
         x = qkv.detach().clone().requires_grad_(True)
         o = flash_attn_qkvpacked_func(x, causal=True)
         return o, torch.autograd.grad(o, x, do)[0]
-    launch_cache.clear()
-    with monkeypatch.context() as m:
-        m.setattr(launch_backward, "PLANS", False)
-        unplanned = run()
-    results = []
-    for verify in (False, True, False, False):   # recorded, checked, then run as users run it
-        monkeypatch.setattr(launch_cache, "VERIFY", verify)
-        results.append(run())
+    unplanned, results = _planned_runs(run, monkeypatch)
     assert ran["checked"] >= 1 and ran["plan"] >= 2, ran
     launch_cache.clear()
     before = dict(ran)
@@ -500,4 +485,80 @@ def test_a_repeated_backward_runs_its_plan(d, counted, monkeypatch):
         for name, x, x_t, r in zip(("O", "dqkv"), got, portable, ref):
             err, err_t = (((y.double() - r).norm() / r.norm()).item() for y in (x, x_t))
             assert err <= 1.25 * err_t + 1e-4, (name, err, err_t)
-    assert counted["backward"] == 1 + len(results)
+    assert counted["backward"] == 1 + len(results) - 2     # two replays skipped the route's call
+    monkeypatch.setattr(route, "BACKWARD_MIN_KEYS", {64: 2**31, 128: 2**31})
+    held_back = run()                          # the route's settings are in the key: the Triton backward runs
+    assert counted["backward"] == len(results) - 1 and ran == before
+    for name, x, x_t, r in zip(("O", "dqkv"), held_back, portable, ref):
+        assert torch.equal(x, x_t), name        # the switched-off route's kernels, bit for bit
+
+
+def _planned_runs(run, monkeypatch) -> tuple:
+    """``run()`` with the plans off after ``launch_cache.clear``, then four times with them on: recorded,
+    checked under ``VERIFY``, twice as users run it. (the unplanned result, [the four results])."""
+    from stableflash.attention.triton import launch_cache
+    launch_cache.clear()
+    with monkeypatch.context() as m:
+        m.setattr(launch_cache, "PLANS", False)
+        unplanned = run()
+    results = []
+    for verify in (False, True, False, False):
+        monkeypatch.setattr(launch_cache, "VERIFY", verify)
+        results.append(run())
+    return unplanned, results
+
+
+def _count_plans(monkeypatch) -> dict:
+    """{"plan": n, "checked": n}: ``launch_cache.Plan`` calls (replays as users run them) and checks (under VERIFY)."""
+    from stableflash.attention.triton import launch_cache
+    ran = {"plan": 0, "checked": 0}
+    for name, key in (("__call__", "plan"), ("checking", "checked")):
+        real = getattr(launch_cache.Plan, name)
+
+        def counting(self, *args, _real=real, _key=key):
+            ran[_key] += 1
+            return _real(self, *args)
+        monkeypatch.setattr(launch_cache.Plan, name, counting)
+    return ran
+
+
+@pytest.mark.gpu
+@on_hopper
+@pytest.mark.parametrize("d, stabilize", [(128, True), (128, False), (64, True)], ids=["gluon", "gluon-no-r", "triton"])
+def test_a_repeated_forward_runs_its_plan(d, stabilize, counted, monkeypatch):
+    """The forward as a loop repeats it — on the Gluon kernel (head_dim 128, with and without R: ``stabilize=False``, whose "auto" would be SDPA) and on
+    the Triton kernel (head_dim 64 below the route's key count: its tuner's choice and grid function) —
+    recorded, checked under ``launch_cache.VERIFY`` against the launch the call builds (kernel, grid,
+    arguments), run as users run it (the Gluon route's checks skipped with the launch), retired by
+    ``launch_cache.clear``; O bit for bit what the plans switched off give."""
+    from stableflash.attention.triton import launch_cache
+    ran = _count_plans(monkeypatch)
+    gen = torch.Generator(device="cuda").manual_seed(11 + stabilize + d)
+    q, k, v, _ = _inputs(2, 4, 2, 700, d, True, gen, "bnhd")
+    routed = d == 128
+
+    def run():
+        with torch.no_grad():
+            return flash_attention(q, k, v, causal=True, stabilize=stabilize, backend="triton")
+    unplanned, results = _planned_runs(run, monkeypatch)
+    assert ran == {"checked": 1, "plan": 2}, ran
+    launch_cache.clear()
+    results.append(run())                          # a retired plan: the launch built again
+    assert ran == {"checked": 1, "plan": 2}
+    assert counted["forward"] == (4 if routed else 0)   # the replays skip the route's call
+    for got in results:
+        assert torch.equal(got, unplanned)
+
+
+def test_the_routes_settings_name_every_threshold_by_value(monkeypatch):
+    """``route.settings()``, which the op's plans key on (a plan skips the route's checks): it changes
+    with the switch, each head-dim list and key count and the grid's limit, and not otherwise."""
+    base = route.settings()
+    assert route.settings() == base
+    for name, value in (("ENABLED", False), ("HEAD_DIMS", (128,)), ("FORWARD_MIN_KEYS", {**route.FORWARD_MIN_KEYS, (64, True): 1}),
+                        ("BACKWARD_HEAD_DIMS", (128,)), ("BACKWARD_MIN_KEYS", {64: 2**31, 128: 512}),
+                        ("DETERMINISTIC_MIN_KEYS", {}), ("MAX_HEAD_PROGRAMS", 1)):
+        with monkeypatch.context() as m:
+            m.setattr(route, name, value)
+            assert route.settings() != base, name
+    assert route.settings() == base

@@ -228,23 +228,28 @@ def test_a_replay_goes_through_the_kernels_runner_when_a_launch_hook_is_set(monk
 
 
 def test_a_replays_check_refuses_arguments_its_binder_would_not_give(monkeypatch):
-    """``Replay.check`` (the plans' form under ``launch_cache.VERIFY``): the recorded kernel and the
-    binder's arguments, tensors by address and dtype, descriptors by every field."""
+    """``Replay.check`` (the plans' form under ``launch_cache.VERIFY``): the recorded kernel, the grid
+    (a grid function evaluated on the arguments by name, as ``launch`` does) and the binder's
+    arguments, tensors by address and dtype, descriptors by every field."""
     entry, kernel, launched = _replay_world(monkeypatch)
     x = torch.zeros(64)
     desc = _Descriptor(x.view(8, 8), [8, 8], [8, 1], [4, 8])
     args, kwargs = (desc, x, 64, 2.0), {"BLOCK": 16}
+    grid = lambda meta: (meta["n"] // meta["BLOCK"], 2)  # noqa: E731
     for _ in range(2):
-        launch_cache.launch(entry, (4,), *args, **kwargs)
-    replay = launch_cache.replay_of(entry, args, kwargs)
-    replay.check(entry, args, kwargs, [x, x])
+        launch_cache.launch(entry, grid, *args, **kwargs)
+    replay = launch_cache.replay_of(entry, args, kwargs, grid)
+    assert replay.grid == (4, 2, 1)
+    replay.check(entry, grid, args, kwargs, [x, x])
+    with pytest.raises(AssertionError, match="grid"):
+        replay.check(entry, (4, 3), args, kwargs, [x, x])
     with pytest.raises(AssertionError, match="arguments"):
-        replay.check(entry, args, kwargs, [x, torch.zeros(64)])        # another address
+        replay.check(entry, grid, args, kwargs, [x, torch.zeros(64)])        # another address
     with pytest.raises(AssertionError, match="arguments"):
-        replay.check(entry, (desc, x, 64, 3.0), kwargs, [x, x])        # another scalar
+        replay.check(entry, grid, (desc, x, 64, 3.0), kwargs, [x, x])        # another scalar
     with pytest.raises(AssertionError, match="arguments"):
         other = _Descriptor(x.view(8, 8), [8, 8], [8, 1], [8, 8])
-        replay.check(entry, (other, x, 64, 2.0), kwargs, [x, x])       # another block
+        replay.check(entry, grid, (other, x, 64, 2.0), kwargs, [x, x])       # another block
     launch_cache.clear()
 
 
@@ -261,6 +266,50 @@ def test_no_replay_under_the_interpreter_or_with_the_cache_off(monkeypatch):
     interpreted = object.__new__(launch_cache.InterpretedFunction)
     assert launch_cache.replay_of(interpreted, args, kwargs) is None
     launch_cache.clear()
+
+
+def test_a_plan_sends_each_of_the_calls_tensors_and_new_buffers_to_their_places(monkeypatch):
+    """``launch_cache.Plan``: recorded from a call's launches (each place matched to one of the call's
+    tensors or buffers by address and dtype), it launches every replay with a later call's tensors in
+    the same places and buffers of the recorded shapes and dtypes; a place holding none of them (a
+    copy the call made) gives no plan; ``plan_key`` tells signatures apart by shape, strides, dtype and
+    alignment, not by address."""
+    entry, kernel, launched = _replay_world(monkeypatch)
+    a, b, buf = torch.zeros(64), torch.zeros(64), torch.zeros(8, 8)
+    launches = [(entry, (4,), (_Descriptor(buf, [8, 8], [8, 1], [4, 8]), a, 64, 2.0), {"BLOCK": 16}),
+                (entry, (2, 3), (_Descriptor(b.view(8, 8), [8, 8], [8, 1], [4, 8]), buf, 64, 2.0), {"BLOCK": 16})]
+    assert launch_cache.Plan.record((a, b), (buf,), launches) is None            # nothing recorded yet
+    for _ in range(2):
+        for kern, grid, args, kwargs in launches:
+            launch_cache.launch(kern, grid, *args, **kwargs)
+    plan = launch_cache.Plan.record((a, b), (buf,), launches)
+    assert plan is not None and plan.current and plan.buffers == (((8, 8), torch.float32),)
+    assert [order for _, order in plan.steps] == [(2, 0), (1, 2)]
+    assert [replay.grid for replay, _ in plan.steps] == [(4, 1, 1), (2, 3, 1)]
+    a2, b2 = torch.ones(64), torch.ones(64)
+    launched.clear()
+    plan((a2, b2))
+    (_, first), (_, second) = launched
+    assert first[9].base is second[10] and first[9].base.shape == (8, 8) and first[9].base is not buf
+    assert first[10] is a2 and second[9].base is b2
+    copy = b.clone()
+    other = [launches[0], (entry, (2, 3), (_Descriptor(copy.view(8, 8), [8, 8], [8, 1], [4, 8]), buf, 64, 2.0),
+                                             {"BLOCK": 16})]
+    assert launch_cache.Plan.record((a, b), (buf,), other) is None
+    key = launch_cache.plan_key((a, buf), True, 0.5)
+    assert key == launch_cache.plan_key((b, torch.ones(8, 8)), True, 0.5)
+    assert key != launch_cache.plan_key((b, torch.ones(8, 8)), False, 0.5)
+    assert key != launch_cache.plan_key((b, torch.ones(8, 8).t()), True, 0.5)
+    assert key != launch_cache.plan_key((torch.zeros(65)[1:], buf), True, 0.5)
+    assert key != launch_cache.plan_key((b.double(), buf), True, 0.5)
+    plans = {}
+    monkeypatch.setattr(launch_cache, "MAX_PLANS", 2)
+    for i in range(3):
+        launch_cache.keep_plan(plans, (i,), plan)
+    launch_cache.keep_plan(plans, (9,), None)
+    assert list(plans) == [(2,)]
+    launch_cache.clear()
+    assert not plan.current
 
 
 def _grads(q, k, v, do, causal):

@@ -189,24 +189,32 @@ def _atomic_backward(do, q, k, v, o, residual, lse, causal: bool, scale: float |
     """δ, and the fp32 dQ buffer (``dq_buffer``) cleared by the same kernel; the kernel adding dQ up
     by TMA reduce-adds (``attn_bwd_hopper_kernel``) into it, dK and dV written into ``dk``, ``dv``;
     then dQ·scale into ``dq`` in bf16: three launches."""
-    _atomic_launches(do, q, k, v, o, residual, lse, causal, scale, dq, dk, dv, tiles, _launch)
+    _atomic_launches(do, q, k, v, o, residual, lse, causal, scale, dq, dk, dv, tiles, *_atomic_buffers(q, tiles),
+                     _launch)
 
 
 def _launch(index: int, kernel, grid, args: tuple, kwargs: dict) -> None:
     launch_cache.launch(kernel, grid, *args, **kwargs)
 
 
+def _atomic_buffers(q: torch.Tensor, tiles: BackwardTiles) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the tensor under the fp32 dQ buffer — ``dq_buffer``'s, or the (B, H, d, N') one its transposed
+    view is cut from — and δ (B, H, N_q) fp32): ``_atomic_launches``' buffers, uninitialised."""
+    dq_sum = dq_buffer(q, tiles.dq_transposed(q.shape[3]))
+    return (dq_sum if dq_sum._base is None else dq_sum._base,
+            torch.empty(q.shape[:3], dtype=torch.float32, device=q.device))
+
+
 def _atomic_launches(do, q, k, v, o, residual, lse, causal: bool, scale: float | None, dq, dk, dv,
-                     tiles: BackwardTiles, launch) -> tuple[torch.Tensor, torch.Tensor, list]:
-    """``_atomic_backward``'s three launches — δ with the buffer's clear, the backward kernel, dQ's
-    scaling — each handed to ``launch(index, kernel, grid, arguments, keyword arguments)`` as soon as
-    it is built (the backward's arguments read δ: where N_q is not a multiple of 4, ``vector_descriptor``
-    copies it into padded rows). Returns (the fp32 dQ buffer, δ, the launches as (kernel, grid,
-    arguments, keyword arguments))."""
+                     tiles: BackwardTiles, sums: torch.Tensor, delta: torch.Tensor, launch) -> list:
+    """``_atomic_backward``'s three launches with the buffers ``sums`` and ``delta`` (``_atomic_buffers``) —
+    δ with the buffer's clear, the backward kernel, dQ's scaling — each handed to ``launch(index,
+    kernel, grid, arguments, keyword arguments)`` as soon as it is built (the backward's arguments read
+    δ: where N_q is not a multiple of 4, ``vector_descriptor`` copies it into padded rows). Returns the
+    launches as (kernel, grid, arguments, keyword arguments)."""
     B, H, n_q, d = q.shape
     transposed = tiles.dq_transposed(d)
-    dq_sum = dq_buffer(q, transposed)
-    delta = torch.empty(o.shape[:3], dtype=torch.float32, device=o.device)
+    dq_sum = sums[..., :n_q].transpose(2, 3) if transposed else sums
     has_r = residual is not None and residual.numel() > 0
     grid, args, kwargs = delta_dot_launch(o, residual.contiguous() if has_r else o, do, delta, has_r, clear=dq_sum)
     launches = [(delta_dot_kernel, grid, args, kwargs)]
@@ -221,117 +229,59 @@ def _atomic_launches(do, q, k, v, o, residual, lse, causal: bool, scale: float |
                       1.0 / math.sqrt(d) if scale is None else float(scale)),
                      dict(HEAD_DIM=d, BLOCK_R=64, SRC_T=transposed)))
     launch(2, *launches[-1])
-    return dq_sum, delta, launches
+    return launches
 
 
-# off: every route backward builds its launches (what the plans are tested against)
-PLANS = True
-# the route backward's plans by signature (``_plan_key``); emptied when they reach MAX_PLANS
-_plans: dict[tuple, "_AtomicPlan"] = {}
-MAX_PLANS = 256
-
-
-def _plan_key(tensors: tuple, causal: bool, scale) -> tuple:
-    """What ``_atomic_launches`` reads of a call beyond its tensors' addresses: every tensor's shape,
-    strides, dtype and address modulo 16, causal, scale, the device and Triton's debug switch."""
-    key = [causal, scale, tensors[1].get_device(), knobs.runtime.debug]
-    for t in tensors:
-        key += (t.shape, t.stride(), t.dtype, t.data_ptr() & 15)
-    return tuple(key)
-
-
-class _AtomicPlan:
-    """A route backward (``_atomic_backward``) of one signature, kept: the shapes of the two buffers it
-    allocates and its three launches as ``launch_cache.Replay``s, each with its grid and which of the
-    call's tensors goes to each of its tensor places. A call repeating the signature allocates the
-    buffers and launches — no arguments built, no key, no binding. ``launch_cache.clear`` retires
-    it (``current``)."""
-
-    __slots__ = ("device", "sum_shape", "delta_shape", "steps")
-
-    def __init__(self, device, sum_shape, delta_shape, steps) -> None:
-        self.device, self.sum_shape, self.delta_shape, self.steps = device, sum_shape, delta_shape, steps
-
-    @classmethod
-    def record(cls, tensors: tuple, dq_sum: torch.Tensor, delta: torch.Tensor, launches: list) -> "_AtomicPlan | None":
-        """The plan of a call that launched ``launches`` (``_atomic_launches``) with ``tensors`` (do, q,
-        k, v, o, R or o, L, dq, dk, dv); None while ``launch_cache`` has not recorded all three (the
-        first calls of a signature) or where a tensor place is none of the call's tensors."""
-        # the buffer's own tensor: dq_buffer's (B, H, N_q, d), or the (B, H, d, N') tensor under its view
-        base = dq_sum if dq_sum._base is None else dq_sum._base
-        where = {(t.data_ptr(), t.dtype): i for i, t in enumerate((*tensors, base, delta))}
-        steps = []
-        for kernel, grid, args, kwargs in launches:
-            replay = launch_cache.replay_of(kernel, args, kwargs)
-            if replay is None:
-                return None
-            order = tuple(where.get(place) for place in replay.recorded)
-            if None in order:
-                return None
-            steps.append((replay, (*grid, 1, 1)[:3], order))
-        return cls(delta.device, tuple(base.shape), tuple(delta.shape), tuple(steps))
-
-    @property
-    def current(self) -> bool:
-        return all(replay.current for replay, _, _ in self.steps)
-
-    def __call__(self, tensors: tuple) -> None:
-        device = self.device
-        ts = (*tensors, torch.empty(self.sum_shape, dtype=torch.float32, device=device),
-              torch.empty(self.delta_shape, dtype=torch.float32, device=device))
-        for replay, grid, order in self.steps:
-            replay(grid, [ts[i] for i in order])
-
-    def checking(self, tensors: tuple):
-        """``launch_cache.VERIFY``'s form of a call: a ``launch`` for ``_atomic_launches`` that checks
-        each replay against the launch built for the same call (its grid, then ``Replay.check``) and
-        runs the replay with that launch's tensors (the call's buffers)."""
-        buffers = []
-
-        def launch(index: int, kernel, grid, args: tuple, kwargs: dict) -> None:
-            replay, planned, order = self.steps[index]
-            assert (*grid, 1, 1)[:3] == planned, f"{kernel.__name__}: the plan's grid {planned} is not the call's {grid}"
-            if index == 0:                    # δ's launch holds the call's buffers: (o, R, dO, δ, the dQ buffer)
-                dq_sum, delta = kwargs["ZERO"], args[3]
-                buffers[:] = (dq_sum if dq_sum._base is None else dq_sum._base, delta)
-            ts = (*tensors, *buffers)
-            mine = [ts[i] for i in order]
-            replay.check(kernel, args, kwargs, mine)
-            replay(planned, mine)
-        return launch
+# the route backward's plans by ``launch_cache.plan_key`` of its tensors, causal and scale
+_plans: dict[tuple, launch_cache.Plan] = {}
 
 
 def backward_into(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                   residual: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float, dq: torch.Tensor,
-                  dk: torch.Tensor, dv: torch.Tensor) -> None:
+                  dk: torch.Tensor, dv: torch.Tensor, key: tuple | None = None) -> None:
     """The route's backward (``route.why_not_backward`` accepted the call), writing into ``dq``, ``dk``,
     ``dv`` (views of one packed gradient included: TMA addresses them as they are): ``_atomic_backward``
     with ``atomic_backward_tiles``, or under ``torch.use_deterministic_algorithms`` (head_dim 128) δ
     from dO·(O + R) by the Triton δ kernel, then the dK/dV and dQ kernels of the default tiles
-    (``backward_tiles_for``). A signature seen before runs its ``_AtomicPlan`` (``PLANS``)."""
+    (``backward_tiles_for``). A signature seen before replays its launches (``launch_cache.Plan``);
+    ``key``: the plan's key as the caller made it (``replay``), else ``launch_cache.plan_key`` of the
+    tensors, causal and scale."""
+    given = lse, residual
     lse = lse.contiguous()
     if torch.are_deterministic_algorithms_enabled():
         _two_kernel_backward(do, q, k, v, o, residual, lse, causal, scale, dq, dk, dv, None)
         return
     r = residual.contiguous() if residual is not None and residual.numel() > 0 else o
+    if key is not None and (lse is not given[0] or (r is not o and r is not given[1])):
+        key = None              # a copy was launched on: the caller's replays under its key would pass the originals
     tensors = (do, q, k, v, o, r, lse, dq, dk, dv)
-    key = _plan_key(tensors, causal, scale) if PLANS and launch_cache.ENABLED else None
+    if key is None and launch_cache.PLANS and launch_cache.ENABLED:
+        key = launch_cache.plan_key(tensors, causal, scale)
     plan = _plans.get(key) if key is not None else None
     if plan is not None and plan.current and not launch_cache.VERIFY:
         plan(tensors)
         return
     tiles = atomic_backward_tiles(q.shape[3])
+    buffers = plan.allocate() if plan is not None and plan.current else _atomic_buffers(q, tiles)
     if plan is not None and plan.current:     # VERIFY: each replay checked against the launch built, then run
-        _atomic_launches(do, q, k, v, o, residual, lse, causal, scale, dq, dk, dv, tiles, plan.checking(tensors))
+        _atomic_launches(do, q, k, v, o, residual, lse, causal, scale, dq, dk, dv, tiles, *buffers,
+                         plan.checking(tensors, buffers))
         return
-    dq_sum, delta, launches = _atomic_launches(do, q, k, v, o, residual, lse, causal, scale, dq, dk, dv, tiles,
-                                               _launch)
+    launches = _atomic_launches(do, q, k, v, o, residual, lse, causal, scale, dq, dk, dv, tiles, *buffers, _launch)
     if key is not None:
-        plan = _AtomicPlan.record(tensors, dq_sum, delta, launches)
-        if plan is not None:
-            if len(_plans) >= MAX_PLANS:
-                _plans.clear()
-            _plans[key] = plan
+        launch_cache.keep_plan(_plans, key, launch_cache.Plan.record(tensors, buffers, launches))
+
+
+def replay(key: tuple, tensors: tuple) -> bool:
+    """Run the plan kept under ``key`` on ``tensors`` (dO, q, k, v, O, R or O, L, dq, dk, dv) and return
+    True; False where there is none, it is retired, or ``launch_cache.VERIFY`` is on (the call then goes
+    through ``backward_into`` with the same key). The caller's key stands for the route's decision as
+    well as for the launches: it holds everything ``route.why_not_backward`` reads."""
+    plan = _plans.get(key)
+    if plan is None or not plan.current or launch_cache.VERIFY:
+        return False
+    plan(tensors)
+    return True
 
 
 def _delta(do: torch.Tensor, o: torch.Tensor, residual: torch.Tensor | None,

@@ -65,6 +65,14 @@ DETERMINISTIC_MIN_KEYS = {128: 4096}
 MAX_HEAD_PROGRAMS = 65535
 
 
+def settings() -> tuple:
+    """Every switch and threshold the route's answers read beyond a call's own arguments (``ENABLED``,
+    the head dims and key counts, the grid's limit), by value: a plan that skips the route's checks keys
+    on them, so that changing one (a benchmark holding a kernel back, a test) reaches the next call."""
+    return (ENABLED, HEAD_DIMS, tuple(FORWARD_MIN_KEYS.items()), BACKWARD_HEAD_DIMS, tuple(BACKWARD_MIN_KEYS.items()),
+            tuple(DETERMINISTIC_MIN_KEYS.items()), MAX_HEAD_PROGRAMS)
+
+
 @contextlib.contextmanager
 def triton_only():
     """Within the block every call runs on the Triton kernels (``ENABLED`` off, restored after): the
@@ -191,22 +199,26 @@ def _common_reason(q, k, v, config, masks, pointers: bool, aligned: dict) -> str
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, o: torch.Tensor,
-            lse: torch.Tensor, residual: torch.Tensor) -> None:
+            lse: torch.Tensor, residual: torch.Tensor, via=None) -> tuple:
     """The Gluon forward into ``o`` (q's layout), ``lse`` (B, H, N_q) fp32 and ``residual`` (B, H, N_q, d)
-    bf16 contiguous, for a call ``why_not`` accepted."""
+    bf16 contiguous, for a call ``why_not`` accepted. Returns its launch, (kernel, grid, arguments,
+    keyword arguments); ``via(kernel, grid, *arguments, **keyword arguments)`` launches it in place of
+    ``launch_cache.launch`` (the op's plans check their replay there)."""
     from stableflash.attention.gluon.hopper_forward import tiles_for
     from stableflash.attention.gluon.launch import attn_fwd_hopper_kernel, launch_args
     from stableflash.attention.triton import launch_cache
     grid, args, meta = launch_args(q, k, v, o, lse, residual, causal, scale, tiles_for(q.shape[-1], causal))
-    launch_cache.launch(attn_fwd_hopper_kernel, grid, *args, **meta)
+    (via or launch_cache.launch)(attn_fwd_hopper_kernel, grid, *args, **meta)
+    return attn_fwd_hopper_kernel, grid, args, meta
 
 
 def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
              residual: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float, dq: torch.Tensor,
-             dk: torch.Tensor, dv: torch.Tensor) -> None:
+             dk: torch.Tensor, dv: torch.Tensor, key: tuple | None = None) -> None:
     """The Gluon backward into ``dq`` (q's shape), ``dk`` and ``dv`` (k's), any TMA-aligned layouts
     (views of one packed gradient included), for a call ``why_not_backward`` accepted (its kernels,
-    atomic or in deterministic mode the two: ``launch_backward.backward_into``)."""
+    atomic or in deterministic mode the two: ``launch_backward.backward_into``; ``key``: its plan's key,
+    as the op made it)."""
     from stableflash.attention.gluon.launch_backward import backward_into
-    backward_into(do, q, k, v, o, residual, lse, causal, scale, dq, dk, dv)
+    backward_into(do, q, k, v, o, residual, lse, causal, scale, dq, dk, dv, key)
 

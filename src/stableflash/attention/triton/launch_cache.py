@@ -330,10 +330,11 @@ class Replay:
     a replay by itself: under it, the replay's user builds the launch as well and checks the replay
     against it (``check``)."""
 
-    __slots__ = ("kernel", "template", "places", "recorded", "generation")
+    __slots__ = ("kernel", "template", "places", "recorded", "generation", "grid")
 
-    def __init__(self, kernel, values: list, generation: int) -> None:
+    def __init__(self, kernel, values: list, generation: int, grid: tuple[int, int, int] | None = None) -> None:
         self.kernel = kernel
+        self.grid = grid                       # the recorded call's grid, where ``replay_of`` was given it
         # (position, the recorded descriptor without its base, or None for a tensor); the template holds
         # no tensor, so that a replay keeps none of the recorded call's memory alive
         places, recorded = [], []
@@ -376,12 +377,15 @@ class Replay:
         else:
             kernel[grid](*values)
 
-    def check(self, entry, args: tuple, kwargs: dict, tensors) -> None:
+    def check(self, entry, grid, args: tuple, kwargs: dict, tensors) -> None:
         """Assert that ``launch(entry, grid, *args, **kwargs)`` would launch this kernel with these
-        ``tensors``' values: the same compiled kernel through Triton's binder, every argument equal,
-        tensors by address and dtype, descriptors by every field (the grid is the caller's)."""
+        ``tensors``' values: the same compiled kernel through Triton's binder, the same grid (where the
+        replay holds one), every argument equal, tensors by address and dtype, descriptors by every
+        field."""
         name, kernel, bound = _through_binder(entry, args, kwargs, "a replay")
         assert kernel is self.kernel, f"{name}: the replay's kernel is not its arguments' kernel"
+        assert self.grid is None or _grid_tuple(grid, bound) == self.grid, \
+            f"{name}: the replay's grid {self.grid} is not the call's {_grid_tuple(grid, bound)}"
         expected, got = list(bound.values()), self.values(tensors)
         assert len(got) == len(expected) and all(map(_same_argument, got, expected)), \
             f"{name}: the replay's arguments are not its binder's"
@@ -415,10 +419,12 @@ def _same_argument(a, b) -> bool:
     return a is b or (a.__class__ is b.__class__ and a == b)
 
 
-def replay_of(entry, args: tuple, kwargs: dict) -> Replay | None:
+def replay_of(entry, args: tuple, kwargs: dict, grid=None) -> Replay | None:
     """A ``Replay`` of the call ``launch(entry, grid, *args, **kwargs)`` has recorded (the same key),
     or None: none recorded yet (a key's first call goes through Triton, the next records it), the
-    cache off, the interpreter, or arguments ``call_key`` cannot key."""
+    cache off, the interpreter, or arguments ``call_key`` cannot key. ``grid``: the call's grid, kept
+    evaluated as ``launch`` evaluates it (a grid function gets the arguments by name, the tuner's choice
+    among them)."""
     if not ENABLED or isinstance(entry, InterpretedFunction):
         return None
     ckey = call_key(args, kwargs)
@@ -430,4 +436,89 @@ def replay_of(entry, args: tuple, kwargs: dict) -> Replay | None:
         return None
     if call is None:
         return None
-    return Replay(call.kernel, call.arguments(args, kwargs), _generation)
+    values = call.arguments(args, kwargs)
+    grid3 = None if grid is None else _grid_tuple(grid, dict(zip(call.names, values)) if callable(grid) else None)
+    return Replay(call.kernel, values, _generation, grid3)
+
+
+# off: every call whose launches a plan keeps builds them again (what the plans are tested against)
+PLANS = True
+MAX_PLANS = 256
+
+
+def plan_key(tensors: tuple, *extra) -> tuple:
+    """What a call's launches can read of ``tensors`` beyond their addresses — every tensor's shape,
+    strides, dtype and address modulo 16 — with ``extra`` (the call's other arguments), the current
+    device and Triton's debug switch: the key of the call's ``Plan``."""
+    key = [*extra, driver.active.get_current_device(), knobs.runtime.debug]
+    for t in tensors:
+        key += (t.shape, t.stride(), t.dtype, t.data_ptr() & 15)
+    return tuple(key)
+
+
+class Plan:
+    """The launches of one call signature (``plan_key``), kept: each a ``Replay`` with its grid and,
+    for each of its tensor places, which tensor of the call goes there — by position among the
+    call's tensors and then the buffers the plan allocates (their shapes and dtypes recorded). A call
+    repeating the signature allocates the buffers and launches: no arguments built, no key, no
+    binding. ``clear`` retires it (``current``). Its user keeps it by key and, under ``VERIFY``,
+    builds the launches anyway and runs them through ``checking``."""
+
+    __slots__ = ("device", "buffers", "steps")
+
+    def __init__(self, device, buffers: tuple, steps: tuple) -> None:
+        self.device, self.buffers, self.steps = device, buffers, steps
+
+    @classmethod
+    def record(cls, tensors: tuple, buffers: tuple, launches: list) -> "Plan | None":
+        """The plan of a call that launched ``launches`` ((kernel, grid, arguments, keyword arguments)
+        each, through ``launch``) with ``tensors`` and its own ``buffers``; None while ``launch`` has not
+        recorded every one of them (a signature's first calls) or where a tensor place holds none of
+        these tensors (a copy the call made)."""
+        where = {(t.data_ptr(), t.dtype): i for i, t in enumerate((*tensors, *buffers))}
+        steps = []
+        for kernel, grid, args, kwargs in launches:
+            replay = replay_of(kernel, args, kwargs, grid)
+            if replay is None:
+                return None
+            order = tuple(where.get(place) for place in replay.recorded)
+            if None in order:
+                return None
+            steps.append((replay, order))
+        device = tensors[0].device
+        return cls(device, tuple((tuple(b.shape), b.dtype) for b in buffers), tuple(steps))
+
+    @property
+    def current(self) -> bool:
+        return all(replay.current for replay, _ in self.steps)
+
+    def allocate(self) -> tuple:
+        """New buffers of the recorded shapes and dtypes (uninitialised)."""
+        return tuple(torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in self.buffers)
+
+    def __call__(self, tensors: tuple, buffers: tuple | None = None) -> None:
+        ts = (*tensors, *(self.allocate() if buffers is None else buffers))
+        for replay, order in self.steps:
+            replay(replay.grid, [ts[i] for i in order])
+
+    def checking(self, tensors: tuple, buffers: tuple):
+        """A ``launch(index, kernel, grid, arguments, keyword arguments)`` for a call building its
+        launches under ``VERIFY``: launch ``index``'s replay checked against the launch built
+        (``Replay.check``: kernel, grid, arguments) and run with these tensors and buffers."""
+        ts = (*tensors, *buffers)
+
+        def launch(index: int, kernel, grid, args: tuple, kwargs: dict) -> None:
+            replay, order = self.steps[index]
+            mine = [ts[i] for i in order]
+            replay.check(kernel, grid, args, kwargs, mine)
+            replay(replay.grid, mine)
+        return launch
+
+
+def keep_plan(plans: dict, key: tuple, plan: "Plan | None") -> None:
+    """``plans[key] = plan`` for a recorded plan, the store emptied first when it holds MAX_PLANS."""
+    if plan is None:
+        return
+    if len(plans) >= MAX_PLANS:
+        plans.clear()
+    plans[key] = plan

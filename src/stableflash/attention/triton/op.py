@@ -164,7 +164,7 @@ def key_block_config(block_k: int, head_dim: int) -> triton.Config:
 
 
 def _launch(tuned, raw, grid, *args, tma_tuned=None, tma: bool | None = None, fixed: bool = False,
-            config: triton.Config | None = None, **meta):
+            config: triton.Config | None = None, via=None, **meta) -> tuple | None:
     """Run ``raw`` through its tuner, its fixed config, or the interpreter's tile. A kernel with a
     TMA switch gets ``tma`` (alignment and GPU checked by the caller): when true it may read through
     tensor descriptors — each config of ``tma_tuned`` says whether it does; a fixed config does.
@@ -172,24 +172,30 @@ def _launch(tuned, raw, grid, *args, tma_tuned=None, tma: bool | None = None, fi
     ℓ after every key block, so its key block is part of its arithmetic (``key_block``). ``config``:
     this tile and no other (a key block the caller chose: ``key_block_config``); the caller passes
     tma=False with it. Inside the inline ops' bodies every launch goes through
-    ``torch.library.wrap_triton``."""
+    ``torch.library.wrap_triton``. Returns the launch made, (kernel or tuner, grid, arguments,
+    keyword arguments), None under the interpreter; ``via`` launches it in place of ``_run``."""
     tune = AUTOTUNE and not fixed and config is None
+    run = via or _run
     if tma:
         _ensure_allocator()
         if tune and not interpreting():
-            _run(tma_tuned, grid, *args, **meta, INTERP=False)
-            return
+            kwargs = {**meta, "INTERP": False}
+            run(tma_tuned, grid, *args, **kwargs)
+            return tma_tuned, grid, args, kwargs
     if tma is not None:
         meta["TMA"] = tma
     if interpreting():                             # a chosen key block keeps its BLOCK_N
         tile = _INTERP if config is None else {**_INTERP, "BLOCK_N": config.kwargs["BLOCK_N"]}
         raw[grid(tile)](*args, **meta, **tile, INTERP=True)
-    elif tune:
-        _run(tuned, grid, *args, **meta, INTERP=False)
+        return None
+    if tune:
+        entry, kwargs = tuned, {**meta, "INTERP": False}
     else:
         cfg = config or _FIXED[tuned][meta["HEAD_DIM"] <= 128]
-        _run(raw, grid(cfg.kwargs), *args, **meta, **cfg.kwargs, num_warps=cfg.num_warps,
-             num_stages=cfg.num_stages, INTERP=False)
+        entry, grid = raw, grid(cfg.kwargs)
+        kwargs = {**meta, **cfg.kwargs, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "INTERP": False}
+    run(entry, grid, *args, **kwargs)
+    return entry, grid, args, kwargs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -497,8 +503,23 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sc
     lse = torch.empty(B, H, n_q, dtype=torch.float32, device=q.device)
     o32 = torch.empty(q.shape if delta.keeps_o else (0,), dtype=q.dtype if delta.residual else torch.float32,
                       device=q.device)
+    tensors, key, plan = (q, k, v, o, lse, o32), None, None
+    # a plan: not for a seed drawn per call (dropout, stochastic rounding), nor in a traced body
+    if launch_cache.PLANS and launch_cache.ENABLED and not masks.any and not config.stochastic \
+            and _INLINE.get() is None and not _INTERPRETING:
+        key = launch_cache.plan_key(tensors, causal, scale, config, hopper_route.settings(), AUTOTUNE, TMA, PERSISTENT)
+        plan = _forward_plans.get(key)
+        if plan is not None and not plan.current:
+            plan = None
+        elif plan is not None and not launch_cache.VERIFY:
+            plan(tensors)
+            return o, lse, o32
+    # under VERIFY a plan's replay is checked against the launch built here, and runs in its place
+    via = (lambda entry, grid, *args, **kwargs: plan.checking(tensors, ())(0, entry, grid, args, kwargs)) \
+        if plan is not None else None
     if _INLINE.get() is None and hopper_route.why_not(q, k, v, config, masks, interpreting(), causal=causal) is None:
-        hopper_route.forward(q, k, v, causal, scale, o, lse, o32)
+        launched = hopper_route.forward(q, k, v, causal, scale, o, lse, o32, via=via)
+        _keep_forward_plan(key, plan, tensors, launched)
         return o, lse, o32
     scale_u, eps_u, lo, hi, period = _units(emu, scale, config.eps, config.min_shift, config.max_shift)
     cap_in = cap_out = 0.0
@@ -520,12 +541,26 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sc
         grid = lambda meta: (launch_cache.cdiv(n_q, meta["BLOCK_M"]), B * H)  # noqa: E731
     tile = key_block_config(config.block_k, d) if config.block_k else None
     v8 = _v_for_fp8_product(v, config.p_bar) if config.fp8_product else v
-    _launch(_fwd_tuned, attn_fwd_kernel, grid, q, k, v, v8, o, lse, o32, *_strides(q), *_strides(k), *_strides(v),
-            *_strides(o), H, H // k.shape[1], n_q, n_k, B * H, scale_u, config.beta, eps_u, lo, hi, period,
-            seed, hp_mask, cap_in, cap_out, **extra, tma_tuned=_fwd_tma_tuned,
-            tma=_use_tma(k, v) and tile is None and not varlen, fixed=emu, config=tile, HEAD_DIM=d, CAUSAL=causal,
-            **forward_switches(config), PERSISTENT=PERSISTENT > 0 and not masks.any, **switches)
+    launched = _launch(_fwd_tuned, attn_fwd_kernel, grid, q, k, v, v8, o, lse, o32, *_strides(q), *_strides(k),
+                       *_strides(v), *_strides(o), H, H // k.shape[1], n_q, n_k, B * H, scale_u, config.beta, eps_u, lo,
+                       hi, period, seed, hp_mask, cap_in, cap_out, **extra, tma_tuned=_fwd_tma_tuned,
+                       tma=_use_tma(k, v) and tile is None and not varlen, fixed=emu, config=tile, via=via, HEAD_DIM=d,
+                       CAUSAL=causal, **forward_switches(config), PERSISTENT=PERSISTENT > 0 and not masks.any,
+                       **switches)
+    _keep_forward_plan(key, plan, tensors, launched)
     return o, lse, o32
+
+
+# the forwards' launches kept by ``launch_cache.plan_key`` of (q, k, v, O, L, O32), causal, scale, the
+# configuration and the switches that choose the kernel: the Gluon route's settings, tuning, TMA, persistent
+_forward_plans: dict = {}
+
+
+def _keep_forward_plan(key, plan, tensors: tuple, launched) -> None:
+    """Record the plan of a forward that built and launched ``launched`` (none where a plan ran it, the
+    key is None, or the interpreter ran it)."""
+    if key is not None and plan is None and launched is not None:
+        launch_cache.keep_plan(_forward_plans, key, launch_cache.Plan.record(tensors, (), [launched]))
 
 
 @functools.lru_cache(maxsize=256)
@@ -700,8 +735,17 @@ def _backward_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
         dq, dk, dv = unpack_qkv(packed)
         dq_out, dk_out, dv_out = packed, packed, do         # dv_out: not read (DV_IN_DK)
         dkv_at = dict(dk_offset=packed.stride(2), dv_offset=2 * packed.stride(2), DV_IN_DK=True)
+    key = None
+    # a route backward seen before runs its kept plan: the key holds what the route's decision reads too
+    if launch_cache.PLANS and launch_cache.ENABLED and not masks.any and _INLINE.get() is None \
+            and not _INTERPRETING and not torch.are_deterministic_algorithms_enabled():
+        from stableflash.attention.gluon import launch_backward
+        kept = (do, q, k, v, o, residual if residual.numel() else o, lse, dq, dk, dv)
+        key = launch_cache.plan_key(kept, causal, scale, config, hopper_route.settings())
+        if launch_backward.replay(key, kept):
+            return dq, dk, dv
     if _INLINE.get() is None and hopper_route.why_not_backward(do, q, k, v, config, masks, interpreting()) is None:
-        hopper_route.backward(do, q, k, v, o, residual, lse, causal, scale, dq, dk, dv)
+        hopper_route.backward(do, q, k, v, o, residual, lse, causal, scale, dq, dk, dv, key)
         return dq, dk, dv
     emu, softcap = config.emulated, config.softcap or 0.0
     cap = dict(SOFTCAP=config.softcap is not None)
