@@ -223,7 +223,7 @@ def atomic_backward_tiles(head_dim: int) -> BackwardTiles:
     behind (``_dkdv_split_pipelined_step``; 4–14% faster than one warpgroup over 64 keys and 64-row
     blocks, two programs an SM, and 2–4% faster than the same tiles with the share waited for within
     its step, docs/kernels.md). Head_dim 128: 128 keys per program, query blocks of 64 rows in three
-    slots (226 KiB of shared memory; two slots: 5% slower at 4×16×8192×128 causal), each block's dQ
+    slots (226 KiB of shared memory; two slots: 3–5% slower at 1024–8192 tokens, causal), each block's dQ
     share split by columns (``_dkdv_split_step``; 32-row blocks with the share transposed were slower
     than the two kernels, and the share taken one block behind 12–14% slower under a causal mask,
     docs/kernels.md)."""
