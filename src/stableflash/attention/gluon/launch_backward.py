@@ -79,11 +79,19 @@ def dq_buffer(q: torch.Tensor, transposed: bool) -> torch.Tensor:
     yet cleared (the δ kernel clears it: ``_delta``'s ``clear``): contiguous, or, where the kernel
     adds dQᵀ (``transposed``: ``BackwardTiles.dq_transposed``), the transpose of a (B, H, d, N')
     tensor whose rows N' = N_q rounded up to a multiple of 4 keep them 16-byte aligned for TMA."""
+    return _dq_view(_dq_storage(q, transposed), q.shape[2], transposed)
+
+
+def _dq_storage(q: torch.Tensor, transposed: bool) -> torch.Tensor:
+    """The tensor ``dq_buffer`` allocates: (B, H, N_q, d), or (B, H, d, N') where ``transposed``."""
     B, H, n_q, d = q.shape
-    if not transposed:
-        return torch.empty(q.shape, dtype=torch.float32, device=q.device)
-    padded = torch.empty(B, H, d, -(-n_q // 4) * 4, dtype=torch.float32, device=q.device)
-    return padded[..., :n_q].transpose(2, 3)
+    shape = (B, H, d, -(-n_q // 4) * 4) if transposed else q.shape
+    return torch.empty(shape, dtype=torch.float32, device=q.device)
+
+
+def _dq_view(storage: torch.Tensor, n_q: int, transposed: bool) -> torch.Tensor:
+    """``dq_buffer`` of its storage (``_dq_storage``)."""
+    return storage[..., :n_q].transpose(2, 3) if transposed else storage
 
 
 def _dq_buffer_descriptor(t: torch.Tensor, tiles: BackwardTiles) -> TensorDescriptor:
@@ -198,10 +206,9 @@ def _launch(index: int, kernel, grid, args: tuple, kwargs: dict) -> None:
 
 
 def _atomic_buffers(q: torch.Tensor, tiles: BackwardTiles) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the tensor under the fp32 dQ buffer — ``dq_buffer``'s, or the (B, H, d, N') one its transposed
-    view is cut from — and δ (B, H, N_q) fp32): ``_atomic_launches``' buffers, uninitialised."""
-    dq_sum = dq_buffer(q, tiles.dq_transposed(q.shape[3]))
-    return (dq_sum if dq_sum._base is None else dq_sum._base,
+    """(the fp32 dQ buffer's storage, ``_dq_storage``, and δ (B, H, N_q) fp32): ``_atomic_launches``'
+    buffers, uninitialised."""
+    return (_dq_storage(q, tiles.dq_transposed(q.shape[3])),
             torch.empty(q.shape[:3], dtype=torch.float32, device=q.device))
 
 
@@ -214,7 +221,7 @@ def _atomic_launches(do, q, k, v, o, residual, lse, causal: bool, scale: float |
     launches as (kernel, grid, arguments, keyword arguments)."""
     B, H, n_q, d = q.shape
     transposed = tiles.dq_transposed(d)
-    dq_sum = sums[..., :n_q].transpose(2, 3) if transposed else sums
+    dq_sum = _dq_view(sums, n_q, transposed)
     has_r = residual is not None and residual.numel() > 0
     grid, args, kwargs = delta_dot_launch(o, residual.contiguous() if has_r else o, do, delta, has_r, clear=dq_sum)
     launches = [(delta_dot_kernel, grid, args, kwargs)]
