@@ -22,7 +22,8 @@ gradient of qkv, eager and compiled; with ``torch.use_deterministic_algorithms``
 Triton backward runs, bit for bit the portable path's, and at 128 from ``DETERMINISTIC_MIN_KEYS``
 keys the two Gluon backward kernels, bit for bit repeatable. A forward or backward whose signature ran
 before replays its kept plan (``launch_cache.Plan``): the same kernels and arguments, checked against
-the launches the call builds; O, dK and dV bit for bit what the plans switched off give.
+the launches the call builds; O, dK and dV bit for bit what the plans switched off give; a plan
+recorded from ``flash_attention(x, x, x)`` is not run for distinct q, k, v.
 """
 import contextlib
 
@@ -548,6 +549,36 @@ def test_a_repeated_forward_runs_its_plan(d, stabilize, counted, monkeypatch):
     assert counted["forward"] == (4 if routed else 0)   # the replays skip the route's call
     for got in results:
         assert torch.equal(got, unplanned)
+
+
+@pytest.mark.gpu
+@on_hopper
+def test_a_plan_recorded_with_one_tensor_in_several_places_is_not_run_for_distinct_ones(monkeypatch):
+    """``flash_attention(x, x, x)`` repeated records plans (forward and backward) in which one tensor fills
+    q's, k's and v's places; a later call with distinct q, k, v of the same shapes does not run them
+    (``launch_cache.plan_key`` keeps which tensors share an address): O, dK and dV bit for bit what the
+    plans switched off give, dQ (added up in no fixed order) within 1.25× (+1e-4) of their error against
+    float64."""
+    from stableflash.attention.triton import launch_cache
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    q, k, v, do = _inputs(1, 2, 2, route.BACKWARD_MIN_KEYS[128] + 88, 128, False, gen)
+
+    def step(*tensors):
+        leaves = {id(t): t.detach().clone().requires_grad_(True) for t in tensors}
+        o = flash_attention(*(leaves[id(t)] for t in tensors), causal=True)
+        return (o, *torch.autograd.grad(o, list(leaves.values()), do))
+    launch_cache.clear()
+    for _ in range(3):
+        step(q, q, q)
+    got = step(q, k, v)
+    with monkeypatch.context() as m:
+        m.setattr(launch_cache, "PLANS", False)
+        want = step(q, k, v)
+    ref = expanded_reference(q, k, v, do, True)
+    for name, i in (("O", 0), ("dK", 2), ("dV", 3)):
+        assert torch.equal(got[i], want[i]), name
+    err, err_w = (((x[1].double() - ref[1]).norm() / ref[1].norm()).item() for x in (got, want))
+    assert err <= 1.25 * err_w + 1e-4, (err, err_w)
 
 
 def test_the_routes_settings_name_every_threshold_by_value(monkeypatch):

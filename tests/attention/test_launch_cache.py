@@ -272,8 +272,8 @@ def test_a_plan_sends_each_of_the_calls_tensors_and_new_buffers_to_their_places(
     """``launch_cache.Plan``: recorded from a call's launches (each place matched to one of the call's
     tensors or buffers by address and dtype), it launches every replay with a later call's tensors in
     the same places and buffers of the recorded shapes and dtypes; a place holding none of them (a
-    copy the call made) gives no plan; ``plan_key`` tells signatures apart by shape, strides, dtype and
-    alignment, not by address."""
+    copy the call made) gives no plan; ``plan_key`` tells signatures apart by shape, strides, dtype,
+    alignment and which tensors share an address, not by the addresses themselves."""
     entry, kernel, launched = _replay_world(monkeypatch)
     a, b, buf = torch.zeros(64), torch.zeros(64), torch.zeros(8, 8)
     launches = [(entry, (4,), (_Descriptor(buf, [8, 8], [8, 1], [4, 8]), a, 64, 2.0), {"BLOCK": 16}),
@@ -302,6 +302,17 @@ def test_a_plan_sends_each_of_the_calls_tensors_and_new_buffers_to_their_places(
     assert key != launch_cache.plan_key((b, torch.ones(8, 8).t()), True, 0.5)
     assert key != launch_cache.plan_key((torch.zeros(65)[1:], buf), True, 0.5)
     assert key != launch_cache.plan_key((b.double(), buf), True, 0.5)
+    # tensors sharing an address: a plan recorded from (a, a) sends one tensor to both places, so a call
+    # of distinct tensors must not find it (it would get b2 where a2 belongs)
+    same = [launches[0], (entry, (2, 3), (_Descriptor(a.view(8, 8), [8, 8], [8, 1], [4, 8]), buf, 64, 2.0),
+                                            {"BLOCK": 16})]
+    for _ in range(2):
+        launch_cache.launch(*same[1][:2], *same[1][2], **same[1][3])
+    aliased = launch_cache.Plan.record((a, a), (buf,), same)
+    assert [order for _, order in aliased.steps] == [(2, 1), (1, 2)]
+    assert launch_cache.plan_key((a, a, buf), True) != launch_cache.plan_key((a2, b2, buf), True)
+    assert launch_cache.plan_key((a, a, buf), True) == launch_cache.plan_key((b2, b2, torch.ones(8, 8)), True)
+    assert launch_cache.plan_key((a, b, a), True) != launch_cache.plan_key((a, b, b), True)
     plans = {}
     monkeypatch.setattr(launch_cache, "MAX_PLANS", 2)
     for i in range(3):

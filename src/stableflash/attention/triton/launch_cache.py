@@ -448,11 +448,15 @@ MAX_PLANS = 256
 
 def plan_key(tensors: tuple, *extra) -> tuple:
     """What a call's launches can read of ``tensors`` beyond their addresses — every tensor's shape,
-    strides, dtype and address modulo 16 — with ``extra`` (the call's other arguments), the current
-    device and Triton's debug switch: the key of the call's ``Plan``."""
+    strides, dtype and address modulo 16, and which of them share an address and dtype (a plan maps
+    each place to one tensor by address: recorded from ``f(x, x, x)`` it would hand a later call's
+    last tensor to all three places) — with ``extra`` (the call's other arguments), the current device
+    and Triton's debug switch: the key of the call's ``Plan``."""
     key = [*extra, driver.active.get_current_device(), knobs.runtime.debug]
-    for t in tensors:
-        key += (t.shape, t.stride(), t.dtype, t.data_ptr() & 15)
+    first: dict = {}
+    for i, t in enumerate(tensors):
+        ptr = t.data_ptr()
+        key += (t.shape, t.stride(), t.dtype, ptr & 15, first.setdefault((ptr, t.dtype), i))
     return tuple(key)
 
 
