@@ -23,7 +23,9 @@ Triton backward runs, bit for bit the portable path's, and at 128 from ``DETERMI
 keys the two Gluon backward kernels, bit for bit repeatable. A forward or backward whose signature ran
 before replays its kept plan (``launch_cache.Plan``): the same kernels and arguments, checked against
 the launches the call builds; O, dK and dV bit for bit what the plans switched off give; a plan
-recorded from ``flash_attention(x, x, x)`` is not run for distinct q, k, v.
+recorded from ``flash_attention(x, x, x)`` is not run for distinct q, k, v. Without a GPU (the
+launches stood in for): each replayed launch gets, place by place, what the call builds with the
+plans off — the route's packed backward and forward, the Triton forward.
 """
 import contextlib
 
@@ -210,6 +212,130 @@ def test_each_backward_it_does_not_take_is_named(change, words):
     with deterministic(change.get("deterministic", torch.are_deterministic_algorithms_enabled())):
         reason = route.why_not_backward(do, q, k, v, change.get("config", CONFIG), change.get("masks", Masks()))
     assert reason is not None and words in reason, reason
+
+
+def _plan_world(monkeypatch) -> tuple[list, list]:
+    """The route taken on this CPU — its device checks, Triton's device and the launches stood in for —
+    with plans on: ([each launch built: its arguments], [each launch replayed: its arguments])."""
+    import types
+
+    from stableflash.attention.gluon import launch_backward
+    from stableflash.attention.triton import launch_cache
+    built, replayed = [], []
+
+    class Kernel:                              # a compiled kernel as Triton's runner calls it
+        function = packed_metadata = None
+
+        def run(self, *args):
+            replayed.append(list(args[9:]))    # after the grid, stream, function, metadata and hooks
+
+    monkeypatch.setattr(launch_cache, "launch", lambda entry, grid, *args, **kwargs: built.append([*args, *kwargs.values()]))
+    monkeypatch.setattr(launch_cache, "replay_of", lambda entry, args, kwargs, grid=None: launch_cache.Replay(
+        Kernel(), [*args, *kwargs.values()], launch_cache._generation, (1, 1, 1)))
+    monkeypatch.setattr(launch_cache, "driver", types.SimpleNamespace(active=types.SimpleNamespace(
+        get_current_device=lambda: 0, get_current_stream=lambda device: 0)))
+    monkeypatch.setattr(launch_cache.knobs.runtime, "launch_enter_hook", None)
+    monkeypatch.setattr(launch_cache.knobs.runtime, "launch_exit_hook", None)
+    monkeypatch.setattr(launch_cache, "VERIFY", False)
+    monkeypatch.setattr(launch_cache, "PLANS", True)
+    monkeypatch.setattr(triton_op, "interpreting", lambda: False)
+    monkeypatch.setattr(triton_op, "_INTERPRETING", False)
+    monkeypatch.setattr(triton_op, "_forward_plans", {})
+    monkeypatch.setattr(launch_backward, "_plans", {})
+    monkeypatch.setattr(route, "_common_reason", lambda *args, **kwargs: None)
+    return built, replayed
+
+
+def _named_launches(launches: list, names: dict) -> list:
+    """Each launch's arguments with every tensor named: ``names[(address, dtype)]``, else the call's
+    n-th other tensor (its buffers, in order of appearance) with its dtype and, where it is not a
+    descriptor's base (whose address alone reaches the launch), its shape and strides."""
+    import dataclasses
+    buffers: dict = {}
+
+    def named(a, base=False):
+        if isinstance(a, torch.Tensor):
+            at = (a.data_ptr(), a.dtype)
+            if at in names:
+                return names[at]
+            index = buffers.setdefault(at, len(buffers))
+            return ("buffer", index, a.dtype) if base else ("buffer", index, a.dtype, a.shape, a.stride())
+        if dataclasses.is_dataclass(a) and isinstance(getattr(a, "base", None), torch.Tensor):
+            return ("descriptor", named(a.base, True),
+                    *(getattr(a, f.name) for f in dataclasses.fields(a) if f.name != "base"))
+        return a
+    return [[named(a) for a in launch] for launch in launches]
+
+
+@needs_gluon
+@pytest.mark.parametrize("case", ["packed backward", "gluon forward", "triton forward"])
+def test_a_repeated_call_replays_each_launch_with_its_own_tensors(case, monkeypatch):
+    """The ops as torch.compile's code calls them, with the launches stood in for (no GPU): a first call
+    records its plan; a call with new tensors of the same signature replays it, building nothing, and
+    each replayed launch gets, place by place, what the same call builds with the plans off — its own
+    inputs, outputs and views of them, new buffers of the same shapes, strides and dtypes — and every
+    other argument equal. The route's packed backward (head_dim 128), its forward (128) and the Triton
+    forward below the route's key count (64)."""
+    from stableflash.attention.triton import launch_cache
+    built, replayed = _plan_world(monkeypatch)
+    monkeypatch.setattr(triton_op, "TMA", False)   # the Triton forward's pointer path (TMA asks the device)
+    gen = torch.Generator().manual_seed(3)
+    d = 64 if case == "triton forward" else 128
+    B, H, n = 1, 2, route.BACKWARD_MIN_KEYS[128]
+    assert (d == 128) == route.forward_routed(d, True, n)
+    seed = torch.empty(0, dtype=torch.int64)
+
+    def bf16(*shape):
+        return torch.randn(*shape, generator=gen).to(torch.bfloat16)
+
+    def inputs():
+        if case == "packed backward":
+            return (bf16(B, n, H, d).transpose(1, 2), bf16(B, n, 3, H, d), bf16(B, n, H, d).transpose(1, 2),
+                    bf16(B, H, n, d), torch.randn(B, H, n, generator=gen))
+        return tuple(bf16(B, n, H, d).transpose(1, 2) for _ in range(3))
+
+    def call(tensors, plans: bool) -> list:
+        monkeypatch.setattr(launch_cache, "PLANS", plans)
+        if case == "packed backward":
+            do, qkv, o, r, lse = tensors
+            grad = torch.ops.stableflash.attn_bwd_packed.default(do, qkv, o, r, lse, True, d ** -0.5, *CONFIG.op_args(),
+                                                                 *Masks().op_args(), seed)
+            names = (("dO", do), ("O", o), ("R", r), ("L", lse), *zip("qkv", triton_op.unpack_qkv(qkv)),
+                     *zip(("dq", "dk", "dv"), triton_op.unpack_qkv(grad)))
+        else:
+            o, lse, r, _ = torch.ops.stableflash.attn_fwd.default(*tensors, True, d ** -0.5, *CONFIG.op_args(),
+                                                                  *Masks().op_args())
+            names = (*zip("qkv", tensors), ("O", o), ("L", lse), ("R", r))
+        return _named_launches(replayed if plans else built, {(t.data_ptr(), t.dtype): name for name, t in names})
+    call(inputs(), True)                           # recorded
+    steps = len(built)
+    assert steps == (3 if case == "packed backward" else 1) and not replayed
+    later = inputs()
+    built.clear()
+    got = call(later, True)
+    assert len(replayed) == steps and not built    # replayed, nothing built
+    want = call(later, False)
+    assert len(built) == steps and got == want
+    places = {x if isinstance(x, str) else x[1] for launch in got for x in launch
+              if isinstance(x, str) or (isinstance(x, tuple) and x[:1] == ("descriptor",))}
+    assert set("qkv") | {"O", "L"} <= places, places
+
+
+@needs_gluon
+def test_a_plan_recorded_from_one_tensor_in_several_places_is_not_replayed_for_distinct_ones(monkeypatch):
+    """The forward op called as ``(x, x, x)`` records a plan whose three places take one tensor; a call
+    of distinct q, k, v of the same shapes builds its launch instead of replaying that plan (the GPU
+    test below checks the outputs)."""
+    built, replayed = _plan_world(monkeypatch)
+    x, k, v = (torch.randn(1, 600, 2, 128).to(torch.bfloat16).transpose(1, 2) for _ in range(3))
+
+    def call(*tensors):
+        torch.ops.stableflash.attn_fwd.default(*tensors, True, 0.125, *CONFIG.op_args(), *Masks().op_args())
+    call(x, x, x)
+    call(x, x, x)
+    assert len(built) == 1 and len(replayed) == 1          # recorded, then replayed
+    call(x, k, v)
+    assert len(built) == 2 and len(replayed) == 1
 
 
 # --- on a Hopper GPU -----------------------------------------------------------------------------
