@@ -251,6 +251,8 @@ def _named_launches(launches: list, names: dict) -> list:
     n-th other tensor (its buffers, in order of appearance) with its dtype and, where it is not a
     descriptor's base (whose address alone reaches the launch), its shape and strides."""
     import dataclasses
+
+    from stableflash.attention.triton import launch_cache
     buffers: dict = {}
 
     def named(a, base=False):
@@ -260,7 +262,7 @@ def _named_launches(launches: list, names: dict) -> list:
                 return names[at]
             index = buffers.setdefault(at, len(buffers))
             return ("buffer", index, a.dtype) if base else ("buffer", index, a.dtype, a.shape, a.stride())
-        if dataclasses.is_dataclass(a) and isinstance(getattr(a, "base", None), torch.Tensor):
+        if launch_cache._is_descriptor(a):
             return ("descriptor", named(a.base, True),
                     *(getattr(a, f.name) for f in dataclasses.fields(a) if f.name != "base"))
         return a

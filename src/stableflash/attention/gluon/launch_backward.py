@@ -222,8 +222,8 @@ def _atomic_launches(do, q, k, v, o, residual, lse, causal: bool, scale: float |
     B, H, n_q, d = q.shape
     transposed = tiles.dq_transposed(d)
     dq_sum = _dq_view(sums, n_q, transposed)
-    has_r = residual is not None and residual.numel() > 0
-    grid, args, kwargs = delta_dot_launch(o, residual.contiguous() if has_r else o, do, delta, has_r, clear=dq_sum)
+    r, has_r = _delta_source(o, residual)
+    grid, args, kwargs = delta_dot_launch(o, r, do, delta, has_r, clear=dq_sum)
     launches = [(delta_dot_kernel, grid, args, kwargs)]
     launch(0, *launches[-1])
     (grid, args, meta), = launch_args_backward(do, q, k, v, dq_sum, dk, dv, lse, delta, causal, scale,
@@ -253,27 +253,27 @@ def backward_into(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.T
     (``backward_tiles_for``). A signature seen before replays its launches (``launch_cache.Plan``);
     ``key``: the plan's key as the caller made it (``replay``), else ``launch_cache.plan_key`` of the
     tensors, causal and scale."""
-    given = lse, residual
+    given = lse
     lse = lse.contiguous()
     if torch.are_deterministic_algorithms_enabled():
         _two_kernel_backward(do, q, k, v, o, residual, lse, causal, scale, dq, dk, dv, None)
         return
-    r = residual.contiguous() if residual is not None and residual.numel() > 0 else o
-    if key is not None and (lse is not given[0] or (r is not o and r is not given[1])):
+    r, has_r = _delta_source(o, residual)
+    if key is not None and (lse is not given or (has_r and r is not residual)):
         key = None              # a copy was launched on: the caller's replays under its key would pass the originals
     tensors = (do, q, k, v, o, r, lse, dq, dk, dv)
     if key is None and launch_cache.PLANS and launch_cache.ENABLED:
         key = launch_cache.plan_key(tensors, causal, scale)
-    plan = _plans.get(key) if key is not None else None
-    if plan is not None and plan.current and not launch_cache.VERIFY:
-        plan(tensors)
+    if key is not None and replay(key, tensors):
         return
+    plan = _plans.get(key) if key is not None else None
     tiles = atomic_backward_tiles(q.shape[3])
-    buffers = plan.allocate() if plan is not None and plan.current else _atomic_buffers(q, tiles)
     if plan is not None and plan.current:     # VERIFY: each replay checked against the launch built, then run
+        buffers = plan.allocate()
         _atomic_launches(do, q, k, v, o, residual, lse, causal, scale, dq, dk, dv, tiles, *buffers,
                          plan.checking(tensors, buffers))
         return
+    buffers = _atomic_buffers(q, tiles)
     launches = _atomic_launches(do, q, k, v, o, residual, lse, causal, scale, dq, dk, dv, tiles, *buffers, _launch)
     if key is not None:
         launch_cache.keep_plan(_plans, key, launch_cache.Plan.record(tensors, buffers, launches))
@@ -296,6 +296,13 @@ def _delta(do: torch.Tensor, o: torch.Tensor, residual: torch.Tensor | None,
     """δ (B, H, N_q) fp32 by the Triton δ kernel: rowsum(dO ∘ (O + R)), or rowsum(dO ∘ O) without a
     residual (None or empty); ``clear``: an fp32 tensor of o's shape the same kernel zeroes."""
     delta = torch.empty(o.shape[:3], dtype=torch.float32, device=o.device)
-    has_r = residual is not None and residual.numel() > 0
-    delta_dot(o, residual.contiguous() if has_r else o, do, delta, has_r, clear)
+    r, has_r = _delta_source(o, residual)
+    delta_dot(o, r, do, delta, has_r, clear)
     return delta
+
+
+def _delta_source(o: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, bool]:
+    """(what the δ kernel reads beside O: R contiguous, or O itself without a residual (None or empty);
+    whether it is R)."""
+    has_r = residual is not None and residual.numel() > 0
+    return (residual.contiguous() if has_r else o), has_r

@@ -108,7 +108,7 @@ def _kind(cls: type, a) -> object:
     """How ``call_key`` keys an argument of class ``cls`` (``a`` one of them), read once per class."""
     kind = _kinds.get(cls)
     if kind is None:
-        if dataclasses.is_dataclass(a) and isinstance(getattr(a, "base", None), torch.Tensor):
+        if _is_descriptor(a):
             kind = tuple(f.name for f in dataclasses.fields(a) if f.name != "base")
         elif dataclasses.is_dataclass(a) and a.__dataclass_params__.frozen:
             kind = _BY_IDENTITY
@@ -500,8 +500,8 @@ class Plan:
         """New buffers of the recorded shapes and dtypes (uninitialised)."""
         return tuple(torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in self.buffers)
 
-    def __call__(self, tensors: tuple, buffers: tuple | None = None) -> None:
-        ts = (*tensors, *(self.allocate() if buffers is None else buffers))
+    def __call__(self, tensors: tuple) -> None:
+        ts = (*tensors, *self.allocate())
         for replay, order in self.steps:
             replay(replay.grid, [ts[i] for i in order])
 
