@@ -141,13 +141,22 @@ def test_resume_with_another_attention_forks_the_run_with_that_arithmetic(data_d
 def test_ddp_splits_the_global_batch_like_one_process(data_dir, tmp_path):
     """Two gloo ranks on CPU consume the micro-batches one process consumes, and their average loss
     per step matches the one-process run (same global batch) to float32 summation order; rank 0
-    probes the step's last global micro-batch, as one process does, so the probe records agree."""
+    probes the step's last global micro-batch, as one process does, so the probe records agree.
+    MFU divides the run's FLOP/s by the peak of both GPUs (``peak_tflops`` is one GPU's)."""
     from tests.conftest import launch_ranks
     # on the CPU on any machine: two ranks need two GPUs, and a GPU's sums differ from the CPU's
-    single = train(cfg_for(data_dir, "max_iters=5", "grad_accum=2", "device=cpu", "probe_every=2"), tmp_path / "one",
-                   progress=False)
+    single = train(cfg_for(data_dir, "max_iters=5", "grad_accum=2", "device=cpu", "probe_every=2", "peak_tflops=1"),
+                   tmp_path / "one", progress=False)
     launch_ranks(["train", "--preset", "tiny", "--out", str(tmp_path / "two"), "-q", "--set", f"data={data_dir}",
-                  "--set", "max_iters=5", "--set", "grad_accum=2", "--set", "device=cpu", "--set", "probe_every=2"])
+                  "--set", "max_iters=5", "--set", "grad_accum=2", "--set", "device=cpu", "--set", "probe_every=2",
+                  "--set", "peak_tflops=1"])
+    rows = {name: [r for r in read_metrics(tmp_path / name / "metrics.jsonl") if "event" not in r]
+            for name in ("one", "two")}
+    # FLOPs per token (the same model) over the peak: mfu / tokens_per_s, per row
+    per_token = {name: [r["mfu"] / r["tokens_per_s"] for r in rs] for name, rs in rows.items()}
+    assert len(per_token["one"]) == len(per_token["two"]) == 5
+    for a, b in zip(per_token["one"], per_token["two"]):
+        assert b == pytest.approx(a / 2, rel=1e-9)
     one, two = losses(tmp_path / "one"), losses(tmp_path / "two")
     assert single["status"] == "finished" and len(two) == 5
     assert max(abs(a - b) for a, b in zip(one, two)) < 1e-4, (one, two)

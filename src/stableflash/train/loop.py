@@ -42,7 +42,8 @@ log = logging.getLogger(__name__)
 
 # tokens of train.bin searched for the end-of-text token under attn_mask_type=block_causal
 _EOT_PROBE = 1 << 20
-# dense bf16 peak of the GPUs this project is measured on, for MFU (override with peak_tflops)
+# dense bf16 peak of one GPU of the kinds this project is measured on, for MFU (override with peak_tflops,
+# also one GPU's)
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
 
 
@@ -454,8 +455,10 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, progress: bool 
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.dtype == "fp16")
     kernels = device.type == "cuda" and amp_dtype is not None      # the fused kernels take bf16 / fp16 only
     accum = cfg.grad_accum // dist.world_size
-    tokens_per_step = cfg.batch_size * block * cfg.grad_accum
+    tokens_per_step = cfg.batch_size * block * cfg.grad_accum         # over every rank
     peak = _peak_flops(cfg, device)
+    if peak:
+        peak *= dist.world_size                   # MFU: the run's FLOP/s over the peak of all its GPUs
     metrics = MetricsWriter(run_dir, cfg.tensorboard, enabled=dist.is_main)
 
     monitor = Monitor(monitor_config(cfg))
