@@ -74,7 +74,7 @@ class TrainConfig:
     compile: bool = False
     seed: int = 0
     device: str = "auto"
-    peak_tflops: float | None = None
+    peak_tflops: float | None = None              # one GPU's dense peak for MFU (None: known GPUs' own)
     tensorboard: bool = False
     stop_on_nonfinite: bool = True
     # stop once the loss has stayed above 2 × its running minimum for this many steps in a row (0: never);
