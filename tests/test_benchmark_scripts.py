@@ -752,7 +752,9 @@ def test_train_interleaved_names_bad_arguments_and_pairs_each_round(capsys, monk
                         (["--rounds", "3"], "--rounds 3"), (["--batch-size", "0"], "--batch-size 0"),
                         (["--warmup", "0"], "--warmup 0"), (["--compile-mode", "fast"], "--compile-mode 'fast'"),
                         ([], "needs a CUDA GPU"), (["--attention", "triton", "--without-plans"], "needs a CUDA GPU"),
-                        (["--attention", "triton", "--without-route"], "needs a CUDA GPU")):
+                        (["--attention", "triton", "--without-route"], "needs a CUDA GPU"),
+                        (["--attention", "triton", "--forward-min-keys", "1024"], "needs a CUDA GPU"),
+                        (["--forward-min-keys", "0"], "--forward-min-keys 0")):
         assert named in refused(tool.main, argv, capsys), argv
     walls = {"sdpa": [10.0, 12.0, 11.0, 20.0, 10.0], "triton": [12.5, 12.0, 22.0, 25.0, 11.0]}
     issues = {"sdpa": [9.0, 9.5, 9.0, 9.0, 9.0], "triton": [12.0, 11.0, 11.0, 11.0, 11.0]}
@@ -763,3 +765,48 @@ def test_train_interleaved_names_bad_arguments_and_pairs_each_round(capsys, monk
     q1, q3 = table["triton"]["paired_ratio_quartiles"]
     assert ratios[0] <= q1 <= ratios[2] <= q3 <= ratios[4]
     assert table["triton"]["median_ms"] == 12.5 and table["triton"]["issue_median_ms"] == 11.0
+
+
+def test_train_interleaved_builds_and_steps_each_case_under_its_own_route_settings(monkeypatch):
+    """benchmarks/tools/train_interleaved.py's ``build_steps`` and ``run_rounds`` with the training step
+    stood in for (no GPU): the "route off" case's model is built and stepped with ``route.ENABLED``
+    False, the "forward routed from N keys" case's with ``FORWARD_MIN_KEYS[(64, True)]`` = N and the
+    other thresholds as they are, every other case with the route as shipped, and the route's settings
+    are restored after building and after the rounds."""
+    import torch
+    from stableflash.attention.gluon import route
+    from stableflash.attention.triton import launch_cache
+    from stableflash.bench import training
+    tool = load("tools/train_interleaved")
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    import torch._functorch.config as functorch_config            # build_steps switches its AOT cache off
+    monkeypatch.setattr(functorch_config, "enable_autograd_cache", functorch_config.enable_autograd_cache)
+    shipped = dict(route.FORWARD_MIN_KEYS)
+    seen = []                                  # (spec, build number, ENABLED, FORWARD_MIN_KEYS, PLANS) at each step
+
+    def training_step(spec, cfg, device):
+        build = sum(1 for s in seen if s[0] == spec and s[1] == "built")
+        seen.append((spec, "built", build))
+        return (lambda: seen.append((spec, build, route.ENABLED, dict(route.FORWARD_MIN_KEYS), launch_cache.PLANS)),
+                None)
+    monkeypatch.setattr(training, "training_step", training_step)
+    cfg = tool.TrainBenchConfig(attentions=("sdpa", "triton"), batch_size=1, compile=False, warmup=2)
+    steps = tool.build_steps(["sdpa", "triton"], cfg, without_plans=True, without_route=True, forward_min_keys=1024)
+    assert list(steps) == ["sdpa", "triton", "triton, plans off", "triton, route off",
+                           "triton, forward routed from 1024 keys"]
+    assert route.ENABLED and route.FORWARD_MIN_KEYS == shipped          # restored after building
+    earlier = {**shipped, (64, True): 1024}
+    want = {("sdpa", 0): (True, shipped), ("triton", 0): (True, shipped), ("triton", 1): (False, shipped),
+            ("triton", 2): (True, earlier)}
+    steps_seen = [s for s in seen if s[1] != "built"]
+    assert len(steps_seen) == 4 * cfg.warmup                            # four models built, each warmed up
+    for spec, build, enabled, keys, _ in steps_seen:
+        assert (enabled, keys) == want[(spec, build)], (spec, build)
+    seen.clear()
+    tool.run_rounds(steps, rounds=3)
+    assert route.ENABLED and route.FORWARD_MIN_KEYS == shipped and launch_cache.PLANS   # restored after the rounds
+    by_case = [s for s in seen]
+    assert len(by_case) == 3 * 5
+    for (spec, build, enabled, keys, plans), case in zip(by_case, list(steps) * 3):
+        assert (enabled, keys) == want[(spec, build)], case
+        assert plans == (case != "triton, plans off"), case

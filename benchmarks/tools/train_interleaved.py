@@ -2,7 +2,8 @@
 interleaved one at a time in one process, so that the host's drift between processes cancels.
 
     python benchmarks/tools/train_interleaved.py [--attention SPEC ...] [--batch-size 4] [--no-compile]
-        [--compile-mode default] [--rounds 60] [--without-plans] [--without-route] [--json OUT.json]
+        [--compile-mode default] [--rounds 60] [--without-plans] [--without-route] [--forward-min-keys N]
+        [--json OUT.json]
 
 ``stableflash bench train`` times each attention in turn, and at small batches, where a step waits for
 the host, the same command gives ratios tens of percent apart from process to process (the host's
@@ -16,12 +17,16 @@ built on every call. ``--without-route`` adds the last attention with the Gluon 
 (``route.ENABLED``, while its model is compiled and while it steps): every call on the Triton kernels,
 which torch.compile launches itself; torch's AOT autograd cache is switched off for the process, since
 it would hand that model the graph traced with the route on (the route's choice is not in its key).
+``--forward-min-keys N`` adds the last attention with the Gluon forward taking head_dim 64 under a causal
+mask from N keys (``route.FORWARD_MIN_KEYS[(64, True)]``, while its model is compiled and while it steps;
+the AOT autograd cache off as for ``--without-route``): a route threshold timed on the training step.
 Prints a table; ``--json`` writes it with every round's times, the GPU and the versions. Needs a CUDA
 GPU.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -44,60 +49,79 @@ def paired_summary(walls: dict[str, list[float]], issues: dict[str, list[float]]
     return out
 
 
+@contextlib.contextmanager
+def route_settings(overrides: dict):
+    """Within the block, the Gluon route's module attributes named in ``overrides`` hold the given values."""
+    from stableflash.attention.gluon import route
+    was = {name: getattr(route, name) for name in overrides}
+    try:
+        for name, value in overrides.items():
+            setattr(route, name, value)
+        yield
+    finally:
+        for name, value in was.items():
+            setattr(route, name, value)
+
+
 def build_steps(specs: list[str], cfg: TrainBenchConfig, without_plans: bool,
-                without_route: bool = False) -> dict[str, tuple]:
-    """case name → (step, plans switch, route switch): each attention's training step, warmed up
+                without_route: bool = False, forward_min_keys: int | None = None) -> dict[str, tuple]:
+    """case name → (step, plans switch, route settings): each attention's training step, warmed up
     (``cfg.warmup`` steps); with ``without_plans`` the last one's again as "<spec>, plans off"; with
-    ``without_route`` the last attention's model built again with the route off, "<spec>, route off"."""
+    ``without_route`` the last attention's model built again with the route off, "<spec>, route off";
+    with ``forward_min_keys`` N built again with the Gluon forward at head_dim 64 causal from N keys,
+    "<spec>, forward routed from N keys"."""
     import torch
 
     from stableflash.attention.gluon import route
     from stableflash.bench.training import training_step
 
-    def built(spec: str, route_on: bool):
-        was, route.ENABLED = route.ENABLED, route_on
-        try:
+    def built(spec: str, settings: dict):
+        with route_settings(settings):
             step, _ = training_step(spec, cfg, torch.device("cuda"))
             for _ in range(cfg.warmup):
                 step()
-        finally:
-            route.ENABLED = was
         return step
 
-    steps = {spec: (built(spec, True), True, True) for spec in specs}
+    steps = {spec: (built(spec, {}), True, {}) for spec in specs}
     if without_plans:
-        steps[f"{specs[-1]}, plans off"] = (steps[specs[-1]][0], False, True)
-    if without_route:
+        steps[f"{specs[-1]}, plans off"] = (steps[specs[-1]][0], False, {})
+    if without_route or forward_min_keys is not None:
         torch._functorch.config.enable_autograd_cache = False
-        steps[f"{specs[-1]}, route off"] = (built(specs[-1], False), True, False)
+    if without_route:
+        off = {"ENABLED": False}
+        steps[f"{specs[-1]}, route off"] = (built(specs[-1], off), True, off)
+    if forward_min_keys is not None:
+        earlier = {"FORWARD_MIN_KEYS": {**route.FORWARD_MIN_KEYS, (64, True): forward_min_keys}}
+        steps[f"{specs[-1]}, forward routed from {forward_min_keys} keys"] = (built(specs[-1], earlier), True, earlier)
     torch.cuda.synchronize()
     return steps
 
 
 def run_rounds(steps: dict[str, tuple], rounds: int) -> tuple[dict, dict]:
-    """(wall ms, host issue ms) per case and round: one step of every case per round, in order."""
+    """(wall ms, host issue ms) per case and round: one step of every case per round, in order, each
+    under its plans switch and route settings."""
     import torch
     from tqdm import tqdm
 
-    from stableflash.attention.gluon import route
     from stableflash.attention.triton import launch_cache
     walls = {case: [] for case in steps}
     issues = {case: [] for case in steps}
-    was = launch_cache.PLANS, route.ENABLED
+    was = launch_cache.PLANS
     try:
         for _ in tqdm(range(rounds), desc="rounds", unit="round"):
-            for case, (step, plans, route_on) in steps.items():
-                launch_cache.PLANS, route.ENABLED = plans, route_on
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                step()
-                t1 = time.perf_counter()
-                torch.cuda.synchronize()
-                t2 = time.perf_counter()
+            for case, (step, plans, settings) in steps.items():
+                launch_cache.PLANS = plans
+                with route_settings(settings):
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    step()
+                    t1 = time.perf_counter()
+                    torch.cuda.synchronize()
+                    t2 = time.perf_counter()
                 walls[case].append((t2 - t0) * 1e3)
                 issues[case].append((t1 - t0) * 1e3)
     finally:
-        launch_cache.PLANS, route.ENABLED = was
+        launch_cache.PLANS = was
     return walls, issues
 
 
@@ -114,12 +138,18 @@ def main(argv=None) -> int:
                     help="also the last attention with the route's launch plans off")
     ap.add_argument("--without-route", action="store_true",
                     help="also the last attention with the Gluon route off (its model compiled so)")
+    ap.add_argument("--forward-min-keys", type=int, metavar="N",
+                    help="also the last attention with the Gluon forward at head_dim 64 causal from N keys "
+                         "(route.FORWARD_MIN_KEYS; its model compiled so)")
     ap.add_argument("--json", type=Path, help="also write the table and every round's times here")
     args = ap.parse_args(argv)
     specs = args.attention or ["sdpa", "triton"]
-    if len(set(specs)) != len(specs) or (len(specs) < 2 and not (args.without_plans or args.without_route)):
+    extra_case = args.without_plans or args.without_route or args.forward_min_keys is not None
+    if len(set(specs)) != len(specs) or (len(specs) < 2 and not extra_case):
         ap.error(f"--attention {' '.join(specs)} is invalid; accepted: two or more different attentions "
-                 "(or one with --without-plans or --without-route)")
+                 "(or one with --without-plans, --without-route or --forward-min-keys)")
+    if args.forward_min_keys is not None and args.forward_min_keys < 1:
+        ap.error(f"--forward-min-keys {args.forward_min_keys} is invalid; accepted: an integer ≥ 1 (keys)")
     if args.rounds < 4:
         ap.error(f"--rounds {args.rounds} is invalid; accepted: an integer ≥ 4 (the ratios' quartiles)")
     try:
@@ -132,7 +162,8 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         ap.error("needs a CUDA GPU (it times training steps there); none is visible")
     import triton
-    walls, issues = run_rounds(build_steps(specs, cfg, args.without_plans, args.without_route), args.rounds)
+    walls, issues = run_rounds(build_steps(specs, cfg, args.without_plans, args.without_route, args.forward_min_keys),
+                               args.rounds)
     table = paired_summary(walls, issues)
     mode = "eager" if args.no_compile else f"torch.compile ({args.compile_mode})"
     out = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
