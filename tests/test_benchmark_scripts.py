@@ -728,6 +728,17 @@ def test_host_overhead_breakdown_sums_each_parts_inclusive_time_and_restores_it(
     assert Op.__dict__["run"] is original_run and mod.helper is helper
 
 
+def test_host_overhead_breakdown_names_functions_that_exist():
+    """Every function ``--breakdown`` times in the project resolves (a renamed one would stop the tool on
+    the GPU); Triton's launcher functions are taken only where they resolve, and a missing module or
+    attribute does not."""
+    tool = load("tools/host_overhead")
+    assert [t for t in tool.BREAKDOWN if not tool._resolves(*t)] == []
+    assert not tool._resolves("no_such_module_here", "f")
+    assert not tool._resolves("stableflash.attention.triton.launch_cache", "Plan.no_such_method")
+    assert tool._resolves("stableflash.attention.triton.launch_cache", "Plan.__call__")
+
+
 @pytest.mark.parametrize("argv, named", [(["--shape", "1,2"], "--shape"), (["--shape", "1,a,3,4"], "--shape"),
                                          (["--shape", "1,0,8,64"], "--shape"), (["--calls", "0"], "--calls")])
 def test_host_overhead_refuses_bad_arguments_naming_them_before_asking_for_a_gpu(argv, named, capsys):

@@ -27,9 +27,10 @@ backward) under cProfile and write the functions with the most own time to the f
 host's microseconds go, function by function.
 
 --breakdown: also time the ``stabilize=True`` provider's eager forward and backward by part, without a
-profiler: each function of ``BREAKDOWN`` wrapped so that its inclusive wall time is summed over the calls
-(nested functions overlap), beside the forward call and ``torch.autograd.grad`` as a whole; written as
-JSON, printed as a table.
+profiler: each function of ``BREAKDOWN`` (and of ``LAUNCHER``, Triton's launcher, where the installed triton
+has those functions) wrapped so that its inclusive wall time is summed over the calls (nested functions
+overlap; each wrapper adds its own microseconds), beside the forward call and ``torch.autograd.grad`` as a
+whole; written as JSON, printed as a table. A function the kept plans make unnecessary reads 0.
 
 The training step's profile (``train_profile.py``) shows the time outside kernels per step; this
 says which part of one attention call it comes from.
@@ -202,7 +203,16 @@ BREAKDOWN = [("stableflash.attention.api", "attend"),
              ("stableflash.attention.triton.op", "_empty_like_layout"),
              ("stableflash.attention.triton.launch_cache", "launch"),
              ("stableflash.attention.triton.launch_cache", "call_key"),
-             ("stableflash.attention.triton.launch_cache", "_bind")]
+             ("stableflash.attention.triton.launch_cache", "_bind"),
+             # a repeated call's path: its kept plan, looked up and replayed
+             ("stableflash.attention.gluon.launch_backward", "replay"),
+             ("stableflash.attention.triton.launch_cache", "plan_key"),
+             ("stableflash.attention.triton.launch_cache", "Plan.__call__"),
+             ("stableflash.attention.triton.launch_cache", "Plan.allocate"),
+             ("stableflash.attention.triton.launch_cache", "Replay.__call__")]
+# and Triton's own launcher where the installed triton has it (its module layout is not an API)
+LAUNCHER = [("triton.backends.nvidia.driver", "CudaLauncher.__call__"),
+            ("triton.backends.nvidia.driver", "make_tensordesc_arg")]
 
 
 @contextlib.contextmanager
@@ -253,11 +263,24 @@ def breakdown(forward, backward, calls: int, targets=BREAKDOWN) -> dict[str, flo
     return {name: sums[name] / calls * 1e6 for name in order}
 
 
+def _resolves(module_name: str, attribute: str) -> bool:
+    """Whether ``attribute`` (a dotted path from the module) exists in the importable ``module_name``."""
+    try:
+        owner = importlib.import_module(module_name)
+    except ImportError:
+        return False
+    *path, name = attribute.split(".")
+    for part in path:
+        owner = getattr(owner, part, None)
+    return owner is not None and name in getattr(owner, "__dict__", {})
+
+
 def stabilized_breakdown(shape: tuple[int, int, int, int], calls: int) -> dict[str, float]:
     """``breakdown`` of the ``stabilize=True`` provider's eager forward and ``torch.autograd.grad``."""
     fn, *_ = providers()["stableflash stabilize=True"]
     q, k, v, do = inputs(shape)
-    result = breakdown(lambda: fn(q, k, v), lambda o: torch.autograd.grad(o, (q, k, v), do), calls)
+    targets = BREAKDOWN + [t for t in LAUNCHER if _resolves(*t)]
+    result = breakdown(lambda: fn(q, k, v), lambda o: torch.autograd.grad(o, (q, k, v), do), calls, targets)
     torch.cuda.synchronize()
     return result
 
