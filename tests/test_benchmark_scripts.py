@@ -816,8 +816,7 @@ def test_train_interleaved_builds_and_steps_each_case_under_its_own_route_settin
     seen.clear()
     tool.run_rounds(steps, rounds=3)
     assert route.ENABLED and route.FORWARD_MIN_KEYS == shipped and launch_cache.PLANS   # restored after the rounds
-    by_case = [s for s in seen]
-    assert len(by_case) == 3 * 5
-    for (spec, build, enabled, keys, plans), case in zip(by_case, list(steps) * 3):
+    assert len(seen) == 3 * 5
+    for (spec, build, enabled, keys, plans), case in zip(seen, list(steps) * 3):
         assert (enabled, keys) == want[(spec, build)], case
         assert plans == (case != "triton, plans off"), case

@@ -215,6 +215,16 @@ LAUNCHER = [("triton.backends.nvidia.driver", "CudaLauncher.__call__"),
             ("triton.backends.nvidia.driver", "make_tensordesc_arg")]
 
 
+def _owner(module_name: str, attribute: str) -> tuple[object, str]:
+    """(the object holding ``attribute``, a dotted path from the module, and its last name); ImportError or
+    AttributeError where the module or a part of the path is missing."""
+    owner = importlib.import_module(module_name)
+    *path, name = attribute.split(".")
+    for part in path:
+        owner = getattr(owner, part)
+    return owner, name
+
+
 @contextlib.contextmanager
 def summed(targets, sums: dict):
     """Within the block each (module, attribute) of ``targets`` adds its inclusive wall time in seconds
@@ -222,10 +232,7 @@ def summed(targets, sums: dict):
     restore = []
     try:
         for module_name, attribute in targets:
-            owner = importlib.import_module(module_name)
-            *path, name = attribute.split(".")
-            for part in path:
-                owner = getattr(owner, part)
+            owner, name = _owner(module_name, attribute)
             original = owner.__dict__[name]
             static = isinstance(original, staticmethod)
             fn = original.__func__ if static else original
@@ -266,13 +273,10 @@ def breakdown(forward, backward, calls: int, targets=BREAKDOWN) -> dict[str, flo
 def _resolves(module_name: str, attribute: str) -> bool:
     """Whether ``attribute`` (a dotted path from the module) exists in the importable ``module_name``."""
     try:
-        owner = importlib.import_module(module_name)
-    except ImportError:
+        owner, name = _owner(module_name, attribute)
+    except (ImportError, AttributeError):
         return False
-    *path, name = attribute.split(".")
-    for part in path:
-        owner = getattr(owner, part, None)
-    return owner is not None and name in getattr(owner, "__dict__", {})
+    return name in getattr(owner, "__dict__", {})
 
 
 def stabilized_breakdown(shape: tuple[int, int, int, int], calls: int) -> dict[str, float]:
