@@ -55,7 +55,7 @@ ENABLED = True
 # the head dims routed here, from this many keys (per head_dim and causal) on: where the Gluon forward is
 # faster than the Triton forward
 HEAD_DIMS = (64, 128)
-FORWARD_MIN_KEYS = {(64, True): 2048, (64, False): 1024, (128, True): 0, (128, False): 0}
+FORWARD_MIN_KEYS = {(64, True): 1024, (64, False): 1024, (128, True): 0, (128, False): 0}
 # the backward's: where the Gluon backward adding dQ up by TMA reduce-adds is faster than the Triton
 # backward, from this many keys on (docs/kernels.md, "Hopper path"); in deterministic mode the two
 # Gluon kernels', per head_dim they run at
