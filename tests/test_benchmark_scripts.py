@@ -817,6 +817,12 @@ def test_train_interleaved_builds_and_steps_each_case_under_its_own_route_settin
     tool.run_rounds(steps, rounds=3)
     assert route.ENABLED and route.FORWARD_MIN_KEYS == shipped and launch_cache.PLANS   # restored after the rounds
     assert len(seen) == 3 * 5
-    for (spec, build, enabled, keys, plans), case in zip(seen, list(steps) * 3):
+    cases = list(steps)
+    stepped = [case for index in range(3) for case in cases[index:] + cases[:index]]   # turned by one a round
+    for (spec, build, enabled, keys, plans), case in zip(seen, stepped):
         assert (enabled, keys) == want[(spec, build)], case
         assert plans == (case != "triton, plans off"), case
+    for index in range(7):                     # any len(cases) rounds in a row: each case once in each position
+        orders = [tool.round_order(cases, index + r) for r in range(len(cases))]
+        assert all(sorted(order) == sorted(cases) for order in orders)
+        assert all(sorted(order[pos] for order in orders) == sorted(cases) for pos in range(len(cases)))

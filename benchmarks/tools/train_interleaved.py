@@ -9,7 +9,9 @@ interleaved one at a time in one process, so that the host's drift between proce
 the host, the same command gives ratios tens of percent apart from process to process (the host's
 speed drifts over seconds). Here the models of every case are built (the step of ``bench train``: same
 model, optimizer, compile and data) and warmed up first; then each round runs one step of every case in
-turn, each synchronised before and after: its wall time and the host's time to issue it. Per case: the
+turn, each synchronised before and after: its wall time and the host's time to issue it. The order of
+the cases turns by one each round, so that each case takes each place in the round equally often (a
+step's time can depend on the step before it). Per case: the
 median step, the median host issue time, and the first case's step over the case's own in the same
 round — its median and quartiles (above 1: faster than the first). ``--without-plans`` adds one more case:
 the last attention with the Gluon route's launch plans off (``launch_cache.PLANS``), the launches
@@ -97,9 +99,17 @@ def build_steps(specs: list[str], cfg: TrainBenchConfig, without_plans: bool,
     return steps
 
 
+def round_order(cases: list[str], index: int) -> list[str]:
+    """The cases in the order round ``index`` steps them: the list rotated by ``index``, so that over
+    any len(cases) rounds in a row each case is stepped once in every position (a step's time can
+    depend on the step before it)."""
+    shift = index % len(cases)
+    return cases[shift:] + cases[:shift]
+
+
 def run_rounds(steps: dict[str, tuple], rounds: int) -> tuple[dict, dict]:
-    """(wall ms, host issue ms) per case and round: one step of every case per round, in order, each
-    under its plans switch and route settings."""
+    """(wall ms, host issue ms) per case and round: one step of every case per round, in the order
+    ``round_order`` gives that round, each under its plans switch and route settings."""
     import torch
     from tqdm import tqdm
 
@@ -108,8 +118,9 @@ def run_rounds(steps: dict[str, tuple], rounds: int) -> tuple[dict, dict]:
     issues = {case: [] for case in steps}
     was = launch_cache.PLANS
     try:
-        for _ in tqdm(range(rounds), desc="rounds", unit="round"):
-            for case, (step, plans, settings) in steps.items():
+        for index in tqdm(range(rounds), desc="rounds", unit="round"):
+            for case in round_order(list(steps), index):
+                step, plans, settings = steps[case]
                 launch_cache.PLANS = plans
                 with route_settings(settings):
                     torch.cuda.synchronize()
