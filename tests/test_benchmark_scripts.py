@@ -621,6 +621,42 @@ def test_interleaved_bench_names_bad_arguments_and_summarises_rounds(capsys, mon
     assert row["stabilization_cost"] == pytest.approx(1.04 / 1.0 - 1)
 
 
+def test_interleaved_bench_turns_the_providers_order_each_round(monkeypatch):
+    """benchmarks/tools/interleaved_bench.py's ``time_rounds`` with ``time_one`` stood in for (no GPU): each
+    round times every provider once, the order turned by one each round, and each provider's times come
+    back in round order."""
+    from stableflash.bench import attention
+    tool = load("tools/interleaved_bench")
+    visits = []
+
+    def time_one(provider, shape, mode, cfg, dtype, device, gen):
+        visits.append(provider)
+        return float(len(visits))
+    monkeypatch.setattr(attention, "time_one", time_one)
+    providers = ["sdpa-default", "stableflash", "stableflash-none"]
+    times = tool.time_rounds((2, 4, 256, 64), True, providers, rounds=4, rep_ms=1, gen=None)
+    assert visits == ["sdpa-default", "stableflash", "stableflash-none", "stableflash", "stableflash-none",
+                      "sdpa-default", "stableflash-none", "sdpa-default", "stableflash", "sdpa-default",
+                      "stableflash", "stableflash-none"]
+    assert times == {"sdpa-default": [1.0, 6.0, 8.0, 10.0], "stableflash": [2.0, 4.0, 9.0, 11.0],
+                     "stableflash-none": [3.0, 5.0, 7.0, 12.0]}
+
+
+def test_round_order_puts_each_case_in_each_place_once_over_as_many_rounds():
+    """``stableflash.bench.rounds.round_order``: over any n rounds in a row each of n cases is visited once a
+    round and once in each place; round 0 keeps the given order; no cases is refused naming the argument."""
+    from stableflash.bench.rounds import round_order
+    cases = ["a", "b", "c", "d"]
+    assert round_order(cases, 0) == cases and round_order(cases, 1) == ["b", "c", "d", "a"]
+    for start in range(9):
+        orders = [round_order(cases, start + r) for r in range(len(cases))]
+        assert all(sorted(order) == cases for order in orders)
+        assert all(sorted(order[place] for order in orders) == cases for place in range(len(cases)))
+    assert round_order(("x",), 5) == ["x"]
+    with pytest.raises(ValueError, match="cases is empty"):
+        round_order([], 0)
+
+
 def test_forward_timeline_names_bad_arguments_and_sums_the_phases(capsys, monkeypatch):
     """benchmarks/tools/forward_timeline.py: a head_dim other than 64 or 128, malformed or non-persistent
     tiles are refused (exit 2) with the argument named; well-formed arguments without a GPU stop at the GPU
@@ -822,7 +858,4 @@ def test_train_interleaved_builds_and_steps_each_case_under_its_own_route_settin
     for (spec, build, enabled, keys, plans), case in zip(seen, stepped):
         assert (enabled, keys) == want[(spec, build)], case
         assert plans == (case != "triton, plans off"), case
-    for index in range(7):                     # any len(cases) rounds in a row: each case once in each position
-        orders = [tool.round_order(cases, index + r) for r in range(len(cases))]
-        assert all(sorted(order) == sorted(cases) for order in orders)
-        assert all(sorted(order[pos] for order in orders) == sorted(cases) for pos in range(len(cases)))
+

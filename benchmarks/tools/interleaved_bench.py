@@ -5,9 +5,10 @@ the spread between processes does not blur.
         [--providers sdpa-default stableflash] [--rounds 3] [--rep-ms 200] [--json OUT.json]
 
 ``stableflash bench attention`` times each provider once, one after the other, and the same command
-run twice gives ratios a percent or two apart. Here every round times each provider once, in the order
-given (``stableflash.bench.attention.time_one``: CUDA-graph timing, (B, N, H, d) buffers seen as
-(B, H, N, d), bf16, fresh random inputs), and the rounds repeat: per shape and causal switch, each
+run twice gives ratios a percent or two apart. Here every round times each provider once
+(``stableflash.bench.attention.time_one``: CUDA-graph timing, (B, N, H, d) buffers seen as (B, H, N, d),
+bf16, fresh random inputs) in an order turned by one each round (``stableflash.bench.rounds.round_order``:
+each provider takes each place equally often), and the rounds repeat: per shape and causal switch, each
 provider's median over the rounds, each one's ratio to the first provider (its median time over the
 provider's: above 1, faster than the first) and the ratio of every round, so that drift shows. With
 ``stableflash`` and ``stableflash-none`` among the providers, also the stabilization's cost: the
@@ -23,6 +24,7 @@ import sys
 from pathlib import Path
 
 from stableflash.bench.attention import ROUTE_SHAPES
+from stableflash.bench.rounds import round_order
 from stableflash.cli import _provider, _shape   # `stableflash bench attention`'s --shape and --providers
 
 
@@ -33,8 +35,8 @@ def time_rounds(shape, causal: bool, providers: list[str], rounds: int, rep_ms: 
     from stableflash.bench.attention import BenchConfig, time_one
     cfg = BenchConfig(shapes=(tuple(shape),), causal=causal, timing="graph", layout="bnhd", rep_ms=rep_ms)
     times = {p: [] for p in providers}
-    for _ in range(rounds):
-        for p in providers:
+    for index in range(rounds):
+        for p in round_order(providers, index):
             times[p].append(time_one(p, shape, "fwd+bwd", cfg, torch.bfloat16, "cuda", gen))
     return times
 

@@ -35,6 +35,7 @@ import sys
 import time
 from pathlib import Path
 
+from stableflash.bench.rounds import round_order
 from stableflash.bench.training import COMPILE_MODES, TrainBenchConfig
 
 
@@ -97,14 +98,6 @@ def build_steps(specs: list[str], cfg: TrainBenchConfig, without_plans: bool,
         steps[f"{specs[-1]}, forward routed from {forward_min_keys} keys"] = (built(specs[-1], earlier), True, earlier)
     torch.cuda.synchronize()
     return steps
-
-
-def round_order(cases: list[str], index: int) -> list[str]:
-    """The cases in the order round ``index`` steps them: the list rotated by ``index``, so that over
-    any len(cases) rounds in a row each case is stepped once in every position (a step's time can
-    depend on the step before it)."""
-    shift = index % len(cases)
-    return cases[shift:] + cases[:shift]
 
 
 def run_rounds(steps: dict[str, tuple], rounds: int) -> tuple[dict, dict]:
