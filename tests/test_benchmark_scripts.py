@@ -858,4 +858,3 @@ def test_train_interleaved_builds_and_steps_each_case_under_its_own_route_settin
     for (spec, build, enabled, keys, plans), case in zip(seen, stepped):
         assert (enabled, keys) == want[(spec, build)], case
         assert plans == (case != "triton, plans off"), case
-
