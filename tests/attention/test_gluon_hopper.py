@@ -127,7 +127,8 @@ def test_compiles_for_sm90_without_a_gpu(offline, variant):
                                                                                           + 64 // 16), r
     assert r["hgmma"] + r["ex2"] < r["instructions"], r      # the listing's instructions, those among them
     assert r["wait_depths"].get(1, 0) >= 2 * consumers, r  # per loop: S_j done, P̄V still in flight
-    release = tuple(int(x) for x in r["triton"].split(".")[:2])
+    from stableflash.attention.gluon import sass
+    release = sass.release(r)
     # the softmax of both loops between the waits (triton 3.9 places three of the one-consumer form's after)
     assert r["ex2_in_flight"] >= consumers * t.block_n - (3 if release >= (3, 9) and not t.pingpong else 0), r
     assert r["residual"] == (variant != "pingpong-no-residual"), r
@@ -160,7 +161,8 @@ def test_compiles_for_sm90_without_a_gpu(offline, variant):
 @needs_gluon
 def test_the_summary_counts_the_prologues_local_stores_apart():
     """``sass._stores_before_split``: the STL of the kernel's code before its first USETMAXREG (the prologue
-    every warpgroup runs), none of those after it nor any before the kernel's ``.text`` section."""
+    every warpgroup runs), none of those after it nor any before the kernel's ``.text`` section; and
+    ``sass.release``, the (major, minor) of the triton that compiled a summary."""
     from stableflash.attention.gluon import sass
     listing = """\t//----- nvinfo : EIATTR_EXIT_INSTR_OFFSETS STL
 .text.attn_fwd_hopper_kernel:
@@ -173,6 +175,8 @@ def test_the_summary_counts_the_prologues_local_stores_apart():
 """
     assert sass._stores_before_split(listing) == 2
     assert sass._stores_before_split(listing.replace("USETMAXREG", "NOP")) == 3      # no split: every store
+    # the release a summary's bounds are chosen by: numeric, so that 3.10 sorts after 3.9
+    assert sass.release({"triton": "3.10.0"}) == (3, 10) > sass.release({"triton": "3.9.0+git1a2b"}) == (3, 9)
 
 
 @needs_gluon

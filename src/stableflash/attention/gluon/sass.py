@@ -120,7 +120,7 @@ def _stores_before_split(sass: str) -> int:
     """STL (local-memory stores) before the first USETMAXREG of the kernel's code: values the compiler
     keeps in local memory from the prologue, which every warpgroup runs before the partitions set their
     register counts, rather than spills of a partition's own loop."""
-    text = sass[sass.find(".text."):]
+    text = sass[max(sass.find(".text."), 0):]
     split = text.find("USETMAXREG")
     return len(re.findall(r"\bSTL(\.|\s)", text if split < 0 else text[:split]))
 
@@ -153,6 +153,13 @@ def sass_summary(kernel) -> dict:
             "setmaxnreg": sorted({int(n, 16) for n in re.findall(r"USETMAXREG\.\S+\s+(?:UP\d+,\s*)?0x([0-9a-f]+)",
                                                                  sass)}),
             "registers": int(regs.group(1)) if regs else None, "shared_bytes": kernel.metadata.shared}
+
+
+def release(summary: dict) -> tuple[int, int]:
+    """(major, minor) of the triton release that compiled a ``check`` or ``check_backward`` row (its
+    "triton" entry): what the SASS bounds, which differ between releases, are chosen by."""
+    major, minor = summary["triton"].split(".")[:2]
+    return int(major), int(minor)
 
 
 def check(head_dim: int, causal: bool, tiles: Tiles | None = None, residual: bool = True) -> dict:
