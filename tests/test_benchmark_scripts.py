@@ -687,13 +687,15 @@ def test_ab_kernels_runs_a_command_on_both_trees_in_rounds(tmp_path):
     """benchmarks/tools/ab_kernels.sh with AB_CMD: the command runs ROUNDS times in the order A B A B,
     A importing the given source tree and B the working tree's src/, each run's output kept under $OUT."""
     import os
+    import shlex
     import shutil
     import subprocess
+    import sys
     repo = BENCHMARKS.parent
     old = tmp_path / "old"
     shutil.copytree(repo / "src" / "stableflash", old / "stableflash",
                     ignore=shutil.ignore_patterns("__pycache__"))
-    cmd = 'python3 -c "import stableflash; print(stableflash.__file__)"'
+    cmd = f'{shlex.quote(sys.executable)} -c "import stableflash; print(stableflash.__file__)"'
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(OUT=str(tmp_path / "out"), AB_CMD=cmd, ROUNDS="2", TAIL="1")
     done = subprocess.run(["bash", str(BENCHMARKS / "tools" / "ab_kernels.sh"), str(old)], cwd=repo, env=env,

@@ -146,11 +146,13 @@ def main(argv=None) -> int:
     if args.causal and args.no_causal:
         ap.error("--causal and --no-causal together are invalid; accepted: one of them, or neither (both switches)")
     import torch
+    import triton
     if not torch.cuda.is_available():
         ap.error("needs a CUDA GPU (it profiles the kernels there); none is visible")
     switches = [False] if args.no_causal else [True] if args.causal else [True, False]
-    out = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "calls": args.calls,
-           "mode": "fwd" if args.forward_only else "fwd+bwd", "layout": args.layout, "us_per_call": {}}
+    out = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+           "calls": args.calls, "mode": "fwd" if args.forward_only else "fwd+bwd", "layout": args.layout,
+           "us_per_call": {}}
     if args.graph:
         out["graph"] = {}
     for causal in switches:

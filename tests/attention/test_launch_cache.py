@@ -109,12 +109,22 @@ def test_a_recorded_calls_arguments_follow_the_kernels_parameters():
     assert call.arguments((x, x), {"n": 7}) == [x, x, 7, 16]
 
 
+def _stand_in_binder(monkeypatch, bind) -> None:
+    """Triton's binder (``bind(raw, args, kwargs)`` → (key, bound arguments)) and the device stood in for,
+    the launch cache emptied: ``launch`` runs without a GPU."""
+    import types
+    monkeypatch.setattr(launch_cache, "_bind", bind)
+    monkeypatch.setattr(launch_cache, "driver", types.SimpleNamespace(
+        active=types.SimpleNamespace(get_current_device=lambda: 0)))
+    monkeypatch.setattr(launch_cache, "VERIFY", False)
+    launch_cache.clear()
+
+
 def test_a_shortcut_call_evaluates_its_grid_anew(monkeypatch):
     """A grid function may read what the arguments do not hold — the batch, which the strides of
     contiguous (B, H, N, d) tensors do not show — so a call that repeats another's arguments launches
     the recorded kernel on its own grid, evaluated with the arguments by name. Triton's binder and the
     device are stood in for, so that no GPU is needed."""
-    import types
     launched = []
 
     class Kernel:                              # a compiled kernel: kernel[grid](*arguments)
@@ -130,11 +140,7 @@ def test_a_shortcut_call_evaluates_its_grid_anew(monkeypatch):
     def bind(raw, args, kwargs):
         return ("specialization",), {"x": args[0], "n": args[1], "BLOCK": kwargs["BLOCK"]}
 
-    monkeypatch.setattr(launch_cache, "_bind", bind)
-    monkeypatch.setattr(launch_cache, "driver", types.SimpleNamespace(
-        active=types.SimpleNamespace(get_current_device=lambda: 0)))
-    monkeypatch.setattr(launch_cache, "VERIFY", False)
-    launch_cache.clear()
+    _stand_in_binder(monkeypatch, bind)
     entry, x = Entry(), torch.zeros(4)
     for batch in (2, 2, 2, 5):
         launch_cache.launch(entry, lambda meta, b=batch: (meta["n"] // meta["BLOCK"], b), x, 64, BLOCK=16)
@@ -147,6 +153,48 @@ def test_a_shortcut_call_evaluates_its_grid_anew(monkeypatch):
     launch_cache.launch(entry, (1,), odd, 64, BLOCK=16)
     assert launched[-1] == ((1, 1, 1), (odd, 64, 16)) and len(launch_cache._calls) == 1
     launch_cache.clear()
+
+
+def test_a_compiled_launch_asks_for_fp_contraction_and_an_interpreted_one_is_left_as_called(monkeypatch):
+    """Every launch of a compiled kernel — through Triton, bound by ``launch``, or with the cache off — is
+    given ``enable_fp_fusion=True`` unless its caller gives a value (triton 3.9 warns about a kernel left
+    to the default, which it announces will turn off); the interpreter's kernels are called with the
+    caller's keyword arguments alone and compute what they compute. Triton's binder and the device are
+    stood in for, so that no GPU is needed."""
+    seen = []
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda *args: None
+
+    class Entry:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: seen.append(("through Triton", kwargs)) or Kernel()
+
+    def bind(raw, args, kwargs):
+        seen.append(("bound", kwargs))
+        return ("specialization", tuple(sorted(kwargs.items()))), {"x": args[0], "n": args[1], "BLOCK": kwargs["BLOCK"]}
+
+    _stand_in_binder(monkeypatch, bind)
+    entry, x = Entry(), torch.zeros(4)
+    assert launch_cache.COMPILE_OPTIONS == {"enable_fp_fusion": True}
+    for _ in range(2):
+        launch_cache.launch(entry, (1,), x, 64, BLOCK=16)
+    asked = {"enable_fp_fusion": True, "BLOCK": 16}
+    assert seen == [("bound", asked), ("through Triton", asked), ("bound", asked)]
+    seen.clear()
+    launch_cache.launch(entry, (1,), x, 64, BLOCK=16, enable_fp_fusion=False)      # the caller's value stands
+    assert seen == [("bound", {"enable_fp_fusion": False, "BLOCK": 16}),
+                    ("through Triton", {"enable_fp_fusion": False, "BLOCK": 16})]
+    seen.clear()
+    monkeypatch.setattr(launch_cache, "ENABLED", False)
+    launch_cache.launch(entry, (1,), x, 64, BLOCK=16)
+    assert seen == [("through Triton", {"enable_fp_fusion": True, "BLOCK": 16})]
+    launch_cache.clear()
+    monkeypatch.setattr(launch_cache, "ENABLED", True)
+    src, dst = torch.arange(20, dtype=torch.float32), torch.zeros(20)
+    launch_cache.launch(launch_cache.InterpretedFunction(_scale_kernel.fn), (2,), src, dst, 20, 3.0, BLOCK=16)
+    torch.testing.assert_close(dst, src * 3.0, rtol=0, atol=0)
 
 
 def _replay_world(monkeypatch, hooks=False):

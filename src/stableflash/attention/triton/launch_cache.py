@@ -32,6 +32,11 @@ step's small shapes that time is as long as the kernels'.
   shortcut: call ``clear()`` after changing them.
 
 Under the interpreter every call goes through Triton.
+
+Every compiled launch asks for ``COMPILE_OPTIONS`` (a caller's own value of one stands): floating-point
+contraction, which triton 3.6-3.9 apply by default, asked for explicitly — triton 3.9 warns about every
+kernel that leaves it to the default, which it announces will turn off, and the Gluon kernels ask for
+it too, so that both paths compile the same arithmetic.
 """
 from __future__ import annotations
 
@@ -47,6 +52,8 @@ from triton.runtime.interpreter import InterpretedFunction
 
 # off: every launch through Triton's dispatch (benchmarks compare both)
 ENABLED = True
+# the compile options every compiled launch asks for, unless its caller gives its own (module docstring)
+COMPILE_OPTIONS = {"enable_fp_fusion": True}
 # on: every call found in ``_calls`` is also bound through Triton and checked against it (the tests)
 VERIFY = False
 
@@ -234,8 +241,13 @@ def _grid_tuple(grid, bound: dict) -> tuple[int, int, int]:
 def launch(entry, grid: Callable | tuple, *args, **kwargs) -> None:
     """``entry[grid](*args, **kwargs)``, for ``entry`` a ``triton.jit`` function or a
     ``triton.autotune`` of one: the same kernel with the same arguments, launched directly once
-    a call with the same key (module docstring) went through Triton."""
-    if not ENABLED or isinstance(entry, InterpretedFunction):
+    a call with the same key (module docstring) went through Triton. A compiled kernel is asked for
+    ``COMPILE_OPTIONS`` where ``kwargs`` leave them out."""
+    if isinstance(entry, InterpretedFunction):
+        entry[grid](*args, **kwargs)
+        return
+    kwargs = {**COMPILE_OPTIONS, **kwargs}
+    if not ENABLED:
         entry[grid](*args, **kwargs)
         return
     ckey = call_key(args, kwargs)
@@ -290,6 +302,7 @@ def _through_binder(entry, args: tuple, kwargs: dict, what: str) -> tuple[str, A
     names the checked thing in the assertion for a tuner without a recorded choice."""
     raw = entry.fn if isinstance(entry, Autotuner) else entry
     name = getattr(raw, "__name__", type(raw).__name__)
+    kwargs = {**COMPILE_OPTIONS, **kwargs}
     if isinstance(entry, Autotuner):
         config = _configs.get(_tuner_key(entry, args, kwargs))
         assert config is not None, f"{name}: {what} of a tuner without its recorded choice"
@@ -427,6 +440,7 @@ def replay_of(entry, args: tuple, kwargs: dict, grid=None) -> Replay | None:
     among them)."""
     if not ENABLED or isinstance(entry, InterpretedFunction):
         return None
+    kwargs = {**COMPILE_OPTIONS, **kwargs}          # as ``launch`` recorded the call
     ckey = call_key(args, kwargs)
     if ckey is None:
         return None
