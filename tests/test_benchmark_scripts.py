@@ -860,3 +860,53 @@ def test_train_interleaved_builds_and_steps_each_case_under_its_own_route_settin
     for (spec, build, enabled, keys, plans), case in zip(seen, stepped):
         assert (enabled, keys) == want[(spec, build)], case
         assert plans == (case != "triton, plans off"), case
+
+
+def test_carry_triton_packs_keeps_and_unpacks_a_stripped_tree_in_parts(tmp_path, capsys):
+    """benchmarks/tools/carry_triton.py without a registry or GPU: a stand-in wheel tree loses what the
+    kernels never use (the AMD backend, CUPTI, proton's library) and keeps the NVIDIA tools executable; cut
+    into parts, kept folder by folder and unpacked, it is the stripped tree file for file; a missing part,
+    a changed part and bad arguments are errors that name them."""
+    tool = load("tools/carry_triton")
+    root = tmp_path / "wheel"
+    import random
+    gen = random.Random(0)                                  # incompressible contents: the parts are many
+    noise = lambda n: bytes(gen.getrandbits(8) for _ in range(n))  # noqa: E731
+    files = {"triton/__init__.py": b"__version__ = '9.9.9'\n", "triton/backends/nvidia/bin/ptxas": noise(600),
+             "triton/backends/nvidia/bin/ptxas-blackwell": noise(900),
+             "triton/backends/amd/lib/libtriton_amd_codegen.so": b"x" * 900,
+             "triton/backends/nvidia/lib/cupti/libcupti.so": b"y" * 900, "triton/_C/libproton.so": b"z" * 900}
+    for rel, data in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(data)
+    removed = tool.strip_tree(root)
+    assert sorted(removed) == ["triton/_C/libproton.so", "triton/backends/amd", "triton/backends/nvidia/lib/cupti"]
+    assert all((root / "triton/backends/nvidia/bin" / t).stat().st_mode & 0o111 for t in ("ptxas", "ptxas-blackwell"))
+    out = tmp_path / "parts"
+    meta = tool.write_parts(root, out, "9.9.9", part_bytes=400, preset=0)
+    assert meta["release"] == "9.9.9" and len(meta["parts"]) >= 3
+    assert all((out / str(i + 1) / name).stat().st_size <= 400 for i, name in enumerate(meta["parts"]))
+    kept = tmp_path / "kept"
+    tool.keep(out / "1", kept)
+    with pytest.raises(ValueError, match=r"parts \['part-01'.*are not kept"):
+        tool.unpack(kept)
+    for i in range(2, len(meta["parts"]) + 1):
+        tool.keep(out / str(i), kept)
+    site, env = tool.unpack(kept)
+    assert site == kept / "9.9.9" and env["TRITON_BACKENDS_IN_TREE"] == "1"
+    assert env["PYTHONPATH"].split(":")[0] == str(site)
+    got = sorted(str(p.relative_to(site)) for p in site.rglob("*") if p.is_file())
+    assert got == ["triton/__init__.py", "triton/backends/nvidia/bin/ptxas", "triton/backends/nvidia/bin/ptxas-blackwell"]
+    for rel in got:
+        assert (site / rel).read_bytes() == files[rel]
+    assert (site / "triton/backends/nvidia/bin/ptxas-blackwell").stat().st_mode & 0o111
+    changed = kept / "parts" / "part-01"
+    changed.write_bytes(b"\0" + changed.read_bytes()[1:])
+    with pytest.raises(ValueError, match="do not match their SHA-256"):
+        tool.unpack(kept)
+    with pytest.raises(SystemExit):
+        tool.main(["keep", str(tmp_path / "nowhere")])
+    assert "is not a folder; accepted: a carried folder of parts" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        tool.main(["pack", "--part-mb", "0"])
+    assert "--part-mb 0.0 is invalid; accepted: a positive number of MB" in capsys.readouterr().err
