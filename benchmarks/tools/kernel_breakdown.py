@@ -7,8 +7,9 @@ For each shape and provider (``stableflash bench attention``'s provider names an
 out as ``--layout`` says: (B, H, N, d) contiguous, or the packed (B, N, 3, H, d) buffer a model passes,
 which ``interleaved_bench.py`` times): five warm-up calls of forward + backward (``torch.autograd.grad``
 of the output with a fixed dO; with ``--forward-only`` the forward under ``no_grad``), then ``--calls``
-calls under ``torch.profiler``; prints, per provider, each GPU kernel's time per call (µs, largest
-first) and the total. Both causal switches unless one is named. Needs a CUDA GPU.
+calls under ``torch.profiler``; prints the GPU, torch and triton (the release and where it was imported
+from), then per provider each GPU kernel's time per call (µs, largest first) and the total; ``--json``
+writes the same with the versions. Both causal switches unless one is named. Needs a CUDA GPU.
 
 ``--graph``: the call captured once in a CUDA graph (as ``interleaved_bench.py``'s timing replays it)
 and the graph replayed ``--calls`` times under the profiler: each kernel of one replay in the order it
@@ -155,6 +156,7 @@ def main(argv=None) -> int:
            "us_per_call": {}}
     if args.graph:
         out["graph"] = {}
+    print(f"{out['gpu']}, torch {out['torch']}, triton {out['triton']} ({triton.__file__})")
     for causal in switches:
         for shape in args.shape:
             for provider in args.providers:
