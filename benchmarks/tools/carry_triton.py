@@ -50,6 +50,15 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def _tools_executable(root: Path) -> None:
+    """Mark the NVIDIA tools (ptxas, nvdisasm, cuobjdump) under ``root`` executable: neither a wheel's zip
+    nor tar's "data" filter keeps them so for certain."""
+    tools = root / "triton/backends/nvidia/bin"
+    if tools.is_dir():
+        for tool in tools.iterdir():
+            tool.chmod(0o755)
+
+
 def strip_tree(root: Path) -> list[str]:
     """Remove ``DROPPED`` under ``root`` (a wheel's unpacked files), mark the NVIDIA tools executable
     (a zip keeps no modes) and strip ``libtriton.so``'s symbols where ``strip`` exists. Returns what
@@ -63,10 +72,7 @@ def strip_tree(root: Path) -> list[str]:
         elif path.exists():
             path.unlink()
             removed.append(rel)
-    tools = root / "triton/backends/nvidia/bin"
-    if tools.is_dir():
-        for tool in tools.iterdir():
-            tool.chmod(0o755)
+    _tools_executable(root)
     lib = root / "triton/_C/libtriton.so"
     if lib.exists() and shutil.which("strip"):
         subprocess.run(["strip", "--strip-unneeded", str(lib)], check=True)
@@ -147,10 +153,7 @@ def unpack(kept: Path = KEPT) -> tuple[Path, dict]:
     with tarfile.open(archive, "r:xz") as tar:
         tar.extractall(site, filter="data")
     archive.unlink()
-    tools = site / "triton/backends/nvidia/bin"
-    if tools.is_dir():
-        for tool in tools.iterdir():
-            tool.chmod(0o755)
+    _tools_executable(site)
     env = {"TRITON_BACKENDS_IN_TREE": "1", "TRITON_CACHE_DIR": str(kept / f"cache-{meta['release']}"),
            "PYTHONPATH": f"{site}:{os.environ.get('PYTHONPATH', '')}".rstrip(":")}
     return site, env

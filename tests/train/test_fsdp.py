@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from stableflash.cli import main
+from stableflash.model.presets import MODEL_PRESETS
 from stableflash.train.config import make_config
 from stableflash.train.loop import train
 from stableflash.train.metrics import read_metrics
@@ -90,10 +91,10 @@ def _flat(record, prefix=""):
 
 
 # the row statistics that count rows (or entries per row) against a threshold, over the probe's rows: the
-# tiny preset's probe_seqs = 2 sequences of block_size = 64 tokens (the sink fractions over the 126 rows that
-# see two keys or more)
+# tiny preset's probe_seqs sequences of block_size tokens; the sink fractions count over the rows that see two
+# keys or more (all but each sequence's first), the fewest rows of any, so one row's largest share
 COUNTS = (".row.repeated_max_frac", ".row.pbar_one_count", ".row.sink_frac", ".row.sink_repeated_frac")
-PROBE_ROWS = 2 * 64 - 2
+PROBE_ROWS = make_config("tiny").probe_seqs * (MODEL_PRESETS["tiny"].block_size - 1)
 
 
 def assert_same_probes(got_dir, want_dir):

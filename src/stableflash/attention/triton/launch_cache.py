@@ -238,6 +238,12 @@ def _grid_tuple(grid, bound: dict) -> tuple[int, int, int]:
     return (g[0], g[1] if len(g) > 1 else 1, g[2] if len(g) > 2 else 1)
 
 
+def _asked(kwargs: dict) -> dict:
+    """A compiled launch's keyword arguments with ``COMPILE_OPTIONS`` where they leave them out: what
+    ``launch`` records a call under, and what ``replay_of`` and the checks key it by."""
+    return {**COMPILE_OPTIONS, **kwargs}
+
+
 def launch(entry, grid: Callable | tuple, *args, **kwargs) -> None:
     """``entry[grid](*args, **kwargs)``, for ``entry`` a ``triton.jit`` function or a
     ``triton.autotune`` of one: the same kernel with the same arguments, launched directly once
@@ -246,7 +252,7 @@ def launch(entry, grid: Callable | tuple, *args, **kwargs) -> None:
     if isinstance(entry, InterpretedFunction):
         entry[grid](*args, **kwargs)
         return
-    kwargs = {**COMPILE_OPTIONS, **kwargs}
+    kwargs = _asked(kwargs)
     if not ENABLED:
         entry[grid](*args, **kwargs)
         return
@@ -302,7 +308,7 @@ def _through_binder(entry, args: tuple, kwargs: dict, what: str) -> tuple[str, A
     names the checked thing in the assertion for a tuner without a recorded choice."""
     raw = entry.fn if isinstance(entry, Autotuner) else entry
     name = getattr(raw, "__name__", type(raw).__name__)
-    kwargs = {**COMPILE_OPTIONS, **kwargs}
+    kwargs = _asked(kwargs)
     if isinstance(entry, Autotuner):
         config = _configs.get(_tuner_key(entry, args, kwargs))
         assert config is not None, f"{name}: {what} of a tuner without its recorded choice"
@@ -440,7 +446,7 @@ def replay_of(entry, args: tuple, kwargs: dict, grid=None) -> Replay | None:
     among them)."""
     if not ENABLED or isinstance(entry, InterpretedFunction):
         return None
-    kwargs = {**COMPILE_OPTIONS, **kwargs}          # as ``launch`` recorded the call
+    kwargs = _asked(kwargs)                         # as ``launch`` recorded the call
     ckey = call_key(args, kwargs)
     if ckey is None:
         return None
