@@ -268,7 +268,9 @@ def test_gluon_forward_check_takes_tiles_by_name_and_names_what_it_accepts(capsy
     assert gfc.tiles_name(tiles_for(64, True)) == "gluon-128x128x2Pd"
     assert gfc.parse_tiles("64x128x2n") == Tiles(64, 128, 2, warp_specialize=False)
     assert gfc.parse_tiles("64x128x2r128") == Tiles(64, 128, 2, max_registers=128)
-    assert Tiles(64, 128, 2, max_registers=128).options == {"num_warps": 4, "enable_fp_fusion": True, "maxnreg": 128}
+    from stableflash.attention.triton import assembler
+    assert Tiles(64, 128, 2, max_registers=128).options == {"num_warps": 4, "enable_fp_fusion": True, "maxnreg": 128,
+                                                            **assembler.options()}
     assert [gfc.tiles_name(gfc.parse_tiles(t)) for t in ("128x64x2p", "128x128x2P", "64x128x2n", "64x64x4",
                                                                "64x64x3r128")] == [
         "gluon-128x64x2p", "gluon-128x128x2P", "gluon-64x128x2n", "gluon-64x64x4", "gluon-64x64x3r128"]

@@ -109,6 +109,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from stableflash.attention.gluon.hopper_forward import (_a_operand, _init_kv_ring, _invalidate_kv_ring, _mask,
                                                         _producer, _query_program, _store_tile_pair, cta_barrier,
                                                         tma_atomic_add, tma_load, tma_store)
+from stableflash.attention.triton import assembler
 
 LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
 # batch·kv-heads whose key blocks are launched together by programs of 128 keys (``_launch_order``)
@@ -150,8 +151,10 @@ class BackwardTiles(NamedTuple):
         """The compile options of both kernels: num_warps 4 (the first consumer warpgroup; the other
         and the producer warp are worker partitions) and floating-point contraction asked for
         explicitly (S·c − L·log2 e as one FMA, as the Triton kernels compile it under triton
-        3.6-3.9's default); ``maxnreg`` where ``max_registers`` caps the registers."""
-        options = {"num_warps": 4, "enable_fp_fusion": True}
+        3.6-3.9's default); ``maxnreg`` where ``max_registers`` caps the registers; the assembler's
+        PTX version where the kernels are assembled by another ``ptxas`` than triton's default
+        (``triton.assembler``)."""
+        options = {"num_warps": 4, "enable_fp_fusion": True, **assembler.options()}
         if self.max_registers is not None:
             options["maxnreg"] = self.max_registers
         return options

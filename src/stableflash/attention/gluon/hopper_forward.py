@@ -54,6 +54,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
+from stableflash.attention.triton import assembler
+
 # Gluon's names differ between the triton releases the project meets (3.6 on the GPU machines, 3.9 in
 # CI): pick what this one offers, once, at import. In 3.9 the 3.6 TMA names still exist but raise.
 if hasattr(tma, "async_load"):
@@ -144,8 +146,10 @@ class Tiles(NamedTuple):
     def options(self) -> dict:
         """The compile options: num_warps, and floating-point contraction asked for explicitly (S·c − m
         and ℓ·α + Σ P as FMAs, as the Triton kernels compile them under triton 3.6-3.9's default, which
-        3.10 turns off); ``maxnreg`` where ``max_registers`` caps the registers."""
-        options = {"num_warps": self.num_warps, "enable_fp_fusion": True}
+        3.10 turns off); ``maxnreg`` where ``max_registers`` caps the registers; the assembler's PTX
+        version where the kernels are assembled by another ``ptxas`` than triton's default
+        (``triton.assembler``)."""
+        options = {"num_warps": self.num_warps, "enable_fp_fusion": True, **assembler.options()}
         if self.max_registers is not None:
             options["maxnreg"] = self.max_registers
         return options

@@ -1,7 +1,7 @@
 """Compile the Gluon Hopper forward for sm_90a without a GPU, and read its SASS.
 
-``compile_forward`` builds the kernel for compute capability 9.0 with the ptxas that ships in the
-triton wheel (``triton.compile`` on a ``GluonASTSource`` with an explicit ``GPUTarget``: no driver,
+``compile_forward`` builds the kernel for compute capability 9.0 with the ptxas of the triton wheel
+that launches assemble it with (``triton.assembler``; ``triton.compile`` on a ``GluonASTSource`` with an explicit ``GPUTarget``: no driver,
 nothing runs); ``sass_summary`` disassembles the cubin with the wheel's nvdisasm and counts what
 shows whether the sm90 features came through:
 
@@ -56,6 +56,7 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental import gluon
 
 from stableflash.attention.gluon.hopper_forward import Tiles, attn_fwd_hopper_kernel, descriptor_layout, tiles_for
+from stableflash.attention.triton import assembler
 
 _BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
@@ -81,7 +82,8 @@ def compile_forward(head_dim: int, causal: bool, tiles: Tiles | None = None, res
     constexprs = t.constexprs(head_dim, causal, residual)
     signature.update({name: "constexpr" for name in constexprs})
     src = gluon._runtime.GluonASTSource(attn_fwd_hopper_kernel, signature=signature, constexprs=constexprs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=t.options)
+    with assembler.for_options(t.options):
+        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=t.options)
 
 
 def _run_on_cubin(cubin: bytes, *commands: list[str]) -> list[str]:
@@ -162,13 +164,20 @@ def release(summary: dict) -> tuple[int, int]:
     return int(major), int(minor)
 
 
+def assembled_by(summary: dict) -> tuple[int, int]:
+    """(major, minor) CUDA release of the ``ptxas`` that assembled a ``check`` or ``check_backward`` row (its
+    "ptxas" entry, ``triton.assembler``): with the triton release, what the SASS bounds are chosen by."""
+    major, minor = summary["ptxas"].split(".")[:2]
+    return int(major), int(minor)
+
+
 def check(head_dim: int, causal: bool, tiles: Tiles | None = None, residual: bool = True) -> dict:
     """Compile one configuration and summarise it, with the triton version, the tiles and whether the
     kernel stores R (``residual``)."""
     t = tiles or tiles_for(head_dim, causal)
     summary = sass_summary(compile_forward(head_dim, causal, t, residual))
-    return {"triton": triton.__version__, "target": "sm_90a", "head_dim": head_dim, "causal": causal,
-            "residual": residual, **t._asdict(), **summary}
+    return {"triton": triton.__version__, "ptxas": assembler.release_for(t.options), "target": "sm_90a",
+            "head_dim": head_dim, "causal": causal, "residual": residual, **t._asdict(), **summary}
 
 
 class _StandInDriver:
@@ -299,7 +308,8 @@ def compile_backward(head_dim: int, causal: bool, tiles=None) -> dict:
     for name, fn, signature, constexprs in kernels:
         signature = {**signature, **{n: "constexpr" for n in constexprs}}
         src = gluon._runtime.GluonASTSource(fn, signature=signature, constexprs=constexprs)
-        out[name] = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=t.options)
+        with assembler.for_options(t.options):
+            out[name] = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=t.options)
     return out
 
 
@@ -309,8 +319,8 @@ def check_backward(head_dim: int, causal: bool, tiles=None) -> list[dict]:
     from stableflash.attention.gluon.hopper_backward import backward_tiles_for
     t = tiles or backward_tiles_for(head_dim, causal)
     kernels = compile_backward(head_dim, causal, t)
-    return [{"triton": triton.__version__, "target": "sm_90a", "kernel": name, "head_dim": head_dim, "causal": causal,
-             **t._asdict(), **sass_summary(kernel)} for name, kernel in kernels.items()]
+    return [{"triton": triton.__version__, "ptxas": assembler.release_for(t.options), "target": "sm_90a", "kernel": name,
+             "head_dim": head_dim, "causal": causal, **t._asdict(), **sass_summary(kernel)} for name, kernel in kernels.items()]
 
 
 def compile_backward_through_runtime(head_dim: int = 64, causal: bool = True, tiles=None) -> dict:

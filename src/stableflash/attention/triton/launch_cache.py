@@ -36,7 +36,9 @@ Under the interpreter every call goes through Triton.
 Every compiled launch asks for ``COMPILE_OPTIONS`` (a caller's own value of one stands): floating-point
 contraction, which triton 3.6-3.9 apply by default, asked for explicitly — triton 3.9 warns about every
 kernel that leaves it to the default, which it announces will turn off, and the Gluon kernels ask for
-it too, so that both paths compile the same arithmetic.
+it too, so that both paths compile the same arithmetic. A launch that may compile (every one that goes
+through Triton) runs inside ``assembler.for_options`` of its options: the Gluon kernels' options may ask
+for another ``ptxas`` than triton's default (``assembler``); launches of recorded kernels do not.
 """
 from __future__ import annotations
 
@@ -49,6 +51,8 @@ from triton import knobs
 from triton.runtime.autotuner import Autotuner
 from triton.runtime.driver import driver
 from triton.runtime.interpreter import InterpretedFunction
+
+from stableflash.attention.triton import assembler
 
 # off: every launch through Triton's dispatch (benchmarks compare both)
 ENABLED = True
@@ -254,7 +258,8 @@ def launch(entry, grid: Callable | tuple, *args, **kwargs) -> None:
         return
     kwargs = _asked(kwargs)
     if not ENABLED:
-        entry[grid](*args, **kwargs)
+        with assembler.for_options(kwargs):
+            entry[grid](*args, **kwargs)
         return
     ckey = call_key(args, kwargs)
     if ckey is not None:
@@ -277,7 +282,8 @@ def launch(entry, grid: Callable | tuple, *args, **kwargs) -> None:
         tkey = _tuner_key(entry, args, kwargs)
         config = _configs.get(tkey)
         if config is None:                          # Triton tunes (once per key) and launches
-            kernel = entry[grid](*args, **kwargs)
+            with assembler.for_options(kwargs):
+                kernel = entry[grid](*args, **kwargs)
             best = entry.best_config
             if best.pre_hook is None and kernel is not None:
                 config = best.all_kwargs()
@@ -288,7 +294,8 @@ def launch(entry, grid: Callable | tuple, *args, **kwargs) -> None:
     key, bound = _bind(raw, args, kwargs)
     kernel = _kernels.get(key)
     if kernel is None:                              # Triton compiles (or finds) and launches
-        _kernels[key] = raw[grid](*args, **kwargs)
+        with assembler.for_options(kwargs):
+            _kernels[key] = raw[grid](*args, **kwargs)
         return
     grid3 = _grid_tuple(grid, bound)
     kernel[grid3](*bound.values())
