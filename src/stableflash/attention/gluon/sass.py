@@ -1,9 +1,9 @@
 """Compile the Gluon Hopper forward for sm_90a without a GPU, and read its SASS.
 
 ``compile_forward`` builds the kernel for compute capability 9.0 with the ptxas of the triton wheel
-that launches assemble it with (``triton.assembler``; ``triton.compile`` on a ``GluonASTSource`` with an explicit ``GPUTarget``: no driver,
-nothing runs); ``sass_summary`` disassembles the cubin with the wheel's nvdisasm and counts what
-shows whether the sm90 features came through:
+that launches assemble it with (``triton.assembler``; ``triton.compile`` on a ``GluonASTSource`` with
+an explicit ``GPUTarget``: no driver, nothing runs); ``sass_summary`` disassembles the cubin with the
+wheel's nvdisasm and counts what shows whether the sm90 features came through:
 
 - ``instructions``: the kernel's SASS instructions (every partition's code, each counted once);
 - ``hgmma``: warpgroup products (HGMMA), one per 16 of the reduction dimension per product site;
@@ -319,8 +319,9 @@ def check_backward(head_dim: int, causal: bool, tiles=None) -> list[dict]:
     from stableflash.attention.gluon.hopper_backward import backward_tiles_for
     t = tiles or backward_tiles_for(head_dim, causal)
     kernels = compile_backward(head_dim, causal, t)
-    return [{"triton": triton.__version__, "ptxas": assembler.release_for(t.options), "target": "sm_90a", "kernel": name,
-             "head_dim": head_dim, "causal": causal, **t._asdict(), **sass_summary(kernel)} for name, kernel in kernels.items()]
+    ptxas = assembler.release_for(t.options)
+    return [{"triton": triton.__version__, "ptxas": ptxas, "target": "sm_90a", "kernel": name, "head_dim": head_dim,
+             "causal": causal, **t._asdict(), **sass_summary(kernel)} for name, kernel in kernels.items()]
 
 
 def compile_backward_through_runtime(head_dim: int = 64, causal: bool = True, tiles=None) -> dict:

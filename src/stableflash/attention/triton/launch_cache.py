@@ -38,7 +38,8 @@ contraction, which triton 3.6-3.9 apply by default, asked for explicitly — tri
 kernel that leaves it to the default, which it announces will turn off, and the Gluon kernels ask for
 it too, so that both paths compile the same arithmetic. A launch that may compile (every one that goes
 through Triton) runs inside ``assembler.for_options`` of its options: the Gluon kernels' options may ask
-for another ``ptxas`` than triton's default (``assembler``); launches of recorded kernels do not.
+for another ``ptxas`` than triton's default (``assembler``); launches of recorded kernels do not (with
+``ENABLED`` off every launch goes through Triton, and a Gluon launch then enters it each time).
 """
 from __future__ import annotations
 
