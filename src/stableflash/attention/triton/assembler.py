@@ -48,7 +48,6 @@ class Assembler:
     ptx_version: int
 
 
-@functools.cache
 def _legacy() -> Assembler | None:
     """The wheel's CUDA 12 ``ptxas``, where this triton assembles sm_90 with another one."""
     try:
@@ -102,20 +101,24 @@ def options() -> dict:
     return {} if chosen is None else {"ptx_version": chosen.ptx_version}
 
 
+def _asked_by(options: dict) -> Assembler | None:
+    """``choice()`` where ``options`` ask for it (its ``ptx_version``), else None: triton's default."""
+    chosen = choice()
+    return chosen if chosen is not None and options.get("ptx_version") == chosen.ptx_version else None
+
+
 def for_options(options: dict) -> contextlib.AbstractContextManager:
     """A context in which triton assembles what ``options`` ask for: the chosen ``ptxas`` where their
     ``ptx_version`` is ``choice()``'s, else triton's default (a context that changes nothing)."""
-    chosen = choice()
-    if chosen is None or options.get("ptx_version") != chosen.ptx_version:
-        return contextlib.nullcontext()
-    return _assembling(chosen)
+    chosen = _asked_by(options)
+    return contextlib.nullcontext() if chosen is None else _assembling(chosen)
 
 
 def release_for(options: dict) -> str:
     """The CUDA release ("12.9") of the ``ptxas`` that assembles sm_90 for a kernel compiled with
     ``options``; "" where triton or its NVIDIA backend is missing."""
-    chosen = choice()
-    if chosen is not None and options.get("ptx_version") == chosen.ptx_version:
+    chosen = _asked_by(options)
+    if chosen is not None:
         return chosen.release
     try:
         from triton.backends.nvidia import compiler
