@@ -81,9 +81,15 @@ def compile_forward(head_dim: int, causal: bool, tiles: Tiles | None = None, res
                  "n_q": "i32", "n_k": "i32", "n_heads": "i32", "group": "i32", "n_bh": "i32", "qk_scale": "fp32"}
     constexprs = t.constexprs(head_dim, causal, residual)
     signature.update({name: "constexpr" for name in constexprs})
-    src = gluon._runtime.GluonASTSource(attn_fwd_hopper_kernel, signature=signature, constexprs=constexprs)
-    with assembler.for_options(t.options):
-        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=t.options)
+    return _compile_sm90a(gluon._runtime.GluonASTSource(attn_fwd_hopper_kernel, signature=signature,
+                                                        constexprs=constexprs), t.options)
+
+
+def _compile_sm90a(src, options: dict):
+    """``src`` compiled for sm_90a with ``options``, assembled as a launch with those options is
+    (``assembler.for_options``)."""
+    with assembler.for_options(options):
+        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
 def _run_on_cubin(cubin: bytes, *commands: list[str]) -> list[str]:
@@ -307,9 +313,8 @@ def compile_backward(head_dim: int, causal: bool, tiles=None) -> dict:
     out = {}
     for name, fn, signature, constexprs in kernels:
         signature = {**signature, **{n: "constexpr" for n in constexprs}}
-        src = gluon._runtime.GluonASTSource(fn, signature=signature, constexprs=constexprs)
-        with assembler.for_options(t.options):
-            out[name] = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=t.options)
+        out[name] = _compile_sm90a(gluon._runtime.GluonASTSource(fn, signature=signature, constexprs=constexprs),
+                                   t.options)
     return out
 
 
