@@ -200,6 +200,9 @@ def pytest_collection_modifyitems(config, items):
     Triton's interpreter loses its repeated setup (``_interpreter_without_repeated_setup``). With a GPU
     the kernels' launch cache checks each launch it shortcuts (``launch_cache.VERIFY``)."""
     _interpreter_without_repeated_setup()
+    # every call whose decision the API keeps is decided again and compared with it
+    from stableflash.attention import api
+    api.VERIFY = True
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
     if cuda_available():
         # every launch the launch cache shortcuts is checked against Triton's own binding
@@ -210,6 +213,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("gpu"):
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _calls_decided_afresh():
+    """Each test starts with no kept Call (``attention.api``): a test standing in for the kernels or
+    their checks gets decisions made with its stand-ins."""
+    from stableflash.attention import api
+    api.forget_calls()
 
 
 def launch_ranks(argv: list[str], nproc: int = 2, timeout: float = 300, expect: int = 0) -> list[str]:

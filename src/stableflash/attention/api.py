@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import atexit
 import collections
+import itertools
 import logging
 import math
 import numbers
 import warnings
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -393,12 +395,20 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
         TypeError or ValueError naming the argument, the value given and what is accepted, for any
         input or option a backend cannot take.
     """
+    key = None
+    if attn_mask is None:                      # a signature seen before runs its kept Call unchecked
+        key = signature((q, k, v), (causal, scale, stabilize, beta, eps, backend, policy, block_q, block_k, softcap,
+                                    align, window, dropout_p, return_lse))
+        kept = remembered(key)
+        if kept is not None and not VERIFY:
+            return kept.run(q, k, v)
     _check_tensors(q, k, v)
     masking = check_masking(causal, align, window)
     attn_mask = check_attn_mask(attn_mask, q, k.shape[2])
-    return attend(q, k, v, masking=masking, scale=scale, stabilize=stabilize, beta=beta, eps=eps, backend=backend,
-                  policy=policy, block_q=block_q, block_k=block_k, softcap=softcap, attn_mask=attn_mask,
-                  dropout_p=dropout_p, return_lse=return_lse)
+    call = keep(key, decide(q, k, v, masking=masking, scale=scale, stabilize=stabilize, beta=beta, eps=eps,
+                            backend=backend, policy=policy, block_q=block_q, block_k=block_k, softcap=softcap,
+                            attn_mask=attn_mask, dropout_p=dropout_p, return_lse=return_lse), remembered(key))
+    return call.run(q, k, v, attn_mask)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, masking: Masking, scale, stabilize, beta, eps,
@@ -410,6 +420,59 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, masking: Maskin
     max_seqlen_k) checked, with q, k, v (1, H, total, d). ``packed``: the (B, N, 3, H, d) tensor
     whose views q, k and v are (``flash_attn_qkvpacked_func``): the Triton backend then returns one
     gradient for it; the other backends reach it through the views."""
+    call = decide(q, k, v, masking=masking, scale=scale, stabilize=stabilize, beta=beta, eps=eps, backend=backend,
+                  policy=policy, block_q=block_q, block_k=block_k, softcap=softcap, attn_mask=attn_mask,
+                  dropout_p=dropout_p, return_lse=return_lse, varlen=varlen is not None)
+    return call.run(q, k, v, attn_mask, varlen, packed)
+
+
+class Call(NamedTuple):
+    """What ``decide`` made of one call's options: the backend and everything it is handed besides
+    the tensors, checked. ``run`` computes the call on its tensors. Everything here follows from the
+    options and the tensors' types, shapes, dtypes and devices alone, so the public entries keep a
+    Call per signature of those (``remembered``) and a repeated call runs it without the checks."""
+
+    backend: str
+    picked: bool                       # chosen by backend="auto" (logged on every call)
+    masking: Masking
+    scale: float
+    rule: ShiftRule
+    policy: PrecisionPolicy            # resolved, with the stabilization's δ
+    block_q: int | None
+    block_k: int
+    softcap: float | None
+    dropout_p: float
+    return_lse: bool
+    kernels: tuple | None              # the Triton backend's ``launch.kernel_call``, without attn_mask or varlen
+
+    def run(self, q: torch.Tensor | None, k: torch.Tensor | None, v: torch.Tensor | None,
+            attn_mask: torch.Tensor | None = None, varlen: tuple | None = None,
+            packed: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The call on these tensors (checked by ``decide`` for this signature). q, k, v may be None
+        where ``packed`` is given: its views are made where a backend reads them."""
+        if self.picked and not torch.compiler.is_compiling():
+            log.info("flash_attention: backend='auto' picked %r", self.backend)
+        if self.kernels is not None and attn_mask is None and varlen is None:
+            o, lse = _triton_module().launch.run_kernels(q, k, v, self.scale, self.kernels, packed)
+        else:
+            if q is None:
+                q, k, v = (t.transpose(1, 2) for t in packed.unbind(2))
+            if self.backend == "sdpa":
+                return _sdpa(q, k, v, self.masking, attn_mask, self.dropout_p, self.scale)
+            o, lse = _attention(q, k, v, self.backend, self.masking, self.scale, self.rule, self.policy, self.block_q,
+                                self.block_k, self.softcap, attn_mask, self.dropout_p, varlen, packed)
+        if self.rule.kind == "paper":
+            if q is None:
+                q, k, v = (t.transpose(1, 2) for t in packed.unbind(2))
+            _paper_watch.observe(o, (q, k, v))
+        return (o, lse) if self.return_lse else o
+
+
+def decide(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, masking: Masking, scale, stabilize, beta, eps,
+           backend: str, policy, block_q, block_k, softcap, attn_mask: torch.Tensor | None, dropout_p,
+           return_lse, varlen: bool = False) -> Call:
+    """The ``Call`` of ``attend``'s arguments (``varlen``: whether packed sequences are given),
+    every option checked; TypeError or ValueError naming the argument otherwise."""
     scale, block_q, block_k = _check_options(masking.causal, scale, block_q, block_k)
     softcap = check_softcap(softcap)
     dropout_p = check_dropout(dropout_p)
@@ -424,26 +487,104 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, masking: Maskin
     delta_changed = resolved.delta != as_asked.delta
     picked = backend == "auto"
     if picked:
+        # "triton" only where the kernels' input checks pass (``_triton_reason``)
         backend = _pick_auto(q, k, rule, policy, resolved, softcap, delta_changed, masking, attn_mask,
-                             varlen is not None, dropout_p, return_lse)
+                             varlen, dropout_p, return_lse)
         if backend == "triton" and block_k != DEFAULT_BLOCK_K:
             backend = "emulated"                   # the emulation takes any key block
-        if not torch.compiler.is_compiling():
-            log.info("flash_attention: backend='auto' picked %r", backend)
     if policy is not None and backend in ("reference", "sdpa"):
         raise ValueError(f"policy={policy!r} is honoured only by backend='emulated' or 'triton'; "
                          f"got backend={backend!r}")
     scale_val = q.shape[-1] ** -0.5 if scale is None else scale
-
+    kernels = None
     if backend == "sdpa":
         _check_sdpa(stabilize, rule, delta_changed, resolved, softcap, varlen, return_lse)
-        return _sdpa(q, k, v, masking, attn_mask, dropout_p, scale_val)
-    # "auto" chose "triton" only where the kernels' input checks passed (``_triton_reason``)
-    o, lse = _attention(q, k, v, backend, masking, scale_val, rule, resolved, block_q, block_k, softcap,
-                        attn_mask, dropout_p, varlen, packed, inputs_checked=picked)
-    if rule.kind == "paper":
-        _paper_watch.observe(o, (q, k, v))
-    return (o, lse) if return_lse else o
+    elif backend in ("emulated", "triton"):
+        bad = [h for h in resolved.hp_heads if h >= q.shape[1]]
+        if bad:
+            raise ValueError(f"policy.hp_heads={resolved.hp_heads} names heads {bad}, but q has "
+                             f"{q.shape[1]} heads; accepted: 0 to {q.shape[1] - 1}")
+    if backend == "triton":
+        tri = _triton_module()
+        if tri is None:
+            raise ValueError("backend='triton' needs the triton package (pip install 'stableflash[triton]')")
+        if not picked:
+            tri.check_inputs(q, k, masking=masking, attn_mask=attn_mask, varlen=varlen, dropout_p=dropout_p)
+        if attn_mask is None and not varlen:
+            kernels = tri.launch.kernel_call(q, k, masking=masking, rule=rule, policy=resolved, softcap=softcap,
+                                             block_k=_kernel_block(block_k), dropout_p=dropout_p)
+    return Call(backend, picked, masking, scale_val, rule, resolved, block_q, block_k, softcap, dropout_p, return_lse,
+                kernels)
+
+
+# the Calls of recent signatures (``remembered``): what a repeated call runs without the checks
+_CALLS: dict = {}
+MAX_CALLS = 256
+
+
+def _typed(value):
+    """``value`` with its type, and a tuple's items each with theirs: keys that tell True from 1 and
+    1 from 1.0 (which compare equal) apart."""
+    if isinstance(value, tuple):
+        return value.__class__, tuple(map(_typed, value))
+    return value.__class__, value
+
+
+def signature(tensors: tuple, options: tuple) -> tuple | None:
+    """The key of a call whose ``Call`` may be kept: each tensor's shape, dtype and device, the
+    options and their types (a tuple's items typed too: True and 1, 1 and 1.0 compare equal); None
+    where a Call is not kept — a tensor that is not a plain ``torch.Tensor`` (a subclass, a traced
+    value), an unhashable option, or while torch.compile traces (the checks are traced into the
+    graph instead)."""
+    if torch.compiler.is_compiling():
+        return None
+    key = []
+    for t in tensors:
+        if t.__class__ is not torch.Tensor:
+            return None
+        key += (t.shape, t.dtype, t.device)
+    key += (options, tuple(map(type, options)))
+    if any(map(isinstance, options, itertools.repeat(tuple))):
+        key.append(tuple(map(_typed, options)))
+    key = tuple(key)
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def remembered(key: tuple | None) -> Call | None:
+    """The Call kept for ``signature`` key, or None."""
+    return None if key is None else _CALLS.get(key)
+
+
+# on: a call whose Call was kept is checked and decided again, and the two must be equal (the tests
+# run with it, as the kernels' launch cache with its VERIFY)
+VERIFY = False
+
+
+def keep(key: tuple | None, call: Call, kept: Call | None = None) -> Call:
+    """``call``, kept for ``key`` (nothing kept for None; the store emptied first when it holds
+    MAX_CALLS). ``kept``: what ``remembered`` gave for the key under ``VERIFY``, which must equal it."""
+    if kept is not None:
+        assert kept == call, f"a kept Call differs from its signature's decision: {kept} against {call}"
+    if key is not None:
+        if len(_CALLS) >= MAX_CALLS:
+            _CALLS.clear()
+        _CALLS[key] = call
+    return call
+
+
+def forget_calls() -> None:
+    """Forget every kept Call: the next call of each signature is checked and decided again (what a
+    test that stands in for the kernels or their checks needs)."""
+    _CALLS.clear()
+
+
+def _kernel_block(block_k: int) -> int | None:
+    """The kernels' key block for ``block_k``: None (their own tiles) for the default."""
+    return None if block_k == DEFAULT_BLOCK_K else block_k
 
 
 def _check_sdpa(stabilize, rule, delta_changed, resolved, softcap, varlen, return_lse) -> None:
@@ -458,7 +599,7 @@ def _check_sdpa(stabilize, rule, delta_changed, resolved, softcap, varlen, retur
         raise ValueError(f"backend='sdpa' cannot take δ from {resolved.delta} (stabilize={stabilize!r} asks for "
                          "a consistent δ, and torch's SDPA reads its stored O); pass stabilize='none', or use "
                          "backend='triton' or 'emulated'")
-    if varlen is not None:
+    if varlen:
         raise ValueError("backend='sdpa' cannot take a varlen batch (cu_seqlens); accepted with sdpa: padded "
                          "(batch, seq) tensors — use backend='auto', 'triton', 'emulated' or 'reference'")
     if return_lse:
@@ -487,9 +628,8 @@ def _sdpa(q, k, v, masking: Masking, attn_mask, dropout_p: float, scale: float) 
 
 
 def _attention(q, k, v, backend, masking, scale_val, rule, resolved, block_q, block_k, softcap, attn_mask,
-               dropout_p, varlen, packed=None, inputs_checked: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The checked call on a backend other than SDPA: (O, LSE). ``inputs_checked``: the Triton
-    backend's ``check_inputs`` already passed for these arguments."""
+               dropout_p, varlen, packed=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A call ``decide`` checked, on a backend other than SDPA: (O, LSE)."""
     cu_q, cu_k, max_q, max_k = varlen if varlen is not None else (None,) * 4
     if backend == "reference":
         kw = dict(masking=masking, scale=scale_val, rule=rule, softcap=softcap, dropout_p=dropout_p,
@@ -499,21 +639,11 @@ def _attention(q, k, v, backend, masking, scale_val, rule, resolved, block_q, bl
         else:
             o, lse = reference.attention(q, _expand_kv(q, k), _expand_kv(q, v), attn_mask=attn_mask, **kw)
         return o.to(q.dtype), lse.float()
-    bad = [h for h in resolved.hp_heads if h >= q.shape[1]]
-    if bad:
-        raise ValueError(f"policy.hp_heads={resolved.hp_heads} names heads {bad}, but q has "
-                         f"{q.shape[1]} heads; accepted: 0 to {q.shape[1] - 1}")
     if backend == "triton":
-        tri = _triton_module()
-        if tri is None:
-            raise ValueError("backend='triton' needs the triton package (pip install 'stableflash[triton]')")
-        if not inputs_checked:
-            tri.check_inputs(q, k, masking=masking, attn_mask=attn_mask, varlen=varlen is not None,
-                             dropout_p=dropout_p)
-        return tri.triton_attention(q, k, v, masking=masking, scale=scale_val, rule=rule, policy=resolved,
-                                    softcap=softcap, block_k=None if block_k == DEFAULT_BLOCK_K else block_k,
-                                    attn_mask=attn_mask, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q,
-                                    max_seqlen_k=max_k, dropout_p=dropout_p, packed=packed)
+        return _triton_module().triton_attention(
+            q, k, v, masking=masking, scale=scale_val, rule=rule, policy=resolved, softcap=softcap,
+            block_k=_kernel_block(block_k), attn_mask=attn_mask, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+            max_seqlen_q=max_q, max_seqlen_k=max_k, dropout_p=dropout_p, packed=packed)
     return emulated.emulated_attention(q, _expand_kv(q, k), _expand_kv(q, v), causal=masking.causal,
                                        scale=scale_val, policy=resolved, rule=rule, block_q=block_q, block_k=block_k,
                                        softcap=softcap, masking=masking, attn_mask=attn_mask, dropout_p=dropout_p,

@@ -12,7 +12,9 @@ import numbers
 
 import torch
 
-from stableflash.attention.api import FLOAT_DTYPES, _check_tensors, _positive_real, attend, check_masking
+from stableflash.attention.api import (FLOAT_DTYPES, _check_tensors, _positive_real, check_masking, attend, decide, keep,
+                                      remembered, signature)
+from stableflash.attention import api
 from stableflash.attention.masking import Alignment
 from stableflash.attention.policy import PrecisionPolicy
 from stableflash.attention.stabilization import Stabilization
@@ -81,19 +83,33 @@ def _check_layout(tensors: dict, dims: int, layout: str) -> None:
             raise TypeError(f"{name} has dtype {t.dtype}; accepted: float16, bfloat16, float32, float64")
 
 
+def _decided(key: tuple | None, kept: api.Call | None, views: tuple, dropout_p, softmax_scale, causal, window_size,
+             softcap, return_lse, align, stabilize, beta, eps, backend, policy) -> api.Call:
+    """The checked decision of a call without varlen on (batch, heads, seq, head_dim) ``views``, kept
+    for ``key`` (``api.keep``; ``kept``: the one kept before, compared under ``api.VERIFY``)."""
+    _check_tensors(*views)
+    masking = check_masking(causal, align, window_size, "window_size", unbounded=(-1,))
+    return keep(key, decide(*views, masking=masking, scale=softmax_scale, stabilize=stabilize, beta=beta, eps=eps,
+                            backend=backend, policy=policy, block_q=None, block_k=64, softcap=_softcap(softcap),
+                            attn_mask=None, dropout_p=dropout_p, return_lse=return_lse), kept)
+
+
 def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
                     softmax_scale: float | None = None, causal: bool = False,
                     window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, return_lse: bool = False, *,
                     align: str | Alignment = "bottom-right", stabilize: bool | str | Stabilization = True,
                     beta: float = 2.0, eps: float = 1e-3, backend: str = "auto",
                     policy: PrecisionPolicy | str | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    _check_layout({"q": q, "k": k, "v": v}, 4, "(batch, seq, heads, head_dim)")
+    key = signature((q, k, v), (dropout_p, softmax_scale, causal, window_size, softcap, return_lse, align, stabilize,
+                                beta, eps, backend, policy))
+    call = remembered(key)
+    if call is None or api.VERIFY:
+        _check_layout({"q": q, "k": k, "v": v}, 4, "(batch, seq, heads, head_dim)")
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
-    _check_tensors(qt, kt, vt)
-    masking = check_masking(causal, align, window_size, "window_size", unbounded=(-1,))
-    res = attend(qt, kt, vt, masking=masking, scale=softmax_scale, stabilize=stabilize, beta=beta, eps=eps,
-                 backend=backend, policy=policy, block_q=None, block_k=64, softcap=_softcap(softcap), attn_mask=None,
-                 dropout_p=dropout_p, return_lse=return_lse)
+    if call is None or api.VERIFY:
+        call = _decided(key, call, (qt, kt, vt), dropout_p, softmax_scale, causal, window_size, softcap, return_lse,
+                        align, stabilize, beta, eps, backend, policy)
+    res = call.run(qt, kt, vt)
     if return_lse:
         return res[0].transpose(1, 2), res[1]
     return res.transpose(1, 2)
@@ -127,15 +143,17 @@ def flash_attn_qkvpacked_func(qkv: torch.Tensor, dropout_p: float = 0.0, softmax
                               stabilize: bool | str | Stabilization = True, beta: float = 2.0, eps: float = 1e-3,
                               backend: str = "auto",
                               policy: PrecisionPolicy | str | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    _check_layout({"qkv": qkv}, 5, "(batch, seq, 3, heads, head_dim)")
-    if qkv.shape[2] != 3:
-        raise ValueError(f"qkv must hold q, k and v along dimension 2, of size 3; got shape {tuple(qkv.shape)}")
-    qt, kt, vt = (t.transpose(1, 2) for t in qkv.unbind(2))
-    _check_tensors(qt, kt, vt)
-    masking = check_masking(causal, align, window_size, "window_size", unbounded=(-1,))
-    res = attend(qt, kt, vt, masking=masking, scale=softmax_scale, stabilize=stabilize, beta=beta, eps=eps,
-                 backend=backend, policy=policy, block_q=None, block_k=64, softcap=_softcap(softcap), attn_mask=None,
-                 dropout_p=dropout_p, return_lse=return_lse, packed=qkv)
+    key = signature((qkv,), (dropout_p, softmax_scale, causal, window_size, softcap, return_lse, align, stabilize,
+                             beta, eps, backend, policy))
+    call = remembered(key)
+    if call is None or api.VERIFY:
+        _check_layout({"qkv": qkv}, 5, "(batch, seq, 3, heads, head_dim)")
+        if qkv.shape[2] != 3:
+            raise ValueError(f"qkv must hold q, k and v along dimension 2, of size 3; got shape {tuple(qkv.shape)}")
+        qt, kt, vt = (t.transpose(1, 2) for t in qkv.unbind(2))
+        call = _decided(key, call, (qt, kt, vt), dropout_p, softmax_scale, causal, window_size, softcap, return_lse,
+                        align, stabilize, beta, eps, backend, policy)
+    res = call.run(None, None, None, packed=qkv)       # q, k, v: qkv's views, made where a backend reads them
     if return_lse:
         return res[0].transpose(1, 2), res[1]
     return res.transpose(1, 2)

@@ -240,10 +240,37 @@ def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, maski
         if cu_seqlens_q.shape != cu_seqlens_k.shape:
             raise ValueError(f"cu_seqlens_q {tuple(cu_seqlens_q.shape)} and cu_seqlens_k {tuple(cu_seqlens_k.shape)} "
                              "must have the same number of sequences")
-    config = kernel_config(policy, rule, q.dtype, softcap, block_k)
-    if config.block_k is not None:
-        key_block_config(config.block_k, q.shape[-1])     # the key block's tile holds this head_dim
+    config = _checked_config(policy, rule, q.dtype, softcap, block_k, q.shape[-1])
     causal, masks = _masks(masking, q.shape[2], k.shape[2], attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                            max_seqlen_k, dropout_p)
+    o, lse = attention(q, k, v, causal, scale, config, masks, packed)
+    return o, lse.detach()
+
+
+def _checked_config(policy: PrecisionPolicy, rule: ShiftRule, dtype: torch.dtype, softcap: float | None,
+                    block_k: int | None, head_dim: int) -> KernelConfig:
+    config = kernel_config(policy, rule, dtype, softcap, block_k)
+    if config.block_k is not None:
+        key_block_config(config.block_k, head_dim)     # the key block's tile holds this head_dim
+    return config
+
+
+def kernel_call(q: torch.Tensor, k: torch.Tensor, *, masking: Masking, rule: ShiftRule, policy: PrecisionPolicy,
+                softcap: float | None = None, block_k: int | None = None,
+                dropout_p: float = 0.0) -> tuple[KernelConfig, bool, Masks]:
+    """What ``triton_attention`` hands the kernels besides the tensors and the scale, for a call
+    without an ``attn_mask`` or packed sequences: (configuration, the CAUSAL switch, masks). It
+    reads q's and k's shapes and q's dtype alone, so a caller may keep it for a call signature
+    and run ``run_kernels`` with it on later calls' tensors."""
+    config = _checked_config(policy, rule, q.dtype, softcap, block_k, q.shape[-1])
+    causal, masks = _masks(masking, q.shape[2], k.shape[2], None, None, None, None, None, dropout_p)
+    return config, causal, masks
+
+
+def run_kernels(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, call: tuple[KernelConfig, bool, Masks],
+                packed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``triton_attention``'s result for tensors of the signature ``kernel_call`` made ``call`` for:
+    (O, LSE), LSE without gradient. ``packed``: as ``triton_attention``'s (then q, k, v are not read)."""
+    config, causal, masks = call
     o, lse = attention(q, k, v, causal, scale, config, masks, packed)
     return o, lse.detach()
