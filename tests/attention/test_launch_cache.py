@@ -350,6 +350,11 @@ def test_a_plan_sends_each_of_the_calls_tensors_and_new_buffers_to_their_places(
     assert key != launch_cache.plan_key((b, torch.ones(8, 8).t()), True, 0.5)
     assert key != launch_cache.plan_key((torch.zeros(65)[1:], buf), True, 0.5)
     assert key != launch_cache.plan_key((b.double(), buf), True, 0.5)
+    # a call's own outputs (``fresh``): only their alignment is keyed
+    fresh = launch_cache.plan_key((a,), True, 0.5, fresh=(buf, torch.zeros(3)))
+    assert fresh == launch_cache.plan_key((b,), True, 0.5, fresh=(torch.ones(8, 8), torch.ones(5).double()))
+    assert fresh != launch_cache.plan_key((b,), True, 0.5, fresh=(torch.zeros(65)[1:], torch.zeros(3)))
+    assert fresh != launch_cache.plan_key((b,), True, 0.5)
     # tensors sharing an address: a plan recorded from (a, a) sends one tensor to both places, so a call
     # of distinct tensors must not find it (it would get b2 where a2 belongs)
     same = [launches[0], (entry, (2, 3), (_Descriptor(a.view(8, 8), [8, 8], [8, 1], [4, 8]), buf, 64, 2.0),

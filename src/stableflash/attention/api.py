@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import atexit
 import collections
-import itertools
 import logging
 import math
 import numbers
@@ -456,16 +455,22 @@ class Call(NamedTuple):
             o, lse = _triton_module().launch.run_kernels(q, k, v, self.scale, self.kernels, packed)
         else:
             if q is None:
-                q, k, v = (t.transpose(1, 2) for t in packed.unbind(2))
+                q, k, v = _views(packed)
             if self.backend == "sdpa":
                 return _sdpa(q, k, v, self.masking, attn_mask, self.dropout_p, self.scale)
             o, lse = _attention(q, k, v, self.backend, self.masking, self.scale, self.rule, self.policy, self.block_q,
                                 self.block_k, self.softcap, attn_mask, self.dropout_p, varlen, packed)
         if self.rule.kind == "paper":
             if q is None:
-                q, k, v = (t.transpose(1, 2) for t in packed.unbind(2))
+                q, k, v = _views(packed)
             _paper_watch.observe(o, (q, k, v))
         return (o, lse) if self.return_lse else o
+
+
+def _views(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v as (B, H, N, d) views of a packed (B, N, 3, H, d) tensor, made as the entry makes them
+    (``unbind`` along dimension 2, whose backward gives the packed tensor one contiguous gradient)."""
+    return tuple(t.transpose(1, 2) for t in packed.unbind(2))
 
 
 def decide(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, masking: Masking, scale, stabilize, beta, eps,
@@ -524,7 +529,8 @@ MAX_CALLS = 256
 
 def _typed(value):
     """``value`` with its type, and a tuple's items each with theirs: keys that tell True from 1 and
-    1 from 1.0 (which compare equal) apart."""
+    1 from 1.0 (which compare equal) apart. (Another tuple class, a Window, keeps what it holds as
+    given: the entries take it unchecked.)"""
     if isinstance(value, tuple):
         return value.__class__, tuple(map(_typed, value))
     return value.__class__, value
@@ -543,9 +549,10 @@ def signature(tensors: tuple, options: tuple) -> tuple | None:
         if t.__class__ is not torch.Tensor:
             return None
         key += (t.shape, t.dtype, t.device)
-    key += (options, tuple(map(type, options)))
-    if any(map(isinstance, options, itertools.repeat(tuple))):
-        key.append(tuple(map(_typed, options)))
+    types = tuple(map(type, options))
+    key += (options, types)
+    if tuple in types:                         # a plain tuple (a window's sides): its items typed too
+        key.append(tuple(_typed(x) for x in options if x.__class__ is tuple))
     key = tuple(key)
     try:
         hash(key)

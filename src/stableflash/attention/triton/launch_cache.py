@@ -392,13 +392,15 @@ class Replay:
             values[i] = t if desc is None else _rebased(desc, t)
         return values
 
-    def __call__(self, grid: tuple[int, int, int], tensors) -> None:
+    def __call__(self, grid: tuple[int, int, int], tensors, stream=None) -> None:
+        """Launch on ``stream`` (a CUDA stream handle; None: the current device's current stream)."""
         kernel = self.kernel
         values = self.values(tensors)
         runtime = knobs.runtime
         if _unhooked(runtime.launch_enter_hook) and _unhooked(runtime.launch_exit_hook):
             # what ``kernel[grid](*values)`` does when no hook is set, without its closure
-            stream = driver.active.get_current_stream(driver.active.get_current_device())
+            if stream is None:
+                stream = current_stream()
             kernel.run(grid[0], grid[1], grid[2], stream, kernel.function, kernel.packed_metadata, None, None, None,
                        *values)
         else:
@@ -416,6 +418,11 @@ class Replay:
         expected, got = list(bound.values()), self.values(tensors)
         assert len(got) == len(expected) and all(map(_same_argument, got, expected)), \
             f"{name}: the replay's arguments are not its binder's"
+
+
+def current_stream():
+    """The current device's current stream, as Triton's launch reads it."""
+    return driver.active.get_current_stream(driver.active.get_current_device())
 
 
 def _unhooked(hook) -> bool:
@@ -474,17 +481,24 @@ PLANS = True
 MAX_PLANS = 256
 
 
-def plan_key(tensors: tuple, *extra) -> tuple:
+def plan_key(tensors: tuple, *extra, fresh: tuple = ()) -> tuple:
     """What a call's launches can read of ``tensors`` beyond their addresses — every tensor's shape,
     strides, dtype and address modulo 16, and which of them share an address and dtype (a plan maps
     each place to one tensor by address: recorded from ``f(x, x, x)`` it would hand a later call's
     last tensor to all three places) — with ``extra`` (the call's other arguments), the current device
-    and Triton's debug switch: the key of the call's ``Plan``."""
+    and Triton's debug switch: the key of the call's ``Plan``. ``fresh``: tensors the call allocated
+    itself (its outputs), whose shapes, strides and dtypes follow from ``tensors`` and ``extra`` and
+    which share no address with them: only their addresses modulo 16 are keyed."""
     key = [*extra, driver.active.get_current_device(), knobs.runtime.debug]
     first: dict = {}
     for i, t in enumerate(tensors):
         ptr = t.data_ptr()
         key += (t.shape, t.stride(), t.dtype, ptr & 15, first.setdefault((ptr, t.dtype), i))
+    if fresh:
+        bits = 0
+        for t in fresh:
+            bits |= t.data_ptr()
+        key.append(bits & 15)
     return tuple(key)
 
 
@@ -530,8 +544,9 @@ class Plan:
 
     def __call__(self, tensors: tuple) -> None:
         ts = (*tensors, *self.allocate())
+        stream = current_stream()                  # one lookup for the plan's launches
         for replay, order in self.steps:
-            replay(replay.grid, [ts[i] for i in order])
+            replay(replay.grid, [ts[i] for i in order], stream)
 
     def checking(self, tensors: tuple, buffers: tuple):
         """A ``launch(index, kernel, grid, arguments, keyword arguments)`` for a call building its

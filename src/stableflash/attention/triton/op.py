@@ -369,8 +369,7 @@ def _empty_like_layout(t: torch.Tensor) -> torch.Tensor:
     so that torch.compile sees the strides the kernels produce."""
     t = _last_dim_contiguous(t)
     if _has_data(t):                           # a real tensor's sizes are ints: its strides, made once
-        return torch.empty_strided(t.shape, _layout_strides(tuple(t.shape), t.stride()), dtype=t.dtype,
-                                   device=t.device)
+        return torch.empty_strided(t.shape, _layout_strides(t.shape, t.stride()), dtype=t.dtype, device=t.device)
     order = sorted(range(t.dim()), key=lambda i: -t.stride(i))
     return torch.empty_permuted(t.shape, order, dtype=t.dtype, device=t.device)
 
@@ -507,7 +506,8 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sc
     # a plan: not for a seed drawn per call (dropout, stochastic rounding), nor in a traced body
     if launch_cache.PLANS and launch_cache.ENABLED and not masks.any and not config.stochastic \
             and _INLINE.get() is None and not _INTERPRETING:
-        key = launch_cache.plan_key(tensors, causal, scale, config, hopper_route.settings(), AUTOTUNE, TMA, PERSISTENT)
+        key = launch_cache.plan_key(tensors[:3], causal, scale, config, hopper_route.settings(), AUTOTUNE, TMA,
+                                    PERSISTENT, fresh=tensors[3:])
         plan = _forward_plans.get(key)
         if plan is not None and not plan.current:
             plan = None
@@ -741,7 +741,9 @@ def _backward_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
             and not _INTERPRETING and not torch.are_deterministic_algorithms_enabled():
         from stableflash.attention.gluon import launch_backward
         kept = (do, q, k, v, o, residual if residual.numel() else o, lse, dq, dk, dv)
-        key = launch_cache.plan_key(kept, causal, scale, config, hopper_route.settings())
+        # dQ, dK, dV: allocated here, as q and k (``_empty_like_layout``) or as views of one packed gradient
+        key = launch_cache.plan_key(kept[:7], causal, scale, config, hopper_route.settings(), packed is None,
+                                    fresh=kept[7:])
         if launch_backward.replay(key, kept):
             return dq, dk, dv
     if _INLINE.get() is None and hopper_route.why_not_backward(do, q, k, v, config, masks, interpreting()) is None:
@@ -886,18 +888,23 @@ attn_fwd_inline.register_autograd(_backward_of(attn_bwd_inline), setup_context=_
 
 def unpack_qkv(qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q, k, v as (B, H, N, d) views of a packed (B, N, 3, H, d) tensor, a fused QKV projection's output."""
-    q, k, v = qkv.unbind(2)
-    return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    return qkv.permute(2, 0, 3, 1, 4).unbind(0)      # two view operations instead of four
 
 
 def _into_packed_grad(backward, do: torch.Tensor, qkv: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     """``backward(do, q, k, v, *args, **kwargs)`` on ``unpack_qkv``'s views of ``qkv``, its kernels
     writing dQ, dK and dV into one new gradient of qkv, laid out as qkv contiguous (``_GRADS``),
     which is returned."""
-    dqkv = torch.empty(qkv.shape, dtype=qkv.dtype, device=qkv.device)
+    return _packed_grad(backward, do, unpack_qkv(qkv), *args, **kwargs)
+
+
+def _packed_grad(backward, do: torch.Tensor, views: tuple, *args, **kwargs) -> torch.Tensor:
+    """``_into_packed_grad`` given the views (q, k, v) of the packed tensor rather than the tensor."""
+    B, H, N, d = views[0].shape
+    dqkv = torch.empty((B, N, 3, H, d), dtype=views[0].dtype, device=views[0].device)
     token = _GRADS.set(dqkv)
     try:
-        backward(do, *unpack_qkv(qkv), *args, **kwargs)
+        backward(do, *views, *args, **kwargs)
     finally:
         _GRADS.reset(token)
     return dqkv
@@ -1018,16 +1025,17 @@ class _EagerPackedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, qkv, causal, scale, config, masks):
         seed = draw_seed() if masks.dropout_p > 0 else 0
-        o, lse, o32 = _forward(*unpack_qkv(qkv), causal, scale, config, masks, seed)
-        ctx.save_for_backward(qkv, lse, *_for_delta(o, o32, config))
+        views = unpack_qkv(qkv)
+        o, lse, o32 = _forward(*views, causal, scale, config, masks, seed)
+        ctx.save_for_backward(*views, lse, *_for_delta(o, o32, config))    # the views: not made again
         ctx.args = (causal, scale, config, masks, seed)
         ctx.mark_non_differentiable(lse)
         return o, lse
 
     @staticmethod
     def backward(ctx, do, _dlse):
-        qkv, lse, o, residual = ctx.saved_tensors
-        return _into_packed_grad(_backward_impl, do, qkv, o, residual, lse, *ctx.args), None, None, None, None
+        q, k, v, lse, o, residual = ctx.saved_tensors
+        return _packed_grad(_backward_impl, do, (q, k, v), o, residual, lse, *ctx.args), None, None, None, None
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
