@@ -143,3 +143,41 @@ def test_verify_catches_a_kept_call_that_differs(gen, monkeypatch):
     api._CALLS[key] = call._replace(backend="reference")
     with pytest.raises(AssertionError, match="a kept Call differs"):
         sf.flash_attention(q, k, v, backend="emulated")
+
+
+def test_the_entries_warnings_point_at_the_callers_line(gen, monkeypatch):
+    """backend="auto" falling back to the emulation warns once per reason, at the line that called the
+    entry (the decision's helpers in between are the library's)."""
+    q, k, v = qkv(gen, 1, 2, 20, 16)
+    packed = torch.stack([t.transpose(1, 2) for t in (q, k, v)], dim=2)
+    cu = torch.tensor([0, 20], dtype=torch.int32)
+    calls = [lambda: sf.flash_attention(q, k, v, stabilize="tie-shift"),
+             lambda: flash_style.flash_attn_func(*(t.transpose(1, 2) for t in (q, k, v)), stabilize="tie-shift"),
+             lambda: flash_style.flash_attn_qkvpacked_func(packed, stabilize="tie-shift"),
+             lambda: flash_style.flash_attn_varlen_func(*(t[0].transpose(0, 1) for t in (q, k, v)), cu, cu, 20, 20,
+                                                        stabilize="tie-shift")]
+    for call in calls:
+        monkeypatch.setattr(api, "_warned", set())
+        with pytest.warns(UserWarning, match="chose 'emulated'") as caught:
+            call()
+        assert [w.filename for w in caught] == [__file__]
+
+
+def test_the_paper_rules_warning_points_at_the_callers_line_from_each_entry(monkeypatch):
+    """Rows tied at 120 under the paper's rule with β = 2 underflow to NaN; the warning that says so
+    names the line that called the entry, from the FlashAttention-style and varlen entries too."""
+    import warnings
+    from tests.attention.test_api import tied_at
+    q, k, v = tied_at(120.0)
+    bnhd = [t.transpose(1, 2) for t in (q, k, v)]
+    cu = torch.tensor([0, q.shape[2]], dtype=torch.int32)
+    n = q.shape[2]
+    calls = [lambda: flash_style.flash_attn_func(*bnhd, softmax_scale=1.0, stabilize="paper", backend="emulated"),
+             lambda: flash_style.flash_attn_varlen_func(*(t[0] for t in bnhd), cu, cu, n, n, softmax_scale=1.0,
+                                                        stabilize="paper", backend="emulated")]
+    for call in calls:
+        monkeypatch.setattr(api, "_paper_watch", api._NonFiniteWatch())
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert torch.isnan(call()).all()
+        assert [(w.category, w.filename) for w in caught] == [(RuntimeWarning, __file__)]

@@ -164,16 +164,18 @@ class _NonFiniteWatch:
         self.pending: collections.deque = collections.deque()
         self._exit_hook = False
 
-    def observe(self, o: torch.Tensor, inputs: tuple[torch.Tensor, ...]) -> None:
+    def observe(self, o: torch.Tensor, inputs: tuple[torch.Tensor, ...], stacklevel: int = 5) -> None:
+        """``stacklevel``: the warning's as ``_warn`` takes it from here (5: the caller of
+        ``flash_attention``, which reaches this through ``Call.run``)."""
         if self.warned or torch.compiler.is_compiling():
             return
         if o.device.type != "cuda":
             if not bool(torch.isfinite(o).all()) and all(bool(torch.isfinite(t).all()) for t in inputs):
-                self._warn(stacklevel=5)       # the caller of flash_attention (or flash_attn_func)
+                self._warn(stacklevel=stacklevel)
             return
         if torch.cuda.is_current_stream_capturing():
             return
-        self.poll(stacklevel=5)
+        self.poll(stacklevel=stacklevel)
         if self.warned or len(self.pending) >= self.MAX_PENDING:
             return
         host = torch.empty((), dtype=torch.bool, pin_memory=True)
@@ -235,7 +237,7 @@ def _triton_reason(q: torch.Tensor, k: torch.Tensor, policy: PrecisionPolicy, ma
 def _pick_auto(q: torch.Tensor, k: torch.Tensor, rule: ShiftRule, policy, resolved: PrecisionPolicy,
                softcap: float | None = None, delta_changed: bool = False, masking: Masking = Masking(),
                attn_mask: torch.Tensor | None = None, varlen: bool = False, dropout_p: float = 0.0,
-               return_lse: bool = False) -> str:
+               return_lse: bool = False, depth: int = 1) -> str:
     """"sdpa" where nothing needs stabilizing and SDPA can express the call, else "triton" where
     the kernels take it, else "emulated" (with a warning, once per reason)."""
     stabilizing = rule.stabilized or delta_changed or policy is not None or softcap is not None
@@ -263,7 +265,7 @@ def _pick_auto(q: torch.Tensor, k: torch.Tensor, rule: ShiftRule, policy, resolv
         hint = "; pass stabilize='none' to use torch SDPA" if stabilizing and not varlen and not return_lse else ""
         warnings.warn(f"backend='auto' chose 'emulated' (the PyTorch tiled emulation, correct but slow) "
                       f"because {reason} and the fused Triton kernel cannot run here ({why_not}){hint}",
-                      stacklevel=4)
+                      stacklevel=3 + depth)
     return "emulated"
 
 
@@ -421,8 +423,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, masking: Maskin
     gradient for it; the other backends reach it through the views."""
     call = decide(q, k, v, masking=masking, scale=scale, stabilize=stabilize, beta=beta, eps=eps, backend=backend,
                   policy=policy, block_q=block_q, block_k=block_k, softcap=softcap, attn_mask=attn_mask,
-                  dropout_p=dropout_p, return_lse=return_lse, varlen=varlen is not None)
-    return call.run(q, k, v, attn_mask, varlen, packed)
+                  dropout_p=dropout_p, return_lse=return_lse, varlen=varlen is not None, depth=2)
+    return call.run(q, k, v, attn_mask, varlen, packed, depth=2)
 
 
 class Call(NamedTuple):
@@ -446,9 +448,10 @@ class Call(NamedTuple):
 
     def run(self, q: torch.Tensor | None, k: torch.Tensor | None, v: torch.Tensor | None,
             attn_mask: torch.Tensor | None = None, varlen: tuple | None = None,
-            packed: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+            packed: torch.Tensor | None = None, depth: int = 1) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The call on these tensors (checked by ``decide`` for this signature). q, k, v may be None
-        where ``packed`` is given: its views are made where a backend reads them."""
+        where ``packed`` is given: its views are made where a backend reads them. ``depth``: the
+        library's frames above this one up to the user's call (warnings point at the user's line)."""
         if self.picked and not torch.compiler.is_compiling():
             log.info("flash_attention: backend='auto' picked %r", self.backend)
         if self.kernels is not None and attn_mask is None and varlen is None:
@@ -463,7 +466,7 @@ class Call(NamedTuple):
         if self.rule.kind == "paper":
             if q is None:
                 q, k, v = _views(packed)
-            _paper_watch.observe(o, (q, k, v))
+            _paper_watch.observe(o, (q, k, v), stacklevel=4 + depth)
         return (o, lse) if self.return_lse else o
 
 
@@ -475,9 +478,10 @@ def _views(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
 
 def decide(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, masking: Masking, scale, stabilize, beta, eps,
            backend: str, policy, block_q, block_k, softcap, attn_mask: torch.Tensor | None, dropout_p,
-           return_lse, varlen: bool = False) -> Call:
+           return_lse, varlen: bool = False, depth: int = 1) -> Call:
     """The ``Call`` of ``attend``'s arguments (``varlen``: whether packed sequences are given),
-    every option checked; TypeError or ValueError naming the argument otherwise."""
+    every option checked; TypeError or ValueError naming the argument otherwise. ``depth``: the
+    library's frames above this one up to the user's call (warnings point at the user's line)."""
     scale, block_q, block_k = _check_options(masking.causal, scale, block_q, block_k)
     softcap = check_softcap(softcap)
     dropout_p = check_dropout(dropout_p)
@@ -494,7 +498,7 @@ def decide(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, masking: Maskin
     if picked:
         # "triton" only where the kernels' input checks pass (``_triton_reason``)
         backend = _pick_auto(q, k, rule, policy, resolved, softcap, delta_changed, masking, attn_mask,
-                             varlen, dropout_p, return_lse)
+                             varlen, dropout_p, return_lse, depth)
         if backend == "triton" and block_k != DEFAULT_BLOCK_K:
             backend = "emulated"                   # the emulation takes any key block
     if policy is not None and backend in ("reference", "sdpa"):

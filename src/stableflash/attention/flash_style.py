@@ -91,7 +91,7 @@ def _decided(key: tuple | None, kept: api.Call | None, views: tuple, dropout_p, 
     masking = check_masking(causal, align, window_size, "window_size", unbounded=(-1,))
     return keep(key, decide(*views, masking=masking, scale=softmax_scale, stabilize=stabilize, beta=beta, eps=eps,
                             backend=backend, policy=policy, block_q=None, block_k=64, softcap=_softcap(softcap),
-                            attn_mask=None, dropout_p=dropout_p, return_lse=return_lse), kept)
+                            attn_mask=None, dropout_p=dropout_p, return_lse=return_lse, depth=2), kept)
 
 
 def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
