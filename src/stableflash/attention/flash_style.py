@@ -12,9 +12,9 @@ import numbers
 
 import torch
 
-from stableflash.attention.api import (FLOAT_DTYPES, _check_tensors, _positive_real, check_masking, attend, decide, keep,
-                                      remembered, signature)
 from stableflash.attention import api
+from stableflash.attention.api import (FLOAT_DTYPES, _check_tensors, _positive_real, attend, check_masking, decide, keep,
+                                      remembered, signature)
 from stableflash.attention.masking import Alignment
 from stableflash.attention.policy import PrecisionPolicy
 from stableflash.attention.stabilization import Stabilization
