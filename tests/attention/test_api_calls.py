@@ -181,3 +181,12 @@ def test_the_paper_rules_warning_points_at_the_callers_line_from_each_entry(monk
             warnings.simplefilter("always")
             assert torch.isnan(call()).all()
         assert [(w.category, w.filename) for w in caught] == [(RuntimeWarning, __file__)]
+
+
+def test_an_unhashable_option_is_decided_on_every_call(gen, decisions):
+    """A window given as a list (accepted, as a tuple is) cannot key a kept Call: each call is decided."""
+    q, k, v = qkv(gen, 1, 2, 20, 16)
+    outs = [sf.flash_attention(q, k, v, window=[3, None], backend="emulated") for _ in range(2)]
+    assert len(decisions) == 2 and not api._CALLS
+    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(outs[0], sf.flash_attention(q, k, v, window=(3, None), backend="emulated"))

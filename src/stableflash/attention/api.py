@@ -396,7 +396,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
         TypeError or ValueError naming the argument, the value given and what is accepted, for any
         input or option a backend cannot take.
     """
-    key = None
+    key = kept = None
     if attn_mask is None:                      # a signature seen before runs its kept Call unchecked
         key = signature((q, k, v), (causal, scale, stabilize, beta, eps, backend, policy, block_q, block_k, softcap,
                                     align, window, dropout_p, return_lse))
@@ -408,7 +408,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     attn_mask = check_attn_mask(attn_mask, q, k.shape[2])
     call = keep(key, decide(q, k, v, masking=masking, scale=scale, stabilize=stabilize, beta=beta, eps=eps,
                             backend=backend, policy=policy, block_q=block_q, block_k=block_k, softcap=softcap,
-                            attn_mask=attn_mask, dropout_p=dropout_p, return_lse=return_lse), remembered(key))
+                            attn_mask=attn_mask, dropout_p=dropout_p, return_lse=return_lse), kept)
     return call.run(q, k, v, attn_mask)
 
 
@@ -544,8 +544,8 @@ def signature(tensors: tuple, options: tuple) -> tuple | None:
     """The key of a call whose ``Call`` may be kept: each tensor's shape, dtype and device, the
     options and their types (a tuple's items typed too: True and 1, 1 and 1.0 compare equal); None
     where a Call is not kept — a tensor that is not a plain ``torch.Tensor`` (a subclass, a traced
-    value), an unhashable option, or while torch.compile traces (the checks are traced into the
-    graph instead)."""
+    value), or while torch.compile traces (the checks are traced into the graph instead). A key with an
+    unhashable option is never found nor kept (``remembered``, ``keep``)."""
     if torch.compiler.is_compiling():
         return None
     key = []
@@ -557,17 +557,17 @@ def signature(tensors: tuple, options: tuple) -> tuple | None:
     key += (options, types)
     if tuple in types:                         # a plain tuple (a window's sides): its items typed too
         key.append(tuple(_typed(x) for x in options if x.__class__ is tuple))
-    key = tuple(key)
-    try:
-        hash(key)
-    except TypeError:
-        return None
-    return key
+    return tuple(key)
 
 
 def remembered(key: tuple | None) -> Call | None:
-    """The Call kept for ``signature`` key, or None."""
-    return None if key is None else _CALLS.get(key)
+    """The Call kept for ``signature`` key, or None (also for a key that cannot be hashed)."""
+    if key is None:
+        return None
+    try:
+        return _CALLS.get(key)
+    except TypeError:                          # an unhashable option
+        return None
 
 
 # on: a call whose Call was kept is checked and decided again, and the two must be equal (the tests
@@ -576,14 +576,19 @@ VERIFY = False
 
 
 def keep(key: tuple | None, call: Call, kept: Call | None = None) -> Call:
-    """``call``, kept for ``key`` (nothing kept for None; the store emptied first when it holds
-    MAX_CALLS). ``kept``: what ``remembered`` gave for the key under ``VERIFY``, which must equal it."""
+    """``call``, kept for ``key`` (nothing kept for None or an unhashable key; the store emptied first
+    when it holds MAX_CALLS). ``kept``: what ``remembered`` gave for the key under ``VERIFY``, which must equal it."""
     if kept is not None:
         assert kept == call, f"a kept Call differs from its signature's decision: {kept} against {call}"
-    if key is not None:
-        if len(_CALLS) >= MAX_CALLS:
-            _CALLS.clear()
-        _CALLS[key] = call
+    if key is None:
+        return call
+    try:
+        hash(key)
+    except TypeError:                          # an unhashable option: nothing kept
+        return call
+    if len(_CALLS) >= MAX_CALLS:
+        _CALLS.clear()
+    _CALLS[key] = call
     return call
 
 

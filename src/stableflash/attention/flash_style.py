@@ -150,9 +150,8 @@ def flash_attn_qkvpacked_func(qkv: torch.Tensor, dropout_p: float = 0.0, softmax
         _check_layout({"qkv": qkv}, 5, "(batch, seq, 3, heads, head_dim)")
         if qkv.shape[2] != 3:
             raise ValueError(f"qkv must hold q, k and v along dimension 2, of size 3; got shape {tuple(qkv.shape)}")
-        qt, kt, vt = (t.transpose(1, 2) for t in qkv.unbind(2))
-        call = _decided(key, call, (qt, kt, vt), dropout_p, softmax_scale, causal, window_size, softcap, return_lse,
-                        align, stabilize, beta, eps, backend, policy)
+        call = _decided(key, call, api._views(qkv), dropout_p, softmax_scale, causal, window_size, softcap,
+                        return_lse, align, stabilize, beta, eps, backend, policy)
     res = call.run(None, None, None, packed=qkv)       # q, k, v: qkv's views, made where a backend reads them
     if return_lse:
         return res[0].transpose(1, 2), res[1]

@@ -166,14 +166,18 @@ def sass_summary(kernel) -> dict:
 def release(summary: dict) -> tuple[int, int]:
     """(major, minor) of the triton release that compiled a ``check`` or ``check_backward`` row (its
     "triton" entry): what the SASS bounds, which differ between releases, are chosen by."""
-    major, minor = summary["triton"].split(".")[:2]
-    return int(major), int(minor)
+    return _major_minor(summary["triton"])
 
 
 def assembled_by(summary: dict) -> tuple[int, int]:
     """(major, minor) CUDA release of the ``ptxas`` that assembled a ``check`` or ``check_backward`` row (its
     "ptxas" entry, ``triton.assembler``): with the triton release, what the SASS bounds are chosen by."""
-    major, minor = summary["ptxas"].split(".")[:2]
+    return _major_minor(summary["ptxas"])
+
+
+def _major_minor(version: str) -> tuple[int, int]:
+    """(major, minor) of a version "3.9.0+git1a2b" or "12.9"."""
+    major, minor = version.split(".")[:2]
     return int(major), int(minor)
 
 
