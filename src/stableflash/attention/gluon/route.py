@@ -53,11 +53,11 @@ from stableflash.attention.gluon.support import device_capability, unavailable_r
 # the other setting: switch it with a fresh cache (TORCHINDUCTOR_CACHE_DIR) when compiling
 ENABLED = True
 # the head dims routed here, from this many keys (per head_dim and causal) on: where the Gluon forward is
-# faster than the Triton forward. At head_dim 64, causal, 1024 keys it is faster in the kernel only at
-# large batches, and a GPT-2 small training step at a small batch is slower with it (under torch.compile
-# it runs as an opaque op, where the Triton forward is traced into the graph): docs/kernels.md
+# faster than the Triton forward, at 1024 keys causal through the forward and backward and on the GPT-2
+# small training step too (docs/kernels.md, "Hopper path"); shorter causal sequences at head_dim 64 run
+# faster on the Triton forward's several programs per SM
 HEAD_DIMS = (64, 128)
-FORWARD_MIN_KEYS = {(64, True): 2048, (64, False): 1024, (128, True): 0, (128, False): 0}
+FORWARD_MIN_KEYS = {(64, True): 1024, (64, False): 1024, (128, True): 0, (128, False): 0}
 # the backward's: where the Gluon backward adding dQ up by TMA reduce-adds is faster than the Triton
 # backward, from this many keys on (docs/kernels.md, "Hopper path"); in deterministic mode the two
 # Gluon kernels', per head_dim they run at
