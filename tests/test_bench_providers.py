@@ -207,15 +207,18 @@ def test_each_timing_times_the_call_it_names(monkeypatch, timing, bench, mode):
 def test_graph_timing_measures_the_gpus_time_on_the_gpu():
     """On the GPU: the CUDA-graph timing of our kernel and of SDPA flash at a small shape, where the
     host's launch time is a large part of a Python-launched call, is positive and not above the
-    Python-launched timing by more than noise."""
+    Python-launched timing by more than noise. Other work on the same GPU (the suite's other workers)
+    can only lengthen a timing, so each kind's fastest of three interleaved timings is compared."""
     from stableflash.bench.attention import BenchConfig, time_one
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     shape = (2, 4, 256, 64)
     for name in ("stableflash-none", "sdpa-flash"):
-        ms = {t: time_one(name, shape, "fwd+bwd", BenchConfig(shapes=(shape,), providers=(name,), timing=t),
-                          torch.bfloat16, torch.device("cuda"), gen) for t in ("events", "graph")}
-        assert 0 < ms["graph"] <= 1.2 * ms["events"], (name, ms)
+        runs = [{t: time_one(name, shape, "fwd+bwd", BenchConfig(shapes=(shape,), providers=(name,), timing=t),
+                             torch.bfloat16, torch.device("cuda"), gen) for t in ("events", "graph")}
+                for _ in range(3)]
+        ms = {t: min(r[t] for r in runs) for t in ("events", "graph")}
+        assert 0 < ms["graph"] <= 1.2 * ms["events"], (name, runs)
 
 
 def test_sdpa_default_is_torchs_own_choice_and_a_peer():

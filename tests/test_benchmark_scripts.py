@@ -238,19 +238,21 @@ def test_the_compile_tools_give_the_forward_every_switch_it_takes():
 
 
 def test_gluon_backward_check_takes_tiles_by_name_and_names_what_it_accepts(capsys):
-    """--tiles BLOCK_NxBLOCK_MxSTAGES[a] or .../DQ_BLOCK_MxDQ_BLOCK_NxDQ_STAGES, then [rNNN], becomes
-    the backward's BackwardTiles (checked by BackwardTiles.check); a bad value stops the command line
-    with an error naming --tiles, the value and the accepted form."""
+    """--tiles BLOCK_NxBLOCK_MxSTAGES[a|as] or .../DQ_BLOCK_MxDQ_BLOCK_NxDQ_STAGES, then [rNNN], becomes
+    the backward's BackwardTiles (checked by BackwardTiles.check; "as": atomic dQ with skip_hidden); a bad
+    value stops the command line with an error naming --tiles, the value and the accepted form."""
     pytest.importorskip("triton.experimental.gluon")
     gbc = load("tools/gluon_backward_check")
     from stableflash.attention.gluon.hopper_backward import BackwardTiles, atomic_backward_tiles
-    assert gbc.parse_tiles("128x64x3a") == atomic_backward_tiles(128)
+    assert gbc.parse_tiles("128x64x3as") == atomic_backward_tiles(128)
+    assert gbc.parse_tiles("128x64x3a") == atomic_backward_tiles(128)._replace(skip_hidden=False)
+    assert gbc.parse_tiles("128x64x3asr128").skip_hidden
     assert gbc.parse_tiles("128x128x2a") == atomic_backward_tiles(64)
     assert gbc.parse_tiles("64x64x3ar128") == BackwardTiles(64, 64, 3, 128, 128, 2, atomic_dq=True, max_registers=128)
     assert gbc.parse_tiles("128x64x2/128x64x2") == BackwardTiles(128, 64, 2, 128, 64, 2)
     for bad, said in (("128x64", "BLOCK_NxBLOCK_MxSTAGES"), ("96x64x3a", "block_n and dq_block_m 64 or 128"),
                       ("128x64x3ar", "BLOCK_NxBLOCK_MxSTAGES"), ("128x64x3a/128x64x2", "BLOCK_NxBLOCK_MxSTAGES"),
-                      ("128x64x3ar300", "max_registers None or an int")):
+                      ("128x64x3ar300", "max_registers None or an int"), ("128x64x3s", "BLOCK_NxBLOCK_MxSTAGES")):
         err = refused(gbc.main, ["--tiles", bad], capsys)
         assert f"--tiles '{bad}'" in err and said in err, err
 

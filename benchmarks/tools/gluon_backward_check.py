@@ -44,22 +44,25 @@ VARIANTS = {64: [(128, 64, 2, 128, 64, 2), (128, 64, 3, 128, 128, 2), (128, 128,
                   (64, 32, 3, 128, 128, 2, True, 128)]}
 
 
-TILES_FORM = ("BLOCK_NxBLOCK_MxSTAGES with a for atomic dQ (its dQ fields unused) or "
-              "BLOCK_NxBLOCK_MxSTAGES/DQ_BLOCK_MxDQ_BLOCK_NxDQ_STAGES, then rNNN for a register cap, "
-              "e.g. 128x64x3a or 128x64x2/128x64x2")
+TILES_FORM = ("BLOCK_NxBLOCK_MxSTAGES with a for atomic dQ (its dQ fields unused; as for atomic dQ with "
+              "skip_hidden) or BLOCK_NxBLOCK_MxSTAGES/DQ_BLOCK_MxDQ_BLOCK_NxDQ_STAGES, then rNNN for a register cap, "
+              "e.g. 128x64x3a, 128x64x3as or 128x64x2/128x64x2")
 
 
 def parse_tiles(text: str):
     """One --tiles value (``TILES_FORM``) as ``BackwardTiles``; ValueError naming what is accepted."""
     from stableflash.attention.gluon.hopper_backward import BackwardTiles
     body, sep, cap = text.partition("r")
+    skip = body.endswith("as")
+    body = body[:-1] if skip else body
     atomic = body.endswith("a")
     parts = [p.split("x") for p in body.rstrip("a").split("/")]
     dq = parts[1] if len(parts) == 2 and not atomic else ["128", "128", "2"] if len(parts) == 1 else []
     fields = parts[0] + dq
     if len(fields) != 6 or not all(f.isdigit() for f in fields) or (sep and not cap.isdigit()):
         raise ValueError(f"expected {TILES_FORM}")
-    tiles = BackwardTiles(*(int(f) for f in fields), atomic_dq=atomic, max_registers=int(cap) if cap else None)
+    tiles = BackwardTiles(*(int(f) for f in fields), atomic_dq=atomic, max_registers=int(cap) if cap else None,
+                          skip_hidden=skip)
     tiles.check()
     return tiles
 
@@ -158,7 +161,8 @@ def _providers(d: int, causal: bool, variants: bool, extra: list = ()):
     out = {"gluon": gluon(tiles[0])}
     for t in tiles[1:]:
         cap = f" r{t.max_registers}" if t.max_registers else ""
-        name = (f"gluon {t.block_n}×{t.block_m}×{t.stages}{cap} atomic dQ" if t.atomic_dq else
+        skip = " skip-hidden" if t.skip_hidden else ""
+        name = (f"gluon {t.block_n}×{t.block_m}×{t.stages}{cap} atomic dQ{skip}" if t.atomic_dq else
                 f"gluon {t.block_n}×{t.block_m}×{t.stages}/{t.dq_block_m}×{t.dq_block_n}×{t.dq_stages}")
         out[name] = gluon(t)
     out.update({"triton-stabilized": triton_setup, "sdpa-cudnn": sdpa(SDPBackend.CUDNN_ATTENTION),

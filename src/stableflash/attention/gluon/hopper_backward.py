@@ -125,7 +125,11 @@ class BackwardTiles(NamedTuple):
     reduce-adds into an fp32 buffer, 5 products instead of 7; the dq_* fields unused).
     ``max_registers``: a cap on the registers per thread at launch (triton's ``maxnreg``; None: the
     compiler's choice), so that more programs share an SM: a program of one consumer warpgroup is
-    launched as 256 threads (its producer warp's warpgroup), two of them fit at 128."""
+    launched as 256 threads (its producer warp's warpgroup), two of them fit at 128.
+    ``skip_hidden``: with the dQ shares split by columns (``split_dq`` at head_dim 128), under a causal
+    mask the consumer warpgroup whose 64 keys all come after a query block's rows runs none of that
+    block's products but its part of the dQ share (``_dkdv_hidden_step``); dK and dV are the same bit
+    for bit, since the products it leaves out add zeros."""
     block_n: int
     block_m: int
     stages: int
@@ -134,12 +138,15 @@ class BackwardTiles(NamedTuple):
     dq_stages: int
     atomic_dq: bool = False
     max_registers: int | None = None
+    skip_hidden: bool = False
 
     def dkdv_constexprs(self, head_dim: int, causal: bool) -> dict:
         """The dK/dV kernel's compile-time arguments: what the launcher passes and the sm_90a compile
-        check compiles (SPLIT_DQ: ``split_dq``)."""
+        check compiles (SPLIT_DQ: ``split_dq``; SKIP_HIDDEN: ``skip_hidden`` where it applies, causal with
+        the shares split at head_dim 128)."""
         return {"HEAD_DIM": head_dim, "BLOCK_M": self.block_m, "BLOCK_N": self.block_n, "STAGES": self.stages,
-                "CAUSAL": causal, "SPLIT_DQ": self.split_dq(head_dim)}
+                "CAUSAL": causal, "SPLIT_DQ": self.split_dq(head_dim),
+                "SKIP_HIDDEN": self.skip_hidden and causal and head_dim == 128 and self.split_dq(head_dim)}
 
     def dq_constexprs(self, head_dim: int, causal: bool) -> dict:
         """The dQ kernel's compile-time arguments."""
@@ -229,11 +236,12 @@ def atomic_backward_tiles(head_dim: int) -> BackwardTiles:
     slots (226 KiB of shared memory; two slots: 3–5% slower at 1024–8192 tokens, causal), each block's dQ
     share split by columns (``_dkdv_split_step``; 32-row blocks with the share transposed were slower
     than the two kernels, and the share taken one block behind 12–14% slower under a causal mask,
-    docs/kernels.md)."""
+    docs/kernels.md), and under a causal mask the second consumer's first diagonal block, which its
+    keys all follow, skipped (``skip_hidden``: the backward 1–11% faster at 8192–1024 tokens)."""
     if head_dim == 64:
         return BackwardTiles(128, 128, 2, 128, 128, 2, atomic_dq=True)
     if head_dim == 128:
-        return BackwardTiles(128, 64, 3, 128, 128, 2, atomic_dq=True)
+        return BackwardTiles(128, 64, 3, 128, 128, 2, atomic_dq=True, skip_hidden=True)
     raise ValueError(f"head_dim {head_dim} is invalid for the backward with atomic dQ; accepted: 64 or 128")
 
 
@@ -454,6 +462,30 @@ def _dkdv_split_step(k, v, k_all, q_smem, do_smem, lse_smem, delta_smem, q_ready
 
 
 @gluon.jit
+def _dkdv_hidden_step(k_all, free, t, start_m, ds_all, ds_bar, dq_buf, zero_q, dq_desc, b, h, W: gl.constexpr,
+                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, mma_t: gl.constexpr):
+    """``_dkdv_split_step`` for consumer W = 1 and a block whose query rows all come before its 64 keys
+    (under a causal mask: the first of its two diagonal blocks). Pᵀ and dSᵀ would be zero and the dK, dV
+    products would add zeros, so none of them runs and the block's Q and dO are not read: zeros go
+    into this consumer's half of the dS̄ᵀ slot, the slot is released, and its part of the block's dQ
+    share is the other consumer's keys' product alone (the same sum: the half left out is zeros)."""
+    ds_slot = t % 2
+    ds_all.index(2 * ds_slot + W).store(gl.zeros([64, BLOCK_M], gl.bfloat16, layout=mma_t))
+    fence_async_shared()
+    cta_barrier()                                           # the whole warpgroup's half written
+    mbarrier.arrive(ds_bar.index(ds_slot), count=1)
+    mbarrier.arrive(free.index(t % STAGES), count=1)        # nothing of the slot is read
+    mbarrier.wait(ds_bar.index(ds_slot), (t // 2) & 1)      # the other consumer's half
+    seen = ds_all.index(2 * ds_slot + 1 - W).permute((1, 0))
+    k_seen = k_all.index(1 - W).reshape([64, HEAD_DIM]).slice(W * 64, 64, dim=1)
+    dq = warpgroup_mma_wait(0, deps=[warpgroup_mma(seen, k_seen, zero_q, use_acc=False, is_async=True)])
+    _stage_dq_share(dq, dq_buf, 0)
+    fence_async_shared()
+    cta_barrier()
+    _add_split_share(dq_desc, dq_buf, b, h, start_m, W, HEAD_DIM)
+
+
+@gluon.jit
 def _dkdv_pipelined_step(k, v, q_smem, do_smem, lse_smem, delta_smem, q_ready, do_ready, free, dk, dv, zero_t, t,
                          start_n, start_m, n_q, qk_scale, dq_desc, ds_smem, dq_smem, dq_slot0, zero_q, b, h,
                          prev_h, prev_m, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
@@ -545,7 +577,7 @@ def _dkdv_consumer(dk_desc, dv_desc, dq_desc, lse_smem, delta_smem, k_all, v_all
                    dq_smem, W: gl.constexpr, kv_bar, q_ready, do_ready, free, b, hk, start_n, group, n_q,
                    m_lo, diag_end, full_end, per_head, qk_scale, scale, HEAD_DIM: gl.constexpr,
                    BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, ATOMIC_DQ: gl.constexpr,
-                   SPLIT: gl.constexpr):
+                   SPLIT: gl.constexpr, SKIP_HIDDEN: gl.constexpr = False):
     """Consumer warpgroup W: keys [start_n, start_n + 64) (its K and V tiles ``k_all.index(W)``,
     ``v_all.index(W)``). Per query head of the group: the masked diagonal blocks [m_lo, diag_end), the whole
     blocks [diag_end, full_end), the ragged tail [full_end, m_lo + per_head); then dK·scale and dV
@@ -553,7 +585,8 @@ def _dkdv_consumer(dk_desc, dv_desc, dq_desc, lse_smem, delta_smem, k_all, v_all
     consumers meet once more after their last block ("ds ready" of the block after it), before
     either overwrites its K tile, which the other's dQ products read; at head_dim 64, where the
     shares are one block behind, each first leaves zeros as the share before the first block and
-    adds the last block's share before that meeting."""
+    adds the last block's share before that meeting. SKIP_HIDDEN (head_dim 128, split shares, causal):
+    consumer 1's diagonal blocks whose rows all come before its keys take ``_dkdv_hidden_step``."""
     k_smem = k_all.index(W)
     v_smem = v_all.index(W)
     mma_t: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -591,7 +624,13 @@ def _dkdv_consumer(dk_desc, dv_desc, dq_desc, lse_smem, delta_smem, k_all, v_all
         base = g * per_head - m_lo                          # block m of head g is streamed block base + m
         h = hk * group + g
         if CAUSAL:
-            for m in range(m_lo, diag_end):
+            m_seen = m_lo
+            if SKIP_HIDDEN and W == 1:                      # blocks of rows that all precede this consumer's keys
+                m_seen = gl.minimum(gl.maximum(start_n // BLOCK_M, m_lo), diag_end)
+                for m in range(m_lo, m_seen):
+                    _dkdv_hidden_step(k_all, free, base + m, m * BLOCK_M, ds_smem, ds_bar, dq_smem.index(W), zero_q,
+                                      dq_desc, b, h, W, HEAD_DIM, BLOCK_M, STAGES, mma_t)
+            for m in range(m_seen, diag_end):
                 dk, dv, prev_h, prev_m = _dkdv_step(
                     k, v, k_all, q_smem, do_smem, lse_smem, delta_smem, q_ready, do_ready, free, dk, dv, zero_t,
                     base + m, start_n, m * BLOCK_M, n_q, qk_scale, dq_desc, ds_smem, ds_bar, dq_smem, W, zero_q,
@@ -638,7 +677,8 @@ def _dkdv_consumer(dk_desc, dv_desc, dq_desc, lse_smem, delta_smem, k_all, v_all
 def attn_bwd_dkdv_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc,
                                 n_q, n_k, n_heads, group, qk_scale, scale,
                                 HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                                STAGES: gl.constexpr, CAUSAL: gl.constexpr, SPLIT_DQ: gl.constexpr = False):
+                                STAGES: gl.constexpr, CAUSAL: gl.constexpr, SPLIT_DQ: gl.constexpr = False,
+                                SKIP_HIDDEN: gl.constexpr = False):
     """One program: dK and dV of keys [start_n, start_n + BLOCK_N) of one batch·kv-head, on a grid of
     (key blocks, B·H_kv) taken in ``_launch_order`` (with BLOCK_N 128, under a causal mask the first
     key blocks, which see the most queries, of four heads at a time start first). Descriptors: rank 4 over (B, H, N, d) — k, v, dk, dv with 64-row blocks (one
@@ -648,7 +688,7 @@ def attn_bwd_dkdv_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
     ``qk_scale``: scale·log2 e; ``scale``: the softmax scale (dK's factor). Launch with
     num_warps = 4: the first consumer warpgroup; the second (BLOCK_N = 128) and the producer warp
     are worker partitions. SPLIT_DQ: the fused kernel's (``BackwardTiles.dkdv_constexprs`` gives it
-    to both; without atomic dQ it is False), unused here."""
+    to both; without atomic dQ it is False) and SKIP_HIDDEN (False there), unused here."""
     _key_program(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dk_desc, lse_desc, delta_desc, n_q, n_k, n_heads,
                  group, qk_scale, scale, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, False, False)
 
@@ -657,7 +697,8 @@ def attn_bwd_dkdv_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
 def attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse_desc, delta_desc,
                            n_q, n_k, n_heads, group, qk_scale, scale,
                            HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                           STAGES: gl.constexpr, CAUSAL: gl.constexpr, SPLIT_DQ: gl.constexpr = False):
+                           STAGES: gl.constexpr, CAUSAL: gl.constexpr, SPLIT_DQ: gl.constexpr = False,
+                           SKIP_HIDDEN: gl.constexpr = False):
     """``attn_bwd_dkdv_hopper_kernel`` that also adds each block pair's share of dQ, dS̄·K unscaled, to
     an fp32 (B, H, N_q, d) buffer that starts at zero: ``dq_desc``, a rank-4 descriptor of fp32 blocks
     of ``BackwardTiles.dq_tile`` — (1, 1, BLOCK_M, d); with SPLIT_DQ (``BackwardTiles.split_dq``)
@@ -668,7 +709,7 @@ def attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq
     reduce-adds (one per consumer warpgroup and streamed block; the order of the additions is not
     fixed)."""
     _key_program(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse_desc, delta_desc, n_q, n_k, n_heads,
-                 group, qk_scale, scale, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, True, SPLIT_DQ)
+                 group, qk_scale, scale, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, True, SPLIT_DQ, SKIP_HIDDEN)
 
 
 @gluon.jit
@@ -693,10 +734,11 @@ def _launch_order(HEADS: gl.constexpr):
 def _key_program(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse_desc, delta_desc,
                  n_q, n_k, n_heads, group, qk_scale, scale,
                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                 STAGES: gl.constexpr, CAUSAL: gl.constexpr, ATOMIC_DQ: gl.constexpr, SPLIT: gl.constexpr):
+                 STAGES: gl.constexpr, CAUSAL: gl.constexpr, ATOMIC_DQ: gl.constexpr, SPLIT: gl.constexpr,
+                 SKIP_HIDDEN: gl.constexpr = False):
     """The program of both kernels above: shared memory, barriers, the partitions. SPLIT: dQ's shares
     split between the consumers (``BackwardTiles.split_dq``, with ATOMIC_DQ): by columns at head_dim
-    128, by rows at 64."""
+    128, by rows at 64. SKIP_HIDDEN: ``BackwardTiles.skip_hidden``."""
     CONSUMERS: gl.constexpr = BLOCK_N // 64
     # grouped at 128 keys a program (1.5% at head_dim 128 causal); the grid's order at 64 keys, where the
     # grouping measured no faster and its arithmetic adds a spill under a 128-register cap
@@ -763,11 +805,11 @@ def _key_program(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse
             (_dkdv_consumer, (dk_desc, dv_desc, dq_desc, lse_smem, delta_smem, k_smem, v_smem, q_smem, do_smem,
                               ds_smem, ds_bar, dq_smem, 0, kv_bar, q_ready, do_ready, free, b, hk, start_n, group,
                               n_q, m_lo, diag_end, full_end, per_head, qk_scale, scale, HEAD_DIM, BLOCK_M,
-                              STAGES, CAUSAL, ATOMIC_DQ, SPLIT)),
+                              STAGES, CAUSAL, ATOMIC_DQ, SPLIT, SKIP_HIDDEN)),
             (_dkdv_consumer, (dk_desc, dv_desc, dq_desc, lse_smem, delta_smem, k_smem, v_smem, q_smem, do_smem,
                               ds_smem, ds_bar, dq_smem, 1, kv_bar, q_ready, do_ready, free, b, hk, start_n + 64, group,
                               n_q, m_lo, diag_end, full_end, per_head, qk_scale, scale, HEAD_DIM, BLOCK_M,
-                              STAGES, CAUSAL, ATOMIC_DQ, SPLIT)),
+                              STAGES, CAUSAL, ATOMIC_DQ, SPLIT, SKIP_HIDDEN)),
             (_qdo_producer, (q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem, q_ready,
                              do_ready, free, b, hk, group, m_lo, per_head, n_heads, BLOCK_M, HEAD_DIM, STAGES)),
         ], [4, 1], [240, 24])
@@ -776,7 +818,7 @@ def _key_program(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse
             (_dkdv_consumer, (dk_desc, dv_desc, dq_desc, lse_smem, delta_smem, k_smem, v_smem, q_smem, do_smem,
                               ds_smem, ds_bar, dq_smem, 0, kv_bar, q_ready, do_ready, free, b, hk, start_n, group,
                               n_q, m_lo, diag_end, full_end, per_head, qk_scale, scale, HEAD_DIM, BLOCK_M,
-                              STAGES, CAUSAL, ATOMIC_DQ, SPLIT)),
+                              STAGES, CAUSAL, ATOMIC_DQ, SPLIT, SKIP_HIDDEN)),
             (_qdo_producer, (q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem, q_ready,
                              do_ready, free, b, hk, group, m_lo, per_head, n_heads, BLOCK_M, HEAD_DIM, STAGES)),
         ], [1], [24])
