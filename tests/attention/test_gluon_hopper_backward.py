@@ -387,9 +387,9 @@ def test_backward_against_float64(case, d, causal, tied, fixed_triton_tiles):
     o, lse, r = sg.flash_forward_hopper(q, k, v, causal)
     from stableflash.attention.gluon.hopper_backward import atomic_backward_tiles
     atomic = [atomic_backward_tiles(d)]
-    if d == 128:                                        # narrower blocks; hidden blocks skipped or not
-        atomic += [atomic_backward_tiles(d)._replace(block_m=32, stages=3),
-                   atomic_backward_tiles(d)._replace(skip_hidden=not atomic_backward_tiles(d).skip_hidden)]
+    atomic += [atomic_backward_tiles(d)._replace(skip_hidden=not atomic_backward_tiles(d).skip_hidden)]
+    if d == 128:                                        # narrower blocks
+        atomic += [atomic_backward_tiles(d)._replace(block_m=32, stages=3)]
     runs = [sg.flash_backward_hopper(do, q, k, v, o, r, lse, causal)]
     runs += [sg.flash_backward_hopper(do, q, k, v, o, r, lse, causal, tiles=t) for t in atomic]
     triton_got = _triton_backward(do, q, k, v, o, r, lse, causal, scale)
@@ -407,17 +407,19 @@ def test_backward_against_float64(case, d, causal, tied, fixed_triton_tiles):
 @on_hopper
 @pytest.mark.parametrize("case", [(2, 4, 4, 509, 509), (1, 8, 2, 1024, 1024), (2, 3, 3, 130, 257), (1, 2, 2, 257, 130)],
                          ids=lambda c: "x".join(map(str, c)))
-def test_skipping_hidden_blocks_leaves_dk_and_dv_bit_for_bit(case):
-    """Head_dim 128, causal, the route's tiles with and without ``skip_hidden``: the consumer whose keys
-    all come after a block's rows runs none of its products, which would have added zeros, so dK and
-    dV are equal bit for bit (grouped-query heads, ragged lengths, more or fewer keys than queries);
-    dQ, added up by reduce-adds in no fixed order, agrees to within that order's rounding."""
+@pytest.mark.parametrize("d", [64, 128])
+def test_skipping_hidden_blocks_leaves_dk_and_dv_bit_for_bit(case, d):
+    """Causal, the route's tiles with and without ``skip_hidden``: the consumer whose keys all come
+    after a block's rows (head_dim 128) or its first half of rows (64) runs none of the products of
+    those rows, which would have added zeros, so dK and dV are equal bit for bit (grouped-query heads,
+    ragged lengths, more or fewer keys than queries); dQ, added up by reduce-adds in no fixed order,
+    agrees to within that order's rounding."""
     from stableflash.attention.gluon.hopper_backward import atomic_backward_tiles
     B, H, Hk, n_q, n_k = case
-    gen = torch.Generator(device="cuda").manual_seed(sum(case))
-    q, k, v, do = _inputs(B, H, Hk, n_q, n_k, 128, False, gen)
+    gen = torch.Generator(device="cuda").manual_seed(sum(case) + d)
+    q, k, v, do = _inputs(B, H, Hk, n_q, n_k, d, False, gen)
     o, lse, r = sg.flash_forward_hopper(q, k, v, True)
-    tiles = atomic_backward_tiles(128)
+    tiles = atomic_backward_tiles(d)
     skipped, kept = (sg.flash_backward_hopper(do, q, k, v, o, r, lse, True, tiles=tiles._replace(skip_hidden=s))
                      for s in (True, False))
     assert torch.equal(skipped[1], kept[1]) and torch.equal(skipped[2], kept[2])

@@ -146,7 +146,7 @@ class BackwardTiles(NamedTuple):
         the shares split at head_dim 128)."""
         return {"HEAD_DIM": head_dim, "BLOCK_M": self.block_m, "BLOCK_N": self.block_n, "STAGES": self.stages,
                 "CAUSAL": causal, "SPLIT_DQ": self.split_dq(head_dim),
-                "SKIP_HIDDEN": self.skip_hidden and causal and head_dim == 128 and self.split_dq(head_dim)}
+                "SKIP_HIDDEN": self.skip_hidden and causal and self.split_dq(head_dim)}
 
     def dq_constexprs(self, head_dim: int, causal: bool) -> dict:
         """The dQ kernel's compile-time arguments."""
@@ -239,7 +239,7 @@ def atomic_backward_tiles(head_dim: int) -> BackwardTiles:
     docs/kernels.md), and under a causal mask the second consumer's first diagonal block, which its
     keys all follow, skipped (``skip_hidden``: the backward 1–11% faster at 8192–1024 tokens)."""
     if head_dim == 64:
-        return BackwardTiles(128, 128, 2, 128, 128, 2, atomic_dq=True)
+        return BackwardTiles(128, 128, 2, 128, 128, 2, atomic_dq=True, skip_hidden=True)
     if head_dim == 128:
         return BackwardTiles(128, 64, 3, 128, 128, 2, atomic_dq=True, skip_hidden=True)
     raise ValueError(f"head_dim {head_dim} is invalid for the backward with atomic dQ; accepted: 64 or 128")
@@ -486,6 +486,57 @@ def _dkdv_hidden_step(k_all, free, t, start_m, ds_all, ds_bar, dq_buf, zero_q, d
 
 
 @gluon.jit
+def _dkdv_split_pipelined_half_step(k, v, k_all, q_smem, do_smem, lse_smem, delta_smem, q_ready, do_ready, free, dk,
+                                    dv, t, start_n, start_m, n_q, qk_scale, dq_desc, ds_all, ds_bar, dq_buf, zero_q,
+                                    b, prev_h, prev_m, W: gl.constexpr, HEAD_DIM: gl.constexpr,
+                                    BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                                    mma_d: gl.constexpr):
+    """``_dkdv_split_pipelined_step`` for a diagonal block whose first BLOCK_M/2 rows all come before this
+    consumer's keys (head_dim 64, consumer 1's first diagonal block): Sᵀ, dPᵀ, P̄ᵀ·dO and dS̄ᵀ·Q over the
+    block's last BLOCK_M/2 rows only — the first half's entries of Pᵀ and dSᵀ would be zero and add
+    nothing — and zeros for the first half's columns of this block's dS̄ᵀ; the previous block's share
+    as the full step takes it."""
+    HALF: gl.constexpr = BLOCK_M // 2
+    mma_h: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 16])
+    slot = t % STAGES
+    q = q_smem.index(slot).reshape([BLOCK_M, HEAD_DIM]).slice(HALF, HALF, dim=0)
+    do = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM]).slice(HALF, HALF, dim=0)
+    vec: gl.constexpr = lse_smem.shape[2]
+    lse_s = lse_smem.index(slot).reshape([vec]).slice(HALF, HALF)
+    delta_s = delta_smem.index(slot).reshape([vec]).slice(HALF, HALF)
+    cols = start_m + HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, mma_h))
+    zero_h = gl.zeros([64, HALF], gl.float32, layout=mma_h)
+    mbarrier.wait(q_ready.index(slot), (t // STAGES) & 1)
+    mbarrier.wait(do_ready.index(slot), (t // STAGES) & 1)
+    mbarrier.wait(ds_bar.index(t % 2), (t // 2) & 1)        # share t written by both consumers
+    s_tok = warpgroup_mma(k, q.permute((1, 0)), zero_h, use_acc=False, is_async=True)
+    dq_tok = _share_products(ds_all, k_all, t % 2, zero_q, W, HEAD_DIM)
+    lse2 = _column_values(lse_s, mma_h) * LOG2E
+    s = warpgroup_mma_wait(1, deps=[s_tok])                 # Sᵀ done; the share in flight
+    p = _probabilities_t(s, qk_scale, lse2, cols, n_q, start_n, CAUSAL, True, mma_h)
+    dq = warpgroup_mma_wait(0, deps=[dq_tok])
+    _stage_dq_share(dq, dq_buf, 0)
+    delta = _column_values(delta_s, mma_h)
+    p_bar = _a_operand(p, mma_d)
+    dv_tok = warpgroup_mma(p_bar, do, dv, is_async=True)
+    dp_tok = warpgroup_mma(v, do.permute((1, 0)), zero_h - delta[None, :], is_async=True)   # dPᵀ − δ
+    dp = warpgroup_mma_wait(0, deps=[dp_tok])               # P̄ᵀ·dO and dPᵀ done
+    ds = (p * dp).to(gl.bfloat16)
+    ds_bar_ = _a_operand(ds, mma_d)
+    dk_tok = warpgroup_mma(ds_bar_, q, dk, is_async=True)
+    nxt = ds_all.index(2 * ((t + 1) % 2) + W)
+    nxt.slice(0, HALF, dim=1).store(gl.zeros([64, HALF], gl.bfloat16, layout=mma_h))
+    nxt.slice(HALF, HALF, dim=1).store(ds)
+    fence_async_shared()
+    cta_barrier()                                           # this warpgroup's dS̄ᵀ and fp32 share written
+    mbarrier.arrive(ds_bar.index((t + 1) % 2), count=1)
+    _add_split_share(dq_desc, dq_buf, b, prev_h, prev_m, W, HEAD_DIM)
+    dv, dk, p_bar, ds_bar_ = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, p_bar, ds_bar_])
+    mbarrier.arrive(free.index(slot), count=1)
+    return dk, dv
+
+
+@gluon.jit
 def _dkdv_pipelined_step(k, v, q_smem, do_smem, lse_smem, delta_smem, q_ready, do_ready, free, dk, dv, zero_t, t,
                          start_n, start_m, n_q, qk_scale, dq_desc, ds_smem, dq_smem, dq_slot0, zero_q, b, h,
                          prev_h, prev_m, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
@@ -625,11 +676,20 @@ def _dkdv_consumer(dk_desc, dv_desc, dq_desc, lse_smem, delta_smem, k_all, v_all
         h = hk * group + g
         if CAUSAL:
             m_seen = m_lo
-            if SKIP_HIDDEN and W == 1:                      # blocks of rows that all precede this consumer's keys
+            if SKIP_HIDDEN and W == 1 and HEAD_DIM == 128:  # blocks of rows that all precede this consumer's keys
                 m_seen = gl.minimum(gl.maximum(start_n // BLOCK_M, m_lo), diag_end)
                 for m in range(m_lo, m_seen):
                     _dkdv_hidden_step(k_all, free, base + m, m * BLOCK_M, ds_smem, ds_bar, dq_smem.index(W), zero_q,
                                       dq_desc, b, h, W, HEAD_DIM, BLOCK_M, STAGES, mma_t)
+            if SKIP_HIDDEN and W == 1 and HEAD_DIM == 64:   # blocks whose first half of rows precede its keys
+                m_seen = gl.minimum(gl.maximum((start_n - BLOCK_M // 2) // BLOCK_M + 1, m_lo), diag_end)
+                for m in range(m_lo, m_seen):
+                    dk, dv = _dkdv_split_pipelined_half_step(
+                        k, v, k_all, q_smem, do_smem, lse_smem, delta_smem, q_ready, do_ready, free, dk, dv, base + m,
+                        start_n, m * BLOCK_M, n_q, qk_scale, dq_desc, ds_smem, ds_bar, dq_smem.index(W), zero_q, b,
+                        prev_h, prev_m, W, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, mma_d)
+                    prev_h = h
+                    prev_m = m * BLOCK_M
             for m in range(m_seen, diag_end):
                 dk, dv, prev_h, prev_m = _dkdv_step(
                     k, v, k_all, q_smem, do_smem, lse_smem, delta_smem, q_ready, do_ready, free, dk, dv, zero_t,
