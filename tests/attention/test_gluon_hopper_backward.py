@@ -110,6 +110,10 @@ def test_atomic_dq_tiles():
     for bad in (63, 256, 128.0, True, "128"):
         with pytest.raises(ValueError, match="max_registers None or an int from 64 to 255"):
             t._replace(max_registers=bad).check()
+    from stableflash.attention.gluon.hopper_backward import HALF_SKIP_MAX_KEYS, route_backward_tiles
+    assert route_backward_tiles(64, HALF_SKIP_MAX_KEYS - 1) == t._replace(skip_hidden=True)
+    assert route_backward_tiles(64, HALF_SKIP_MAX_KEYS) == t and not t.skip_hidden
+    assert route_backward_tiles(128, 1024) == route_backward_tiles(128, 8192) == atomic_backward_tiles(128)
     wide = atomic_backward_tiles(128)
     wide.check(128)
     assert wide.atomic_dq and (wide.block_n, wide.block_m, wide.stages, wide.max_registers) == (128, 64, 3, None)

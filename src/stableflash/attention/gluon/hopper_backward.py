@@ -239,10 +239,25 @@ def atomic_backward_tiles(head_dim: int) -> BackwardTiles:
     docs/kernels.md), and under a causal mask the second consumer's first diagonal block, which its
     keys all follow, skipped (``skip_hidden``: the backward 1–11% faster at 8192–1024 tokens)."""
     if head_dim == 64:
-        return BackwardTiles(128, 128, 2, 128, 128, 2, atomic_dq=True, skip_hidden=True)
+        return BackwardTiles(128, 128, 2, 128, 128, 2, atomic_dq=True)
     if head_dim == 128:
         return BackwardTiles(128, 64, 3, 128, 128, 2, atomic_dq=True, skip_hidden=True)
     raise ValueError(f"head_dim {head_dim} is invalid for the backward with atomic dQ; accepted: 64 or 128")
+
+
+# head_dim 64: the half diagonal block skipped below this many keys (``route_backward_tiles``)
+HALF_SKIP_MAX_KEYS = 2048
+
+
+def route_backward_tiles(head_dim: int, n_keys: int) -> BackwardTiles:
+    """The tiles the route's backward launches: ``atomic_backward_tiles``, at head_dim 64 with
+    ``skip_hidden`` below ``HALF_SKIP_MAX_KEYS`` keys (the backward 5.7% faster at 32×12×1024×64 with it,
+    1.6–2.3% slower at 2048–4096 tokens, where the rest of the kernel loses more than the diagonal
+    saves; docs/kernels.md)."""
+    tiles = atomic_backward_tiles(head_dim)
+    if head_dim == 64:
+        return tiles._replace(skip_hidden=n_keys < HALF_SKIP_MAX_KEYS)
+    return tiles
 
 
 # --- dK, dV ---------------------------------------------------------------------------------------
