@@ -294,12 +294,17 @@ def _check_split_rows(r, t, d):
     the step are each waited for whole; a reduce-add per loop and one for the last share. The dK, dV,
     Sᵀ and dPᵀ accumulators (32 + 32 + 64 + 64 fp32 registers a thread) leave some scalars to local
     memory (at most 96 stores and 144 loads; under triton 3.9, 123 and 177 assembled by its CUDA 12.9 ptxas,
-    what the launches use, and 106 and 195 by its CUDA 13.4 one: ``_spill_bounds``)."""
+    what the launches use, and 106 and 195 by its CUDA 13.4 one: ``_spill_bounds``). With ``skip_hidden`` the
+    second consumer's diagonal loop runs over the block's last half of rows: its dV and dK products
+    half as deep (block_m/32 HGMMA each) and half its exponentials."""
     consumers, loops = t.block_n // 64, 3
+    half = t.skip_hidden
     assert (t.block_n, t.block_m) == (128, 128) and t.dq_tile(d) == (64, 64) and not t.dq_transposed(d)
-    assert r["hgmma"] == consumers * (loops * (2 * d // 16 + 2 * t.block_m // 16 + 2 * 64 // 16) + 2 * 64 // 16), r
+    assert r["hgmma"] == (consumers * (loops * (2 * d // 16 + 2 * t.block_m // 16 + 2 * 64 // 16) + 2 * 64 // 16)
+                          - (t.block_m // 16 if half else 0)), r
     assert r["wait_depths"] == {0: consumers * (3 * loops + 1), 1: consumers * loops}, r
-    assert r["ex2"] == consumers * loops * t.block_m // 2 and 0 < r["ex2_in_flight"] <= r["ex2"], r
+    assert r["ex2"] == consumers * loops * t.block_m // 2 - (t.block_m // 4 if half else 0), r
+    assert 0 < r["ex2_in_flight"] <= r["ex2"], r
     assert r["tma_reduces"] == consumers * (loops + 1) and r["tma_stores"] == 2 * consumers, r
     stores, loads = _spill_bounds(r, before=(96, 144), ptxas12=(123, 177), ptxas13=(106, 195))
     assert r["half_swaps"] == 0 and r["stl"] <= stores and r["ldl"] <= loads, r
@@ -349,6 +354,20 @@ def test_both_kernels_and_the_launcher_compile_for_sm90_without_a_gpu(offline):
     _check_split_rows(rows[(64, True, "fused")], atomic_backward_tiles(64), 64)
     assert r["fused"]["grid"] == [2, 4] and r["fused"]["wgmma"] and r["fused"]["tma"], r   # 150 keys, 128 a program
     _check_split(rows[(128, True, "fused")], atomic_backward_tiles(128), 128)
+
+
+@needs_gluon
+def test_the_head_dim_64_half_block_skip_compiles_for_sm90_without_a_gpu():
+    """The head_dim-64 kernel with ``skip_hidden`` (what the route launches below ``HALF_SKIP_MAX_KEYS``
+    keys), causal: its SASS as ``_check_split_rows`` says, within the same spill bounds (compiled in a
+    fresh process, as the ``offline`` fixture's checks are)."""
+    from stableflash.attention.gluon import sass
+    if not sass.tools_present():
+        pytest.skip("this triton wheel ships no nvdisasm / cuobjdump")
+    from stableflash.attention.gluon.hopper_backward import atomic_backward_tiles
+    t = atomic_backward_tiles(64)._replace(skip_hidden=True)
+    row, = [r for r in sass.offline_backward_checks([(64, True, t)], jobs=1)["rows"] if r["kernel"] == "fused"]
+    _check_split_rows(row, t, 64)
 
 
 # --- on a Hopper GPU -----------------------------------------------------------------------------
