@@ -386,6 +386,17 @@ def _add_split_share(dq_desc, dq_buf, b, h, m, W: gl.constexpr, HEAD_DIM: gl.con
 
 
 @gluon.jit
+def _stage_and_add_split_share(dq, dq_buf, dq_desc, b, h, m, W: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """Consumer W's part of a block's dQ share (fp32 registers) staged in ``dq_buf`` once the reduce-add
+    before it has read the buffer, made visible to TMA (a fence and the warpgroup's barrier), and
+    reduce-added (``_add_split_share``)."""
+    _stage_dq_share(dq, dq_buf, 0)
+    fence_async_shared()
+    cta_barrier()
+    _add_split_share(dq_desc, dq_buf, b, h, m, W, HEAD_DIM)
+
+
+@gluon.jit
 def _dkdv_split_pipelined_step(k, v, k_all, q_smem, do_smem, lse_smem, delta_smem, q_ready, do_ready, free, dk, dv,
                                zero_t, t, start_n, start_m, n_q, qk_scale, dq_desc, ds_all, ds_bar, dq_buf, zero_q,
                                b, prev_h, prev_m, W: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
@@ -469,10 +480,7 @@ def _dkdv_split_step(k, v, k_all, q_smem, do_smem, lse_smem, delta_smem, q_ready
     dq_tok = _share_products(ds_all, k_all, ds_slot, zero_q, W, HEAD_DIM)
     dv, dk, dq, p_bar, ds_bar_ = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, dq_tok, p_bar, ds_bar_])
     mbarrier.arrive(free.index(slot), count=1)
-    _stage_dq_share(dq, dq_buf, 0)
-    fence_async_shared()
-    cta_barrier()
-    _add_split_share(dq_desc, dq_buf, b, h, start_m, W, HEAD_DIM)
+    _stage_and_add_split_share(dq, dq_buf, dq_desc, b, h, start_m, W, HEAD_DIM)
     return dk, dv
 
 
@@ -494,10 +502,7 @@ def _dkdv_hidden_step(k_all, free, t, start_m, ds_all, ds_bar, dq_buf, zero_q, d
     seen = ds_all.index(2 * ds_slot + 1 - W).permute((1, 0))
     k_seen = k_all.index(1 - W).reshape([64, HEAD_DIM]).slice(W * 64, 64, dim=1)
     dq = warpgroup_mma_wait(0, deps=[warpgroup_mma(seen, k_seen, zero_q, use_acc=False, is_async=True)])
-    _stage_dq_share(dq, dq_buf, 0)
-    fence_async_shared()
-    cta_barrier()
-    _add_split_share(dq_desc, dq_buf, b, h, start_m, W, HEAD_DIM)
+    _stage_and_add_split_share(dq, dq_buf, dq_desc, b, h, start_m, W, HEAD_DIM)
 
 
 @gluon.jit
@@ -728,11 +733,7 @@ def _dkdv_consumer(dk_desc, dv_desc, dq_desc, lse_smem, delta_smem, k_all, v_all
         last = group * per_head
         mbarrier.wait(ds_bar.index(last % 2), (last // 2) & 1)
         dq = warpgroup_mma_wait(0, deps=[_share_products(ds_smem, k_all, last % 2, zero_q, W, HEAD_DIM)])
-        buf = dq_smem.index(W)
-        _stage_dq_share(dq, buf, 0)
-        fence_async_shared()
-        cta_barrier()
-        _add_split_share(dq_desc, buf, b, prev_h, prev_m, W, HEAD_DIM)
+        _stage_and_add_split_share(dq, dq_smem.index(W), dq_desc, b, prev_h, prev_m, W, HEAD_DIM)
         mbarrier.arrive(ds_bar.index((last + 1) % 2), count=1)
         mbarrier.wait(ds_bar.index((last + 1) % 2), ((last + 1) // 2) & 1)
         tma.store_wait(0)
