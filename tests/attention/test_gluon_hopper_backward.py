@@ -110,6 +110,10 @@ def test_atomic_dq_tiles():
     for bad in (63, 256, 128.0, True, "128"):
         with pytest.raises(ValueError, match="max_registers None or an int from 64 to 255"):
             t._replace(max_registers=bad).check()
+    from stableflash.attention.gluon.hopper_backward import HALF_SKIP_MAX_KEYS, route_backward_tiles
+    assert route_backward_tiles(64, HALF_SKIP_MAX_KEYS - 1) == t._replace(skip_hidden=True)
+    assert route_backward_tiles(64, HALF_SKIP_MAX_KEYS) == t and not t.skip_hidden
+    assert route_backward_tiles(128, 1024) == route_backward_tiles(128, 8192) == atomic_backward_tiles(128)
     wide = atomic_backward_tiles(128)
     wide.check(128)
     assert wide.atomic_dq and (wide.block_n, wide.block_m, wide.stages, wide.max_registers) == (128, 64, 3, None)
@@ -290,12 +294,17 @@ def _check_split_rows(r, t, d):
     the step are each waited for whole; a reduce-add per loop and one for the last share. The dK, dV,
     Sᵀ and dPᵀ accumulators (32 + 32 + 64 + 64 fp32 registers a thread) leave some scalars to local
     memory (at most 96 stores and 144 loads; under triton 3.9, 123 and 177 assembled by its CUDA 12.9 ptxas,
-    what the launches use, and 106 and 195 by its CUDA 13.4 one: ``_spill_bounds``)."""
+    what the launches use, and 106 and 195 by its CUDA 13.4 one: ``_spill_bounds``). With ``skip_hidden`` the
+    second consumer's diagonal loop runs over the block's last half of rows: its dV and dK products
+    half as deep (block_m/32 HGMMA each) and half its exponentials."""
     consumers, loops = t.block_n // 64, 3
+    half = t.skip_hidden
     assert (t.block_n, t.block_m) == (128, 128) and t.dq_tile(d) == (64, 64) and not t.dq_transposed(d)
-    assert r["hgmma"] == consumers * (loops * (2 * d // 16 + 2 * t.block_m // 16 + 2 * 64 // 16) + 2 * 64 // 16), r
+    assert r["hgmma"] == (consumers * (loops * (2 * d // 16 + 2 * t.block_m // 16 + 2 * 64 // 16) + 2 * 64 // 16)
+                          - (t.block_m // 16 if half else 0)), r
     assert r["wait_depths"] == {0: consumers * (3 * loops + 1), 1: consumers * loops}, r
-    assert r["ex2"] == consumers * loops * t.block_m // 2 and 0 < r["ex2_in_flight"] <= r["ex2"], r
+    assert r["ex2"] == consumers * loops * t.block_m // 2 - (t.block_m // 4 if half else 0), r
+    assert 0 < r["ex2_in_flight"] <= r["ex2"], r
     assert r["tma_reduces"] == consumers * (loops + 1) and r["tma_stores"] == 2 * consumers, r
     stores, loads = _spill_bounds(r, before=(96, 144), ptxas12=(123, 177), ptxas13=(106, 195))
     assert r["half_swaps"] == 0 and r["stl"] <= stores and r["ldl"] <= loads, r
@@ -347,6 +356,20 @@ def test_both_kernels_and_the_launcher_compile_for_sm90_without_a_gpu(offline):
     _check_split(rows[(128, True, "fused")], atomic_backward_tiles(128), 128)
 
 
+@needs_gluon
+def test_the_head_dim_64_half_block_skip_compiles_for_sm90_without_a_gpu():
+    """The head_dim-64 kernel with ``skip_hidden`` (what the route launches below ``HALF_SKIP_MAX_KEYS``
+    keys), causal: its SASS as ``_check_split_rows`` says, within the same spill bounds (compiled in a
+    fresh process, as the ``offline`` fixture's checks are)."""
+    from stableflash.attention.gluon import sass
+    if not sass.tools_present():
+        pytest.skip("this triton wheel ships no nvdisasm / cuobjdump")
+    from stableflash.attention.gluon.hopper_backward import atomic_backward_tiles
+    t = atomic_backward_tiles(64)._replace(skip_hidden=True)
+    row, = [r for r in sass.offline_backward_checks([(64, True, t)], jobs=1)["rows"] if r["kernel"] == "fused"]
+    _check_split_rows(row, t, 64)
+
+
 # --- on a Hopper GPU -----------------------------------------------------------------------------
 
 @pytest.fixture
@@ -387,9 +410,9 @@ def test_backward_against_float64(case, d, causal, tied, fixed_triton_tiles):
     o, lse, r = sg.flash_forward_hopper(q, k, v, causal)
     from stableflash.attention.gluon.hopper_backward import atomic_backward_tiles
     atomic = [atomic_backward_tiles(d)]
-    if d == 128:                                        # narrower blocks; hidden blocks skipped or not
-        atomic += [atomic_backward_tiles(d)._replace(block_m=32, stages=3),
-                   atomic_backward_tiles(d)._replace(skip_hidden=not atomic_backward_tiles(d).skip_hidden)]
+    atomic += [atomic_backward_tiles(d)._replace(skip_hidden=not atomic_backward_tiles(d).skip_hidden)]
+    if d == 128:                                        # narrower blocks
+        atomic += [atomic_backward_tiles(d)._replace(block_m=32, stages=3)]
     runs = [sg.flash_backward_hopper(do, q, k, v, o, r, lse, causal)]
     runs += [sg.flash_backward_hopper(do, q, k, v, o, r, lse, causal, tiles=t) for t in atomic]
     triton_got = _triton_backward(do, q, k, v, o, r, lse, causal, scale)
@@ -407,17 +430,19 @@ def test_backward_against_float64(case, d, causal, tied, fixed_triton_tiles):
 @on_hopper
 @pytest.mark.parametrize("case", [(2, 4, 4, 509, 509), (1, 8, 2, 1024, 1024), (2, 3, 3, 130, 257), (1, 2, 2, 257, 130)],
                          ids=lambda c: "x".join(map(str, c)))
-def test_skipping_hidden_blocks_leaves_dk_and_dv_bit_for_bit(case):
-    """Head_dim 128, causal, the route's tiles with and without ``skip_hidden``: the consumer whose keys
-    all come after a block's rows runs none of its products, which would have added zeros, so dK and
-    dV are equal bit for bit (grouped-query heads, ragged lengths, more or fewer keys than queries);
-    dQ, added up by reduce-adds in no fixed order, agrees to within that order's rounding."""
+@pytest.mark.parametrize("d", [64, 128])
+def test_skipping_hidden_blocks_leaves_dk_and_dv_bit_for_bit(case, d):
+    """Causal, the route's tiles with and without ``skip_hidden``: the consumer whose keys all come
+    after a block's rows (head_dim 128) or its first half of rows (64) runs none of the products of
+    those rows, which would have added zeros, so dK and dV are equal bit for bit (grouped-query heads,
+    ragged lengths, more or fewer keys than queries); dQ, added up by reduce-adds in no fixed order,
+    agrees to within that order's rounding."""
     from stableflash.attention.gluon.hopper_backward import atomic_backward_tiles
     B, H, Hk, n_q, n_k = case
-    gen = torch.Generator(device="cuda").manual_seed(sum(case))
-    q, k, v, do = _inputs(B, H, Hk, n_q, n_k, 128, False, gen)
+    gen = torch.Generator(device="cuda").manual_seed(sum(case) + d)
+    q, k, v, do = _inputs(B, H, Hk, n_q, n_k, d, False, gen)
     o, lse, r = sg.flash_forward_hopper(q, k, v, True)
-    tiles = atomic_backward_tiles(128)
+    tiles = atomic_backward_tiles(d)
     skipped, kept = (sg.flash_backward_hopper(do, q, k, v, o, r, lse, True, tiles=tiles._replace(skip_hidden=s))
                      for s in (True, False))
     assert torch.equal(skipped[1], kept[1]) and torch.equal(skipped[2], kept[2])

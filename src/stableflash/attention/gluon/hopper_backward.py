@@ -126,10 +126,12 @@ class BackwardTiles(NamedTuple):
     ``max_registers``: a cap on the registers per thread at launch (triton's ``maxnreg``; None: the
     compiler's choice), so that more programs share an SM: a program of one consumer warpgroup is
     launched as 256 threads (its producer warp's warpgroup), two of them fit at 128.
-    ``skip_hidden``: with the dQ shares split by columns (``split_dq`` at head_dim 128), under a causal
-    mask the consumer warpgroup whose 64 keys all come after a query block's rows runs none of that
-    block's products but its part of the dQ share (``_dkdv_hidden_step``); dK and dV are the same bit
-    for bit, since the products it leaves out add zeros."""
+    ``skip_hidden``: with the dQ shares split between the consumers (``split_dq``), under a causal mask
+    the second consumer warpgroup leaves out the products of query rows that all come before its 64
+    keys: at head_dim 128 (64-row blocks) it runs none of such a block's products but its part of the
+    dQ share (``_dkdv_hidden_step``); at head_dim 64 (128-row blocks) it runs its diagonal block over
+    the block's last 64 rows only (``_dkdv_split_pipelined_step`` with ``FIRST``). dK and dV are the
+    same bit for bit, since the products left out add zeros."""
     block_n: int
     block_m: int
     stages: int
@@ -143,10 +145,10 @@ class BackwardTiles(NamedTuple):
     def dkdv_constexprs(self, head_dim: int, causal: bool) -> dict:
         """The dK/dV kernel's compile-time arguments: what the launcher passes and the sm_90a compile
         check compiles (SPLIT_DQ: ``split_dq``; SKIP_HIDDEN: ``skip_hidden`` where it applies, causal with
-        the shares split at head_dim 128)."""
+        the shares split)."""
         return {"HEAD_DIM": head_dim, "BLOCK_M": self.block_m, "BLOCK_N": self.block_n, "STAGES": self.stages,
                 "CAUSAL": causal, "SPLIT_DQ": self.split_dq(head_dim),
-                "SKIP_HIDDEN": self.skip_hidden and causal and head_dim == 128 and self.split_dq(head_dim)}
+                "SKIP_HIDDEN": self.skip_hidden and causal and self.split_dq(head_dim)}
 
     def dq_constexprs(self, head_dim: int, causal: bool) -> dict:
         """The dQ kernel's compile-time arguments."""
@@ -245,6 +247,21 @@ def atomic_backward_tiles(head_dim: int) -> BackwardTiles:
     raise ValueError(f"head_dim {head_dim} is invalid for the backward with atomic dQ; accepted: 64 or 128")
 
 
+# head_dim 64: the half diagonal block skipped below this many keys (``route_backward_tiles``)
+HALF_SKIP_MAX_KEYS = 2048
+
+
+def route_backward_tiles(head_dim: int, n_keys: int) -> BackwardTiles:
+    """The tiles the route's backward launches: ``atomic_backward_tiles``, at head_dim 64 with
+    ``skip_hidden`` below ``HALF_SKIP_MAX_KEYS`` keys (the backward 2.5–5.7% faster at 32×12×1024×64 with
+    it, 1.6–3.3% slower at 2048–4096 tokens, where the rest of the kernel loses more than the diagonal
+    saves; docs/kernels.md)."""
+    tiles = atomic_backward_tiles(head_dim)
+    if head_dim == 64:
+        return tiles._replace(skip_hidden=n_keys < HALF_SKIP_MAX_KEYS)
+    return tiles
+
+
 # --- dK, dV ---------------------------------------------------------------------------------------
 
 @gluon.jit
@@ -305,17 +322,22 @@ def _dkdv_step(k, v, k_all, q_smem, do_smem, lse_smem, delta_smem, q_ready, do_r
 
 @gluon.jit
 def _streamed_block(q_smem, do_smem, lse_smem, delta_smem, t, start_m, HEAD_DIM: gl.constexpr,
-                    BLOCK_M: gl.constexpr, STAGES: gl.constexpr, mma_t: gl.constexpr):
+                    BLOCK_M: gl.constexpr, STAGES: gl.constexpr, mma_t: gl.constexpr, FIRST: gl.constexpr = 0):
     """The t-th streamed block of a dK/dV consumer: its ring slot and phase, its Q and dO tiles, its L
     and δ (shared-memory vectors, read as ``_column_values``), and the indices of its query columns in
-    the transposed tiles' layout ``mma_t``."""
+    the transposed tiles' layout ``mma_t``; from row FIRST of the block on (``mma_t`` over the rest)."""
+    ROWS: gl.constexpr = BLOCK_M - FIRST
     slot = t % STAGES
     q = q_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
     do = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
-    cols = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma_t))
+    if FIRST > 0:
+        q = q.slice(FIRST, ROWS, dim=0)
+        do = do.slice(FIRST, ROWS, dim=0)
+        start_m = start_m + FIRST
+    cols = start_m + gl.arange(0, ROWS, layout=gl.SliceLayout(0, mma_t))
     vec: gl.constexpr = lse_smem.shape[2]                  # ≥ BLOCK_M (``BackwardTiles.vector_block``)
-    lse = lse_smem.index(slot).reshape([vec]).slice(0, BLOCK_M)
-    delta = delta_smem.index(slot).reshape([vec]).slice(0, BLOCK_M)
+    lse = lse_smem.index(slot).reshape([vec]).slice(FIRST, ROWS)
+    delta = delta_smem.index(slot).reshape([vec]).slice(FIRST, ROWS)
     return slot, (t // STAGES) & 1, q, do, lse, delta, cols
 
 
@@ -386,7 +408,7 @@ def _dkdv_split_pipelined_step(k, v, k_all, q_smem, do_smem, lse_smem, delta_sme
                                zero_t, t, start_n, start_m, n_q, qk_scale, dq_desc, ds_all, ds_bar, dq_buf, zero_q,
                                b, prev_h, prev_m, W: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                                STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASKED: gl.constexpr,
-                               mma_t: gl.constexpr, mma_d: gl.constexpr):
+                               mma_t: gl.constexpr, mma_d: gl.constexpr, FIRST: gl.constexpr = 0):
     """``_dkdv_split_step`` with the dQ share one block behind (head_dim 64, split by rows): Sᵀ is issued,
     then share t — the dS̄ᵀ both consumers left for block t − 1 in ``ds_all``'s slot t % 2 (zeros
     before the first block); the wait for Sᵀ leaves the share in flight while Pᵀ's exponentials run;
@@ -395,9 +417,13 @@ def _dkdv_split_pipelined_step(k, v, k_all, q_smem, do_smem, lse_smem, delta_sme
     dS̄ᵀ is written as share t + 1 into slot (t + 1) % 2 ("ds ready" of that slot) and the share is
     reduce-added into rows prev_m + 64·W … of head prev_h. Slot (t + 1) % 2 held share t − 1: this
     consumer's product reading it completed in step t − 1, the other's before it wrote share t, which
-    this step's wait on "ds ready" of slot t % 2 has seen."""
+    this step's wait on "ds ready" of slot t % 2 has seen. FIRST = BLOCK_M/2 (a diagonal block whose
+    first half of rows all come before this consumer's keys: head_dim 64, consumer 1's first diagonal
+    block): Sᵀ, dPᵀ, P̄ᵀ·dO and dS̄ᵀ·Q over the block's last half of rows only — the first half's
+    entries of Pᵀ and dSᵀ would be zero and add nothing — with ``mma_t`` and ``zero_t`` over those
+    rows, and zeros as the first half's columns of this block's dS̄ᵀ."""
     slot, phase, q, do, lse_s, delta_s, cols = _streamed_block(q_smem, do_smem, lse_smem, delta_smem, t, start_m,
-                                                               HEAD_DIM, BLOCK_M, STAGES, mma_t)
+                                                               HEAD_DIM, BLOCK_M, STAGES, mma_t, FIRST)
     mbarrier.wait(q_ready.index(slot), phase)              # every barrier wait before the first product: a wait
     mbarrier.wait(do_ready.index(slot), phase)             # loop between two would complete the one issued
     mbarrier.wait(ds_bar.index(t % 2), (t // 2) & 1)        # share t written by both consumers
@@ -416,7 +442,12 @@ def _dkdv_split_pipelined_step(k, v, k_all, q_smem, do_smem, lse_smem, delta_sme
     ds = (p * dp).to(gl.bfloat16)
     ds_bar_ = _a_operand(ds, mma_d)
     dk_tok = warpgroup_mma(ds_bar_, q, dk, is_async=True)
-    ds_all.index(2 * ((t + 1) % 2) + W).store(ds)
+    nxt = ds_all.index(2 * ((t + 1) % 2) + W)
+    if FIRST > 0:
+        nxt.slice(0, FIRST, dim=1).store(gl.zeros([64, FIRST], gl.bfloat16, layout=mma_t))
+        nxt.slice(FIRST, BLOCK_M - FIRST, dim=1).store(ds)
+    else:
+        nxt.store(ds)
     fence_async_shared()
     cta_barrier()                                           # this warpgroup's dS̄ᵀ and fp32 share written
     mbarrier.arrive(ds_bar.index((t + 1) % 2), count=1)
@@ -590,8 +621,11 @@ def _dkdv_consumer(dk_desc, dv_desc, dq_desc, lse_smem, delta_smem, k_all, v_all
     consumers meet once more after their last block ("ds ready" of the block after it), before
     either overwrites its K tile, which the other's dQ products read; at head_dim 64, where the
     shares are one block behind, each first leaves zeros as the share before the first block and
-    adds the last block's share before that meeting. SKIP_HIDDEN (head_dim 128, split shares, causal):
-    consumer 1's diagonal blocks whose rows all come before its keys take ``_dkdv_hidden_step``."""
+    adds the last block's share before that meeting. SKIP_HIDDEN (split shares, causal): at head_dim 128
+    consumer 1's diagonal blocks whose rows all come before its keys take ``_dkdv_hidden_step``; at
+    head_dim 64 its diagonal block, whose first 64 rows come before its keys, runs over the last 64
+    (``_dkdv_split_pipelined_step`` with ``FIRST``), and it compiles no loop over whole diagonal blocks:
+    with 128-row blocks and programs of 128 keys it has none."""
     k_smem = k_all.index(W)
     v_smem = v_all.index(W)
     mma_t: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -630,16 +664,33 @@ def _dkdv_consumer(dk_desc, dv_desc, dq_desc, lse_smem, delta_smem, k_all, v_all
         h = hk * group + g
         if CAUSAL:
             m_seen = m_lo
-            if SKIP_HIDDEN and W == 1:                      # blocks of rows that all precede this consumer's keys
+            if SKIP_HIDDEN and W == 1 and HEAD_DIM == 128:  # blocks of rows that all precede this consumer's keys
                 m_seen = gl.minimum(gl.maximum(start_n // BLOCK_M, m_lo), diag_end)
                 for m in range(m_lo, m_seen):
                     _dkdv_hidden_step(k_all, free, base + m, m * BLOCK_M, ds_smem, ds_bar, dq_smem.index(W), zero_q,
                                       dq_desc, b, h, W, HEAD_DIM, BLOCK_M, STAGES, mma_t)
-            for m in range(m_seen, diag_end):
-                dk, dv, prev_h, prev_m = _dkdv_step(
-                    k, v, k_all, q_smem, do_smem, lse_smem, delta_smem, q_ready, do_ready, free, dk, dv, zero_t,
-                    base + m, start_n, m * BLOCK_M, n_q, qk_scale, dq_desc, ds_smem, ds_bar, dq_smem, W, zero_q,
-                    b, h, prev_h, prev_m, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, True, ATOMIC_DQ, SPLIT, mma_t, mma_d)
+            if SKIP_HIDDEN and W == 1 and HEAD_DIM == 64:   # blocks whose first half of rows precede its keys
+                HALF: gl.constexpr = BLOCK_M // 2
+                mma_h: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                                instr_shape=[16, HALF, 16])
+                m_seen = gl.minimum(gl.maximum((start_n - HALF) // BLOCK_M + 1, m_lo), diag_end)
+                for m in range(m_lo, m_seen):
+                    dk, dv = _dkdv_split_pipelined_step(
+                        k, v, k_all, q_smem, do_smem, lse_smem, delta_smem, q_ready, do_ready, free, dk, dv,
+                        gl.zeros([64, HALF], gl.float32, layout=mma_h), base + m, start_n, m * BLOCK_M, n_q,
+                        qk_scale, dq_desc, ds_smem, ds_bar, dq_smem.index(W), zero_q, b, prev_h, prev_m, W,
+                        HEAD_DIM, BLOCK_M, STAGES, CAUSAL, True, mma_h, mma_d, HALF)
+                    prev_h = h
+                    prev_m = m * BLOCK_M
+            # at head_dim 64 (128-row blocks, programs of 128 keys) the one diagonal block is consumer 1's half
+            # block: with SKIP_HIDDEN it has no whole diagonal block, and no loop for one
+            if not (SKIP_HIDDEN and W == 1 and HEAD_DIM == 64):
+                for m in range(m_seen, diag_end):
+                    dk, dv, prev_h, prev_m = _dkdv_step(
+                        k, v, k_all, q_smem, do_smem, lse_smem, delta_smem, q_ready, do_ready, free, dk, dv, zero_t,
+                        base + m, start_n, m * BLOCK_M, n_q, qk_scale, dq_desc, ds_smem, ds_bar, dq_smem, W, zero_q,
+                        b, h, prev_h, prev_m, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, True, ATOMIC_DQ, SPLIT, mma_t,
+                        mma_d)
         for m in range(diag_end, full_end):
             dk, dv, prev_h, prev_m = _dkdv_step(
                 k, v, k_all, q_smem, do_smem, lse_smem, delta_smem, q_ready, do_ready, free, dk, dv, zero_t, base + m,

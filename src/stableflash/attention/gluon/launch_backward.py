@@ -12,8 +12,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from stableflash.attention.gluon.hopper_backward import (BackwardTiles, attn_bwd_dkdv_hopper_kernel,
-                                                         atomic_backward_tiles, attn_bwd_dq_hopper_kernel,
-                                                         attn_bwd_hopper_kernel, backward_tiles_for)
+                                                         attn_bwd_dq_hopper_kernel, attn_bwd_hopper_kernel,
+                                                         backward_tiles_for, route_backward_tiles)
 from stableflash.attention.gluon.launch import LOG2E, _descriptor, check_inputs, tensor_descriptor, vector_descriptor
 from stableflash.attention.triton import launch_cache
 from stableflash.attention.triton.common import cast
@@ -248,7 +248,7 @@ def backward_into(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.T
                   dk: torch.Tensor, dv: torch.Tensor, key: tuple | None = None) -> None:
     """The route's backward (``route.why_not_backward`` accepted the call), writing into ``dq``, ``dk``,
     ``dv`` (views of one packed gradient included: TMA addresses them as they are): ``_atomic_backward``
-    with ``atomic_backward_tiles``, or under ``torch.use_deterministic_algorithms`` (head_dim 128) δ
+    with ``route_backward_tiles``, or under ``torch.use_deterministic_algorithms`` (head_dim 128) δ
     from dO·(O + R) by the Triton δ kernel, then the dK/dV and dQ kernels of the default tiles
     (``backward_tiles_for``). A signature seen before replays its launches (``launch_cache.Plan``);
     ``key``: the plan's key as the caller made it (``replay``), else ``launch_cache.plan_key`` of the
@@ -267,7 +267,7 @@ def backward_into(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.T
     if key is not None and replay(key, tensors):
         return
     plan = _plans.get(key) if key is not None else None
-    tiles = atomic_backward_tiles(q.shape[3])
+    tiles = route_backward_tiles(q.shape[3], k.shape[2])
     if plan is not None and plan.current:     # VERIFY: each replay checked against the launch built, then run
         buffers = plan.allocate()
         _atomic_launches(do, q, k, v, o, residual, lse, causal, scale, dq, dk, dv, tiles, *buffers,
