@@ -422,6 +422,7 @@ def _dkdv_split_pipelined_step(k, v, k_all, q_smem, do_smem, lse_smem, delta_sme
     block): Sᵀ, dPᵀ, P̄ᵀ·dO and dS̄ᵀ·Q over the block's last half of rows only — the first half's
     entries of Pᵀ and dSᵀ would be zero and add nothing — with ``mma_t`` and ``zero_t`` over those
     rows, and zeros as the first half's columns of this block's dS̄ᵀ."""
+    gl.static_assert(FIRST == 0 or 2 * FIRST == BLOCK_M)
     slot, phase, q, do, lse_s, delta_s, cols = _streamed_block(q_smem, do_smem, lse_smem, delta_smem, t, start_m,
                                                                HEAD_DIM, BLOCK_M, STAGES, mma_t, FIRST)
     mbarrier.wait(q_ready.index(slot), phase)              # every barrier wait before the first product: a wait
