@@ -914,3 +914,36 @@ def test_carry_triton_packs_keeps_and_unpacks_a_stripped_tree_in_parts(tmp_path,
     with pytest.raises(SystemExit):
         tool.main(["pack", "--part-mb", "0"])
     assert "--part-mb 0.0 is invalid; accepted: a positive number of MB" in capsys.readouterr().err
+
+
+def test_ptxas_streams_hashes_instructions_and_groups_streams(monkeypatch):
+    """``ptxas_streams``: a listing's hash leaves addresses out and sees an instruction's change; ``streams``
+    counts the assemblies of each stream, most frequent first, each summarised once."""
+    ps = load("tools/ptxas_streams")
+    one = "        /*0000*/                   MOV R1, c[0x0][0x28] ;\n        /*0010*/      HGMMA.64x64x16 ;\n"
+    moved = one.replace("/*0010*/", "/*0020*/")
+    other = one.replace("R1,", "R2,")
+    assert ps.instruction_hash(one) == ps.instruction_hash(moved) != ps.instruction_hash(other)
+    assert len(ps.instruction_hash(one)) == 10
+    from stableflash.attention.gluon import sass
+    listings = {b"a": one, b"b": other, b"c": moved}
+    monkeypatch.setattr(sass, "disassemble", lambda cubin: (listings[cubin], ""))
+    monkeypatch.setattr(ps, "_summary", lambda cubin: {"first": cubin.decode()})
+    got = ps.streams([b"b", b"a", b"c"])
+    assert list(got.values()) == [{"count": 2, "first": "a"}, {"count": 1, "first": "b"}]
+
+
+def test_ptxas_streams_refuses_bad_input(capsys, tmp_path):
+    """Bad --shape, --runs or --attempts name the argument, the value and what is accepted; ``draw`` without a
+    compute-capability-9.0 GPU says so."""
+    ps = load("tools/ptxas_streams")
+    assert "--shape '1,2,3': expected B,H,N,d" in refused(ps.main, ["draw", "--shape", "1,2,3", "--out", str(tmp_path)],
+                                                            capsys)
+    assert "d 64 or 128" in refused(ps.main, ["draw", "--shape", "1,2,128,96", "--out", str(tmp_path)], capsys)
+    assert "--runs: '0': expected an integer ≥ 1" in refused(ps.main, ["survey", "--runs", "0"], capsys)
+    assert "--attempts: 'x'" in refused(ps.main, ["draw", "--shape", "1,2,128,64", "--attempts", "x", "--out",
+                                                  str(tmp_path)], capsys)
+    import torch
+    if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
+        err = refused(ps.main, ["draw", "--shape", "1,2,128,64", "--out", str(tmp_path)], capsys)
+        assert "compute capability 9.0" in err
