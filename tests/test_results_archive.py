@@ -17,9 +17,9 @@ from stableflash.report import build_report, explosion_step, load_run, loss_seri
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "notebook" / "results"
-ARCHIVES = 17           # folders with a runs.tar.xz
-RUNS = 286              # run folders (holding metrics.jsonl) in them
-CURRENT_GRAMMAR = 20    # of them written with config_version (faithful-gpt2-2026-11-24); the rest predate it
+ARCHIVES = 18           # folders with a runs.tar.xz
+RUNS = 296              # run folders (holding metrics.jsonl) in them
+CURRENT_GRAMMAR = 30    # of them written with config_version (faithful-gpt2-2026-11-24, laptop-repro-avx512-2026-11-29)
 
 
 @pytest.fixture(scope="module")
@@ -66,8 +66,9 @@ def test_every_run_loads(unpacked, run_dirs):
                     assert all("stabilize=" in " ".join(e) for e in entries if e and e[0] != "sdpa"), source[key]
                     unstabilized += any(c.backend == "triton" and c.stabilize == "none"
                                         for c in (spec.default, *(c for _, c in spec.overrides)))
-    assert with_probes == 250          # runs with probe records (the rest ran with probes off)
-    assert current == ["faithful-gpt2-2026-11-24"] * CURRENT_GRAMMAR
+    assert with_probes == 260          # runs with probe records (the rest ran with probes off)
+    assert sorted(current) == sorted(["faithful-gpt2-2026-11-24"] * 20 + ["laptop-repro-avx512-2026-11-29"] * 10)
+    assert len(current) == CURRENT_GRAMMAR
     assert unstabilized > 100          # the kernel baselines: "triton policy=..." in the earlier grammar
     # the one run that stopped before its first logged step (its metrics.jsonl was empty when archived)
     assert empty == ["mitigations-H200-2026-11-22/sess/m-sr-out/seed1/baseline"]
@@ -90,7 +91,7 @@ def test_outcomes_match_committed_tables(unpacked):
     finally:
         sys.path.remove(str(ROOT / "benchmarks" / "runs"))
     rows = _outcome_rows()
-    assert len(rows) == 131
+    assert len(rows) == 141
     for folder, row in rows:
         # the tables' run paths are relative to where the READMEs unpack the archive: "runs/..."
         # for an archive unpacked into runs/, "sess-g/..." for its own folders
