@@ -664,13 +664,8 @@ def _dkdv_consumer(dk_desc, dv_desc, dq_desc, lse_smem, delta_smem, k_all, v_all
         base = g * per_head - m_lo                          # block m of head g is streamed block base + m
         h = hk * group + g
         if CAUSAL:
-            m_seen = m_lo
-            if SKIP_HIDDEN and W == 1 and HEAD_DIM == 128:  # blocks of rows that all precede this consumer's keys
-                m_seen = gl.minimum(gl.maximum(start_n // BLOCK_M, m_lo), diag_end)
-                for m in range(m_lo, m_seen):
-                    _dkdv_hidden_step(k_all, free, base + m, m * BLOCK_M, ds_smem, ds_bar, dq_smem.index(W), zero_q,
-                                      dq_desc, b, h, W, HEAD_DIM, BLOCK_M, STAGES, mma_t)
             if SKIP_HIDDEN and W == 1 and HEAD_DIM == 64:   # blocks whose first half of rows precede its keys
+                # (128-row blocks, programs of 128 keys: the one diagonal block, so no loop over whole ones)
                 HALF: gl.constexpr = BLOCK_M // 2
                 mma_h: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                                 instr_shape=[16, HALF, 16])
@@ -683,9 +678,13 @@ def _dkdv_consumer(dk_desc, dv_desc, dq_desc, lse_smem, delta_smem, k_all, v_all
                         HEAD_DIM, BLOCK_M, STAGES, CAUSAL, True, mma_h, mma_d, HALF)
                     prev_h = h
                     prev_m = m * BLOCK_M
-            # at head_dim 64 (128-row blocks, programs of 128 keys) the one diagonal block is consumer 1's half
-            # block: with SKIP_HIDDEN it has no whole diagonal block, and no loop for one
-            if not (SKIP_HIDDEN and W == 1 and HEAD_DIM == 64):
+            else:
+                m_seen = m_lo
+                if SKIP_HIDDEN and W == 1 and HEAD_DIM == 128:  # blocks of rows that all precede its keys
+                    m_seen = gl.minimum(gl.maximum(start_n // BLOCK_M, m_lo), diag_end)
+                    for m in range(m_lo, m_seen):
+                        _dkdv_hidden_step(k_all, free, base + m, m * BLOCK_M, ds_smem, ds_bar, dq_smem.index(W),
+                                          zero_q, dq_desc, b, h, W, HEAD_DIM, BLOCK_M, STAGES, mma_t)
                 for m in range(m_seen, diag_end):
                     dk, dv, prev_h, prev_m = _dkdv_step(
                         k, v, k_all, q_smem, do_smem, lse_smem, delta_smem, q_ready, do_ready, free, dk, dv, zero_t,
