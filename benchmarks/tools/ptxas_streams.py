@@ -8,7 +8,7 @@
 sm_90a, assembles that PTX ``--runs`` times with the ptxas its launches use and triton's flags, and hashes each
 result's instruction lines (addresses left out): one hash per kernel is a deterministic assembly, more are
 streams ptxas picks between from the same PTX. ``--no-aslr`` runs ptxas with address-space randomisation off
-(``setarch -R``). Each stream is summarised as ``sass.sass_summary`` does.
+(``setarch -R``). Each stream is summarised by ``sass.cubin_summary``.
 
 ``draw`` makes what ``survey`` finds timeable: each attempt runs one causal forward and backward through
 ``flash_attention`` at ``--shape`` in a fresh process whose triton cache is ``DIR/attempt-N``, then hashes the
@@ -33,7 +33,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import types
 from pathlib import Path
 
 SUMMARY_KEYS = ("instructions", "hgmma", "ex2", "ex2_in_flight", "stl", "ldl", "registers")
@@ -50,8 +49,7 @@ def instruction_hash(listing: str) -> str:
 
 def _summary(cubin: bytes) -> dict:
     from stableflash.attention.gluon import sass
-    kernel = types.SimpleNamespace(asm={"cubin": cubin}, metadata=types.SimpleNamespace(shared=0))
-    summary = sass.sass_summary(kernel)
+    summary = sass.cubin_summary(cubin)
     return {key: summary[key] for key in SUMMARY_KEYS}
 
 

@@ -143,7 +143,12 @@ def _named_barriers(sass: str) -> dict:
 
 def sass_summary(kernel) -> dict:
     """What the compiled kernel's SASS holds (the module docstring lists the keys)."""
-    sass, usage = disassemble(kernel.asm["cubin"])
+    return {**cubin_summary(kernel.asm["cubin"]), "shared_bytes": kernel.metadata.shared}
+
+
+def cubin_summary(cubin: bytes) -> dict:
+    """``sass_summary`` of a cubin alone: every key but the shared memory, which the launch metadata holds."""
+    sass, usage = disassemble(cubin)
     regs = re.search(r"REG:(\d+)", usage)
     ops = lambda pattern: len(re.findall(pattern, sass))
     waits = Counter(int(n, 16) for n in re.findall(r"WARPGROUP\.DEPBAR\.LE\s+gsb0,\s*0x([0-9a-f]+)", sass))
@@ -160,7 +165,7 @@ def sass_summary(kernel) -> dict:
             "named_barriers": _named_barriers(sass),
             "setmaxnreg": sorted({int(n, 16) for n in re.findall(r"USETMAXREG\.\S+\s+(?:UP\d+,\s*)?0x([0-9a-f]+)",
                                                                  sass)}),
-            "registers": int(regs.group(1)) if regs else None, "shared_bytes": kernel.metadata.shared}
+            "registers": int(regs.group(1)) if regs else None}
 
 
 def release(summary: dict) -> tuple[int, int]:
