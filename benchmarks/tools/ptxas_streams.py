@@ -66,14 +66,8 @@ def streams(cubins: list[bytes]) -> dict[str, dict]:
 
 def _assembler() -> tuple[str, str]:
     """The ptxas the Gluon launches use for sm_90 and its CUDA release."""
-    from triton.backends.nvidia import compiler
-
     from stableflash.attention.triton import assembler
-    chosen = assembler.choice()
-    if chosen is not None:
-        return chosen.path, chosen.release
-    default = compiler.get_ptxas(assembler.ARCH)
-    return default.path, default.version
+    return assembler.ptxas_for(assembler.options())
 
 
 def assemble(ptx: str, runs: int, no_aslr: bool = False) -> list[bytes]:

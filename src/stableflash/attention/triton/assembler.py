@@ -114,17 +114,23 @@ def for_options(options: dict) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext() if chosen is None else _assembling(chosen)
 
 
-def release_for(options: dict) -> str:
-    """The CUDA release ("12.9") of the ``ptxas`` that assembles sm_90 for a kernel compiled with
-    ``options``; "" where triton or its NVIDIA backend is missing."""
+def ptxas_for(options: dict) -> tuple[str, str]:
+    """The path and CUDA release ("12.9") of the ``ptxas`` that assembles sm_90 for a kernel compiled
+    with ``options``; ("", "") where triton or its NVIDIA backend is missing."""
     chosen = _asked_by(options)
     if chosen is not None:
-        return chosen.release
+        return chosen.path, chosen.release
     try:
         from triton.backends.nvidia import compiler
-        return compiler.get_ptxas(ARCH).version
+        default = compiler.get_ptxas(ARCH)
+        return default.path, default.version
     except Exception:  # noqa: BLE001
-        return ""
+        return "", ""
+
+
+def release_for(options: dict) -> str:
+    """The CUDA release of ``ptxas_for(options)``; "" where triton or its NVIDIA backend is missing."""
+    return ptxas_for(options)[1]
 
 
 @contextlib.contextmanager
