@@ -933,6 +933,41 @@ def test_ptxas_streams_hashes_instructions_and_groups_streams(monkeypatch):
     assert list(got.values()) == [{"count": 2, "first": "a"}, {"count": 1, "first": "b"}]
 
 
+def test_ptxas_streams_split_puts_each_stream_in_a_copy_of_the_cache(monkeypatch, tmp_path, capsys):
+    """``split``: each backward kernel's PTX in a cache is re-assembled; copy K holds each kernel's K-th stream
+    (the drawn one first, a kernel with fewer streams keeps its last), the rest of the cache copied as it is."""
+    ps = load("tools/ptxas_streams")
+    from stableflash.attention.gluon import sass
+    cache = tmp_path / "cache"
+    runs_of = {"ptx-half": [b"h1", b"h2", b"h2", b"h1", b"h2"], "ptx-full": [b"f1", b"f1", b"f1", b"f1", b"f1"]}
+    for folder, ptx, drawn in (("aa", "ptx-half", b"h1"), ("bb", "ptx-full", b"f1")):
+        (cache / folder).mkdir(parents=True)
+        (cache / folder / "attn_bwd_hopper_kernel.ptx").write_text(ptx)
+        (cache / folder / "attn_bwd_hopper_kernel.cubin").write_bytes(drawn)
+        (cache / folder / "attn_bwd_hopper_kernel.json").write_text("{}")
+    asked = []
+    monkeypatch.setattr(ps, "assemble", lambda ptx, runs, jobs=1: asked.append((runs, jobs)) or runs_of[ptx][:runs])
+    monkeypatch.setattr(sass, "disassemble", lambda cubin: (f"        /*0000*/  {cubin.decode()} ;\n", ""))
+    monkeypatch.setattr(ps, "_summary", lambda cubin: {"ex2": len(cubin)})
+    monkeypatch.setattr(sass, "tools_present", lambda: True)
+    ps.main(["split", str(cache), "--runs", "5", "--jobs", "3", "--out", str(tmp_path / "out")])
+    assert asked == [(5, 3), (5, 3)]
+    read = lambda k, folder: (tmp_path / "out" / f"stream-{k}" / folder / "attn_bwd_hopper_kernel.cubin").read_bytes()
+    assert [read(0, "aa"), read(1, "aa"), read(0, "bb"), read(1, "bb")] == [b"h1", b"h2", b"f1", b"f1"]
+    assert (tmp_path / "out" / "stream-1" / "bb" / "attn_bwd_hopper_kernel.json").read_text() == "{}"
+    got = json.loads((tmp_path / "out" / "streams.json").read_text())
+    h1, h2, f1 = (ps.instruction_hash(f"        /*0000*/  {c} ;") for c in ("h1", "h2", "f1"))
+    assert got["kernels"]["aa"] == {h1: {"runs": 2, "drawn": True, "copies": [0], "ex2": 2},
+                                    h2: {"runs": 3, "drawn": False, "copies": [1], "ex2": 2}}
+    assert got["kernels"]["bb"] == {f1: {"runs": 5, "drawn": True, "copies": [0, 1], "ex2": 2}}
+    assert "(drawn)" in capsys.readouterr().out
+    err = refused(ps.main, ["split", str(tmp_path / "none"), "--out", str(tmp_path / "o")], capsys)
+    assert f"cache {str(tmp_path / 'none')!r} is not a folder" in err
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit, match="no attn_bwd_hopper_kernel.cubin in"):
+        ps.main(["split", str(tmp_path / "empty"), "--out", str(tmp_path / "o")])
+
+
 def test_ptxas_streams_refuses_bad_input(capsys, tmp_path):
     """Bad --shape, --runs or --attempts name the argument, the value and what is accepted; ``draw`` without a
     compute-capability-9.0 GPU says so."""

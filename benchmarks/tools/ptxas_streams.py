@@ -2,6 +2,7 @@
 
     python benchmarks/tools/ptxas_streams.py survey [--runs 8] [--no-aslr] [--json FILE]     # no GPU needed
     python benchmarks/tools/ptxas_streams.py draw --shape 32,12,1024,64 [--attempts 6] --out DIR   # H100/H200
+    python benchmarks/tools/ptxas_streams.py split CACHE [--runs 8] --out DIR                      # no GPU needed
 
 ``survey`` compiles each kernel the route launches (the Gluon forward and the backward that adds dQ up, head_dim
 64 and 128, causal or not, and the head_dim-64 causal backward with its half diagonal block) once to PTX for
@@ -19,12 +20,23 @@ cubin instead of assembling again), e.g.
     TRITON_CACHE_DIR=DIR/attempt-0 python benchmarks/tools/interleaved_bench.py --shape 32,12,1024,64 \\
         --providers sdpa-default stableflash --rounds 3
 
-Both write JSON beside the printed table (``--json``; ``draw`` writes ``DIR/streams.json``).
+``split`` gets every stream without relying on chance: it re-assembles the PTX that a triton cache (one of
+``draw``'s attempts, or any cache a run on an H100/H200 filled) keeps beside each backward kernel's cubin,
+``--runs`` times with the ptxas those launches use and triton's flags, and writes ``DIR/stream-K``: a copy of the
+cache with each kernel's K-th stream in place of its cubin (``stream-0`` holds the streams triton drew; a kernel
+with fewer streams than another keeps its last in the later copies). Triton loads a cached cubin as it is, so a
+benchmark run with ``TRITON_CACHE_DIR=DIR/stream-K`` times stream K. It needs no GPU, only the cache.
+
+    python benchmarks/tools/ptxas_streams.py split CACHE [--runs 8] [--jobs N] --out DIR
+
+All three write JSON beside the printed table (``survey --json``; ``draw`` and ``split`` write
+``DIR/streams.json``).
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import concurrent.futures
 import hashlib
 import json
 import os
@@ -53,14 +65,25 @@ def _summary(cubin: bytes) -> dict:
     return {key: summary[key] for key in SUMMARY_KEYS}
 
 
-def streams(cubins: list[bytes]) -> dict[str, dict]:
-    """hash → {"count": how many of ``cubins`` are that stream, and its summary}, most frequent first."""
+def cubin_hash(cubin: bytes) -> str:
+    """``instruction_hash`` of a cubin's SASS listing."""
     from stableflash.attention.gluon import sass
+    return instruction_hash(sass.disassemble(cubin)[0])
+
+
+def _grouped(cubins: list[bytes]) -> tuple[collections.Counter, dict[str, bytes]]:
+    """How many of ``cubins`` each stream has, and each stream's first cubin."""
     counted, first = collections.Counter(), {}
     for cubin in cubins:
-        key = instruction_hash(sass.disassemble(cubin)[0])
+        key = cubin_hash(cubin)
         counted[key] += 1
         first.setdefault(key, cubin)
+    return counted, first
+
+
+def streams(cubins: list[bytes]) -> dict[str, dict]:
+    """hash → {"count": how many of ``cubins`` are that stream, and its summary}, most frequent first."""
+    counted, first = _grouped(cubins)
     return {key: {"count": n, **_summary(first[key])} for key, n in counted.most_common()}
 
 
@@ -70,19 +93,22 @@ def _assembler() -> tuple[str, str]:
     return assembler.ptxas_for(assembler.options())
 
 
-def assemble(ptx: str, runs: int, no_aslr: bool = False) -> list[bytes]:
-    """``ptx`` assembled ``runs`` times for sm_90a with triton's flags (``-lineinfo -v``)."""
+def assemble(ptx: str, runs: int, no_aslr: bool = False, jobs: int = 1) -> list[bytes]:
+    """``ptx`` assembled ``runs`` times for sm_90a with triton's flags (``-lineinfo -v``), ``jobs`` at a time."""
     ptxas, _ = _assembler()
-    out = []
+    prefix = ["setarch", os.uname().machine, "-R"] if no_aslr else []
     with tempfile.TemporaryDirectory() as tmp:
-        src, obj = Path(tmp, "kernel.ptx"), Path(tmp, "kernel.cubin")
+        src = Path(tmp, "kernel.ptx")
         src.write_text(ptx)
-        prefix = ["setarch", os.uname().machine, "-R"] if no_aslr else []
-        for _ in range(runs):
+
+        def one(i: int) -> bytes:
+            obj = Path(tmp, f"kernel-{i}.cubin")
             subprocess.run([*prefix, ptxas, "-lineinfo", "-v", "--gpu-name=sm_90a", str(src), "-o", str(obj)],
                            check=True, capture_output=True)
-            out.append(obj.read_bytes())
-    return out
+            return obj.read_bytes()
+
+        with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+            return list(pool.map(one, range(runs)))
 
 
 def route_kernels():
@@ -123,7 +149,6 @@ def _call(shape: tuple[int, ...]) -> None:
 
 
 def draw(shape: tuple[int, ...], attempts: int, out: Path) -> dict:
-    from stableflash.attention.gluon import sass
     drawn: dict[str, dict] = {}
     for i in range(attempts):
         cache = out / f"attempt-{i}"
@@ -133,11 +158,49 @@ def draw(shape: tuple[int, ...], attempts: int, out: Path) -> dict:
         if len(cubins) != 1:
             raise RuntimeError(f"attempt {i}: expected one {BACKWARD_CUBIN} in {cache}, found {len(cubins)}")
         cubin = cubins[0].read_bytes()
-        key = instruction_hash(sass.disassemble(cubin)[0])
+        key = cubin_hash(cubin)
         entry = drawn.setdefault(key, {"attempts": [], **_summary(cubin)})
         entry["attempts"].append(str(cache))
         print(f"attempt {i}: {key}", flush=True)
     return {"shape": list(shape), "streams": drawn}
+
+
+def split(cache: Path, runs: int, jobs: int, out: Path) -> dict:
+    """Every stream of each backward kernel in ``cache``, each in a copy of it (the module's docstring)."""
+    folders = sorted(c.parent for c in cache.rglob(BACKWARD_CUBIN))
+    if not folders:
+        raise SystemExit(f"split: no {BACKWARD_CUBIN} in {cache}: run the kernels with TRITON_CACHE_DIR={cache} first")
+    kernels = {}
+    for folder in folders:
+        ptx = folder / BACKWARD_CUBIN.replace(".cubin", ".ptx")
+        if not ptx.is_file():
+            raise SystemExit(f"split: {folder} holds no {ptx.name} beside its cubin, which re-assembling needs")
+        drawn = (folder / BACKWARD_CUBIN).read_bytes()
+        counted, first = _grouped(assemble(ptx.read_text(), runs, jobs=jobs))
+        key = cubin_hash(drawn)
+        first[key] = drawn                                    # the drawn stream first, as triton kept it
+        order = [key] + [k for k, _ in counted.most_common() if k != key]
+        kernels[folder] = [(k, counted[k], first[k]) for k in order]
+    copies = max(len(found) for found in kernels.values())
+    result = {"cache": str(cache), "runs": runs, "copies": [str(out / f"stream-{k}") for k in range(copies)],
+              "kernels": {}}
+    for k in range(copies):
+        copy = out / f"stream-{k}"
+        if copy.exists():
+            shutil.rmtree(copy)
+        shutil.copytree(cache, copy)
+        for folder, found in kernels.items():
+            (copy / folder.relative_to(cache) / BACKWARD_CUBIN).write_bytes(found[min(k, len(found) - 1)][2])
+    for folder, found in kernels.items():
+        name = str(folder.relative_to(cache))
+        result["kernels"][name] = {key: {"runs": n, "drawn": i == 0,
+                                         "copies": [k for k in range(copies) if min(k, len(found) - 1) == i],
+                                         **_summary(cubin)}
+                                   for i, (key, n, cubin) in enumerate(found)}
+        print(f"{name}: " + "  ".join(f"{key} ×{n}{' (drawn)' if i == 0 else ''} in stream-"
+                                      f"{result['kernels'][name][key]['copies']}" for i, (key, n, _) in
+                                      enumerate(found)), flush=True)
+    return result
 
 
 def _shape(text: str) -> tuple[int, ...]:
@@ -168,7 +231,14 @@ def main(argv: list[str] | None = None) -> None:
     d.add_argument("--shape", type=_shape, required=True, help="B,H,N,d of the causal call")
     d.add_argument("--attempts", type=_positive, default=6, help="fresh caches to draw (default 6)")
     d.add_argument("--out", type=Path, required=True, help="folder of the attempts' caches and streams.json")
+    p = sub.add_parser("split", help="re-assemble each backward kernel of a triton cache; one copy per stream")
+    p.add_argument("cache", type=Path, help="a triton cache holding the backward kernels (TRITON_CACHE_DIR of a run)")
+    p.add_argument("--runs", type=_positive, default=8, help="assemblies per kernel (default 8)")
+    p.add_argument("--jobs", type=_positive, default=os.cpu_count() or 1, help="assemblies at a time (default: cores)")
+    p.add_argument("--out", type=Path, required=True, help="folder of the copies and streams.json")
     args = ap.parse_args(argv)
+    if args.command == "split" and not args.cache.is_dir():
+        ap.error(f"cache {str(args.cache)!r} is not a folder; accepted: a triton cache folder (TRITON_CACHE_DIR)")
     if args.command == "draw":
         import torch
         if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
@@ -184,7 +254,10 @@ def main(argv: list[str] | None = None) -> None:
             args.json.write_text(json.dumps(result, indent=1))
         return
     args.out.mkdir(parents=True, exist_ok=True)
-    result = draw(args.shape, args.attempts, args.out)
+    if args.command == "split":
+        result = split(args.cache, args.runs, args.jobs, args.out)
+    else:
+        result = draw(args.shape, args.attempts, args.out)
     (args.out / "streams.json").write_text(json.dumps(result, indent=1))
 
 
