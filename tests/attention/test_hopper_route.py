@@ -25,7 +25,9 @@ before replays its kept plan (``launch_cache.Plan``): the same kernels and argum
 the launches the call builds; O, dK and dV bit for bit what the plans switched off give; a plan
 recorded from ``flash_attention(x, x, x)`` is not run for distinct q, k, v. Without a GPU (the
 launches stood in for): each replayed launch gets, place by place, what the call builds with the
-plans off — the route's packed backward and forward, the Triton forward.
+plans off — the route's packed backward and forward, the Triton forward. On an H100/H200 the kernels that
+the SASS checks compile without a GPU (``sass.compile_forward``, ``compile_backward`` at ``sass.LAUNCH_SHAPE``)
+have the PTX of those a call of that shape launches.
 """
 import contextlib
 
@@ -722,3 +724,30 @@ def test_the_routes_settings_name_every_threshold_by_value(monkeypatch):
             m.setattr(route, name, value)
             assert route.settings() != base, name
     assert route.settings() == base
+
+
+def _code(ptx: str) -> str:
+    """PTX without its debug lines (``.loc``, ``.file``, comments), which name source files and lines."""
+    return "\n".join(line for line in ptx.splitlines()
+                     if not line.lstrip().startswith((".loc", ".file", "//")))
+
+
+@on_hopper
+@pytest.mark.parametrize("d, causal", [(64, True), (64, False), (128, True), (128, False)])
+def test_the_compile_checks_build_what_the_route_launches(d, causal):
+    """``sass.compile_forward`` and ``compile_backward`` (what the SASS checks count, compiled without a GPU) at
+    ``sass.LAUNCH_SHAPE`` build the PTX, debug lines aside, of the kernels that a ``flash_attention`` call of
+    that shape launches on the GPU — the forward with its default tiles, the backward with the route's."""
+    from stableflash.attention.gluon import sass
+    from stableflash.attention.gluon.hopper_backward import route_backward_tiles
+    from stableflash.attention.triton import launch_cache
+    B, H, N = sass.LAUNCH_SHAPE
+    launch_cache.clear()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(B, H, N, d, generator=gen, device="cuda").to(torch.bfloat16).requires_grad_()
+               for _ in range(3))
+    flash_attention(q, k, v, causal=causal).sum().backward()
+    launched = {kernel.name: _code(kernel.asm["ptx"]) for kernel in launch_cache._kernels.values()}
+    assert launched["attn_fwd_hopper_kernel"] == _code(sass.compile_forward(d, causal).asm["ptx"])
+    backward = sass.compile_backward(d, causal, route_backward_tiles(d, N))["fused"]
+    assert launched["attn_bwd_hopper_kernel"] == _code(backward.asm["ptx"])

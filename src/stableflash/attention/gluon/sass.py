@@ -1,9 +1,12 @@
 """Compile the Gluon Hopper forward for sm_90a without a GPU, and read its SASS.
 
-``compile_forward`` builds the kernel for compute capability 9.0 with the ptxas of the triton wheel
-that launches assemble it with (``triton.assembler``; ``triton.compile`` on a ``GluonASTSource`` with
-an explicit ``GPUTarget``: no driver, nothing runs); ``sass_summary`` disassembles the cubin with the
-wheel's nvdisasm and counts what shows whether the sm90 features came through:
+``compile_forward`` builds the kernel for compute capability 9.0 as the launcher launches it at
+``LAUNCH_SHAPE``: ``launch.launch_args`` bound for CPU tensors of that shape and compiled through
+triton's runtime (``warmup``) with a stand-in for the CUDA driver (nothing runs), assembled by the
+ptxas the launches use (``triton.assembler``). Triton specializes a launch on its integer arguments
+(multiples of 16, the value 1), so the shape picks the code: at ``LAUNCH_SHAPE`` it is the PTX that
+multi-head attention at the usual training shapes runs on the GPU. ``sass_summary`` disassembles the
+cubin with the wheel's nvdisasm and counts what shows whether the sm90 features came through:
 
 - ``instructions``: the kernel's SASS instructions (every partition's code, each counted once);
 - ``hgmma``: warpgroup products (HGMMA), one per 16 of the reduction dimension per product site;
@@ -25,13 +28,13 @@ wheel's nvdisasm and counts what shows whether the sm90 features came through:
 - ``half_swaps``: PRMT with selector 0x5432, which swaps a register's two 16-bit halves — what ptxas
   emits when bf16 pairs are packed in one order and read as a product's operand in the other.
 
-``compile_through_runtime`` compiles the launcher's own arguments (``launch.launch_args``: host
-TMA descriptors, grid, compile-time arguments) through triton's runtime (``warmup``, nothing
-launched) with a stand-in for the CUDA driver: the launch path up to the driver call.
+``compile_through_runtime`` compiles the same path for the general case — grouped-query heads, a
+strided query, sequence lengths that are not multiples of a block — and says what its grid and PTX
+hold: the launch path up to the driver call.
 
 ``compile_backward`` / ``check_backward`` do the same for the backward's two kernels (dK/dV and
 dQ) or, for tiles with ``atomic_dq``, its one kernel ("fused"), ``compile_backward_through_runtime``
-for its launcher's arguments, and
+for the general case, and
 ``offline_backward_checks`` runs them in fresh Python processes side by side.
 
 ``offline_checks`` runs these in a fresh Python process when this one runs Triton's interpreter
@@ -53,9 +56,8 @@ from pathlib import Path
 
 import triton
 from triton.backends.compiler import GPUTarget
-from triton.experimental import gluon
 
-from stableflash.attention.gluon.hopper_forward import Tiles, attn_fwd_hopper_kernel, descriptor_layout, tiles_for
+from stableflash.attention.gluon.hopper_forward import Tiles, attn_fwd_hopper_kernel, tiles_for
 from stableflash.attention.triton import assembler
 
 _BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
@@ -66,30 +68,42 @@ def tools_present() -> bool:
     return (_BIN / "nvdisasm").exists() and (_BIN / "cuobjdump").exists()
 
 
-def _desc(rows: int, head_dim: int) -> str:
-    """The signature type of a host TMA descriptor as the launcher builds it (``launch._descriptor``)."""
-    return f"tensordesc<bf16[1,1,{rows},{head_dim}],{descriptor_layout(rows, head_dim)!r}>"
+# (B, H, N): the launch the compile checks build. Triton compiles a launch knowing which of its integer arguments
+# are multiples of 16 and with an integer argument equal to 1 as that constant, so one kernel compiles to
+# different code for different shapes. At this one — every query head its own key head (a group of 1), sequence
+# lengths and head count multiples of 16 — the checks build what multi-head attention at the usual training
+# shapes launches: the same PTX.
+LAUNCH_SHAPE = (2, 16, 1024)
 
 
-def compile_forward(head_dim: int, causal: bool, tiles: Tiles | None = None, residual: bool = True):
-    """The forward's kernel compiled for sm_90a (a triton ``CompiledKernel``; never launched); ``residual``
-    False: the kernel that stores no R (``stabilize=False``)."""
+def _warmup(fn, launch: tuple, options: dict):
+    """``fn`` compiled for sm_90a through triton's runtime for one launch (grid, arguments, compile-time
+    arguments) without a GPU (the stand-in driver), assembled as that launch is (``assembler.for_options``)."""
+    grid, args, meta = launch
+    with _stand_in_driver(), assembler.for_options(options):
+        return fn.warmup(*args, grid=grid, **meta)
+
+
+def _bf16(*shape: int):
+    import torch
+    return torch.empty(*shape, dtype=torch.bfloat16)
+
+
+def compile_forward(head_dim: int, causal: bool, tiles: Tiles | None = None, residual: bool = True,
+                    shape: tuple[int, int, int] = LAUNCH_SHAPE):
+    """The forward's kernel compiled for sm_90a as ``launch.launch_args`` launches it at ``shape`` (B, H, N)
+    with CPU tensors (a triton ``CompiledKernel``; never launched); ``residual`` False: the kernel that
+    stores no R (``stabilize=False``)."""
+    import torch
+
+    from stableflash.attention.gluon.launch import launch_args
     t = tiles or tiles_for(head_dim, causal)
     t.check()
-    q, kv = _desc(t.q_rows, head_dim), _desc(t.block_n, head_dim)
-    signature = {"q_desc": q, "k_desc": kv, "v_desc": kv, "o_desc": q, "r_desc": q, "lse_ptr": "*fp32",
-                 "n_q": "i32", "n_k": "i32", "n_heads": "i32", "group": "i32", "n_bh": "i32", "qk_scale": "fp32"}
-    constexprs = t.constexprs(head_dim, causal, residual)
-    signature.update({name: "constexpr" for name in constexprs})
-    return _compile_sm90a(gluon._runtime.GluonASTSource(attn_fwd_hopper_kernel, signature=signature,
-                                                        constexprs=constexprs), t.options)
-
-
-def _compile_sm90a(src, options: dict):
-    """``src`` compiled for sm_90a with ``options``, assembled as a launch with those options is
-    (``assembler.for_options``)."""
-    with assembler.for_options(options):
-        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    B, H, N = shape
+    q, k, v, o = (_bf16(B, H, N, head_dim) for _ in range(4))
+    r = _bf16(B, H, N, head_dim) if residual else _bf16(0)
+    return _warmup(attn_fwd_hopper_kernel, launch_args(q, k, v, o, torch.empty(B, H, N), r, causal, None, t),
+                   t.options)
 
 
 def _run_on_cubin(cubin: bytes, *commands: list[str]) -> list[str]:
@@ -248,12 +262,12 @@ def compile_through_runtime(head_dim: int = 64, causal: bool = True, tiles: Tile
     import torch
 
     from stableflash.attention.gluon.launch import launch_args
-    with _stand_in_driver():
-        q = torch.zeros(2, 200, 4, head_dim, dtype=torch.bfloat16).transpose(1, 2)
-        k, v = (torch.zeros(2, 2, 150, head_dim, dtype=torch.bfloat16) for _ in range(2))
-        o, residual, lse = torch.empty_like(q), torch.empty(q.shape, dtype=q.dtype), torch.empty(q.shape[:3])
-        grid, args, meta = launch_args(q, k, v, o, lse, residual, causal, None, tiles)
-        kernel = attn_fwd_hopper_kernel.warmup(*args, grid=grid, **meta)
+    t = tiles or tiles_for(head_dim, causal)
+    q = _bf16(2, 200, 4, head_dim).transpose(1, 2)
+    k, v = _bf16(2, 2, 150, head_dim), _bf16(2, 2, 150, head_dim)
+    o, residual, lse = torch.empty_like(q), torch.empty(q.shape, dtype=q.dtype), torch.empty(q.shape[:3])
+    launch = launch_args(q, k, v, o, lse, residual, causal, None, t)
+    grid, kernel = launch[0], _warmup(attn_fwd_hopper_kernel, launch, t.options)
     ptx = kernel.asm["ptx"]
     return {"grid": list(grid), "wgmma": "wgmma.mma_async" in ptx, "tma": "cp.async.bulk.tensor.4d" in ptx,
             "num_warps": kernel.metadata.num_warps, "shared_bytes": kernel.metadata.shared}
@@ -293,38 +307,35 @@ def offline_checks(configs: list, runtime: bool = False, isolate: bool | None = 
 
 # --- the backward ---------------------------------------------------------------------------------
 
-def compile_backward(head_dim: int, causal: bool, tiles=None) -> dict:
-    """The backward's kernels compiled for sm_90a, {"dkdv": ..., "dq": ...}, or {"fused": ...} for tiles
-    with ``atomic_dq`` (triton ``CompiledKernel``s; never launched)."""
+def _backward_kernels(do, q, k, v, lse, delta, causal: bool, tiles) -> tuple[dict, dict]:
+    """({name: grid}, {name: compiled kernel}) of the backward's launches (``launch_backward.launch_args_backward``)
+    for CPU tensors: "dkdv" and "dq", or "fused" for tiles with ``atomic_dq``."""
+    import torch
+
     from stableflash.attention.gluon.hopper_backward import (attn_bwd_dkdv_hopper_kernel, attn_bwd_dq_hopper_kernel,
-                                                             attn_bwd_hopper_kernel, backward_tiles_for)
-    from stableflash.attention.gluon.launch import vector_layout
-    from stableflash.attention.gluon.launch_backward import dq_buffer_layout
+                                                             attn_bwd_hopper_kernel)
+    from stableflash.attention.gluon.launch_backward import dq_buffer, launch_args_backward
+    functions = {"dkdv": attn_bwd_dkdv_hopper_kernel, "dq": attn_bwd_dq_hopper_kernel, "fused": attn_bwd_hopper_kernel}
+    d = q.shape[-1]
+    dq = dq_buffer(q, tiles.dq_transposed(d)) if tiles.atomic_dq else torch.empty_like(q)
+    launches = launch_args_backward(do, q, k, v, dq, torch.empty_like(k), torch.empty_like(v), lse, delta, causal,
+                                    None, tiles)
+    return ({name: launch[0] for name, launch in launches.items()},
+            {name: _warmup(functions[name], launch, tiles.options) for name, launch in launches.items()})
+
+
+def compile_backward(head_dim: int, causal: bool, tiles=None, shape: tuple[int, int, int] = LAUNCH_SHAPE) -> dict:
+    """The backward's kernels compiled for sm_90a as the launcher launches them at ``shape`` (B, H, N) with CPU
+    tensors, {"dkdv": ..., "dq": ...}, or {"fused": ...} for tiles with ``atomic_dq`` (triton
+    ``CompiledKernel``s; never launched)."""
+    import torch
+
+    from stableflash.attention.gluon.hopper_backward import backward_tiles_for
     t = tiles or backward_tiles_for(head_dim, causal)
     t.check(head_dim)
-    scalars = {"n_q": "i32", "n_k": "i32", "n_heads": "i32", "group": "i32", "qk_scale": "fp32", "scale": "fp32"}
-    q, kv = _desc(t.block_m, head_dim), _desc(64, head_dim)
-    descriptors = {"q_desc": q, "k_desc": kv, "v_desc": kv, "do_desc": q, "dk_desc": kv, "dv_desc": kv}
-    pointers = {"lse_ptr": "*fp32", "delta_ptr": "*fp32", **scalars}
-    vector = f"tensordesc<fp32[1,{t.vector_block}],{vector_layout(t.vector_block)!r}>"
-    vectors = {"lse_desc": vector, "delta_desc": vector, **scalars}
-    if t.atomic_dq:
-        rows, cols = t.dq_tile(head_dim)
-        dq_sum = f"tensordesc<fp32[1,1,{rows},{cols}],{dq_buffer_layout(rows, cols)!r}>"
-        kernels = [("fused", attn_bwd_hopper_kernel, {**descriptors, "dq_desc": dq_sum, **vectors},
-                    t.dkdv_constexprs(head_dim, causal))]
-    else:
-        q, kv = _desc(64, head_dim), _desc(t.dq_block_n, head_dim)
-        dq = {"q_desc": q, "k_desc": kv, "v_desc": kv, "do_desc": q, "dq_desc": q, **pointers}
-        kernels = [("dkdv", attn_bwd_dkdv_hopper_kernel, {**descriptors, **vectors},
-                    t.dkdv_constexprs(head_dim, causal)),
-                   ("dq", attn_bwd_dq_hopper_kernel, dq, t.dq_constexprs(head_dim, causal))]
-    out = {}
-    for name, fn, signature, constexprs in kernels:
-        signature = {**signature, **{n: "constexpr" for n in constexprs}}
-        out[name] = _compile_sm90a(gluon._runtime.GluonASTSource(fn, signature=signature, constexprs=constexprs),
-                                   t.options)
-    return out
+    B, H, N = shape
+    q, k, v, do = (_bf16(B, H, N, head_dim) for _ in range(4))
+    return _backward_kernels(do, q, k, v, torch.empty(B, H, N), torch.empty(B, H, N), causal, t)[1]
 
 
 def check_backward(head_dim: int, causal: bool, tiles=None) -> list[dict]:
@@ -346,21 +357,12 @@ def compile_backward_through_runtime(head_dim: int = 64, causal: bool = True, ti
     active before given back afterwards. {kernel: its grid and what its PTX holds}."""
     import torch
 
-    from stableflash.attention.gluon.hopper_backward import (attn_bwd_dkdv_hopper_kernel, attn_bwd_dq_hopper_kernel,
-                                                             attn_bwd_hopper_kernel)
-    from stableflash.attention.gluon.launch_backward import dq_buffer, launch_args_backward
-    functions = {"dkdv": attn_bwd_dkdv_hopper_kernel, "dq": attn_bwd_dq_hopper_kernel, "fused": attn_bwd_hopper_kernel}
-    with _stand_in_driver():
-        q, do = (torch.zeros(2, 200, 4, head_dim, dtype=torch.bfloat16).transpose(1, 2) for _ in range(2))
-        k, v = (torch.zeros(2, 2, 150, head_dim, dtype=torch.bfloat16) for _ in range(2))
-        lse, delta = torch.zeros(2, 4, 200), torch.zeros(2, 4, 200)
-        atomic = tiles is not None and tiles.atomic_dq
-        dq = dq_buffer(q, tiles.dq_transposed(head_dim)) if atomic else torch.empty_like(q)
-        launches = launch_args_backward(do, q, k, v, dq, torch.empty_like(k), torch.empty_like(v), lse, delta, causal,
-                                        None, tiles)
-        kernels = {name: functions[name].warmup(*args, grid=grid, **meta)
-                   for name, (grid, args, meta) in launches.items()}
-    return {name: {"grid": list(launches[name][0]), "wgmma": "wgmma.mma_async" in k.asm["ptx"],
+    from stableflash.attention.gluon.hopper_backward import backward_tiles_for
+    t = tiles or backward_tiles_for(head_dim, causal)
+    q, do = (_bf16(2, 200, 4, head_dim).transpose(1, 2) for _ in range(2))
+    k, v = _bf16(2, 2, 150, head_dim), _bf16(2, 2, 150, head_dim)
+    grids, kernels = _backward_kernels(do, q, k, v, torch.zeros(2, 4, 200), torch.zeros(2, 4, 200), causal, t)
+    return {name: {"grid": list(grids[name]), "wgmma": "wgmma.mma_async" in k.asm["ptx"],
                    "tma": "cp.async.bulk.tensor.4d" in k.asm["ptx"], "num_warps": k.metadata.num_warps,
                    "shared_bytes": k.metadata.shared}
             for name, k in kernels.items()}
