@@ -6,7 +6,7 @@
 
 ``survey`` compiles each kernel the route launches (the Gluon forward and the backward that adds dQ up, head_dim
 64 and 128, causal or not, and the head_dim-64 causal backward with its half diagonal block) once to PTX for
-sm_90a, assembles that PTX ``--runs`` times with the ptxas its launches use and triton's flags, and hashes each
+sm_90a as a launch at ``sass.LAUNCH_SHAPE`` compiles it (the PTX of the kernels such a launch runs), assembles that PTX ``--runs`` times with the ptxas its launches use and triton's flags, and hashes each
 result's instruction lines (addresses left out): one hash per kernel is a deterministic assembly, more are
 streams ptxas picks between from the same PTX. ``--no-aslr`` runs ptxas with address-space randomisation off
 (``setarch -R``). Each stream is summarised by ``sass.cubin_summary``.

@@ -253,9 +253,8 @@ HALF_SKIP_MAX_KEYS = 2048
 
 def route_backward_tiles(head_dim: int, n_keys: int) -> BackwardTiles:
     """The tiles the route's backward launches: ``atomic_backward_tiles``, at head_dim 64 with
-    ``skip_hidden`` below ``HALF_SKIP_MAX_KEYS`` keys (the backward 2.5–5.7% faster at 32×12×1024×64 with
-    it, 1.6–3.3% slower at 2048–4096 tokens, where the rest of the kernel loses more than the diagonal
-    saves; docs/kernels.md)."""
+    ``skip_hidden`` below ``HALF_SKIP_MAX_KEYS`` keys: with it the backward alone is faster at 32×12×1024×64
+    in every process timed, and at 2048 and 4096 tokens slower in most, by up to 3% (docs/kernels.md)."""
     tiles = atomic_backward_tiles(head_dim)
     if head_dim == 64:
         return tiles._replace(skip_hidden=n_keys < HALF_SKIP_MAX_KEYS)
