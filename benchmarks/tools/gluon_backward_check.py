@@ -5,8 +5,9 @@
 
 Without --time: compiles ``stableflash.attention.gluon``'s backward — the dK/dV kernel and the dQ
 kernel, and the one kernel adding dQ up by TMA reduce-adds with the route's tiles
-(``atomic_backward_tiles``, "fused") — for compute capability 9.0 (sm_90a) with the triton wheel's own ptxas, for head_dim 64
-and 128, causal and not, and reads each cubin's SASS (``stableflash.attention.gluon.sass``):
+(``atomic_backward_tiles``, "fused") — for compute capability 9.0 (sm_90a) with the triton wheel's own ptxas, as a
+launch at ``sass.LAUNCH_SHAPE`` compiles them (the code the training shapes run), for head_dim 64 and 128, causal and
+not, and reads each cubin's SASS (``stableflash.attention.gluon.sass``):
 HGMMA count; the warpgroup waits by how many products they leave in flight
 (``WARPGROUP.DEPBAR.LE gsb0, N``: N ≥ 1 is an asynchronous product past the wait); the
 exponentials placed while a product is in flight; TMA loads, stores and reduce-adds (UTMALDG,

@@ -5,7 +5,8 @@
         [--tiles 64x128x3 128x64x3p ...] [--json OUT.json]
 
 Without --time: compiles ``stableflash.attention.gluon``'s forward for compute capability 9.0
-(sm_90a) with the triton wheel's own ptxas, for head_dim 64 and 128, causal and not, and reads
+(sm_90a) with the triton wheel's own ptxas, as a launch at ``sass.LAUNCH_SHAPE`` compiles it (the code
+the training shapes run), for head_dim 64 and 128, causal and not, and reads
 each cubin's SASS (``stableflash.attention.gluon.sass``): its instruction count ("SASS"); HGMMA
 count; the warpgroup waits by how many products they leave in flight (``WARPGROUP.DEPBAR.LE gsb0,
 N``: N ≥ 1 is an asynchronous product past the wait); the softmax exponentials placed while a
