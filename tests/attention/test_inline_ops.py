@@ -66,6 +66,35 @@ def test_the_packed_ops_agree_with_their_fakes_and_schemas():
     assert dqkv.is_contiguous() and torch.equal(torch.stack(want, 2).transpose(1, 3), dqkv)
 
 
+def test_a_packed_body_fills_left_out_trailing_arguments_as_its_signature_does():
+    """``_PackedBody``: torch's dispatcher leaves out trailing arguments equal to their defaults; the body gets
+    what binding the call to its signature gives — the defaults filled in from the left-out one on, by position
+    or with keywords — and a call short of a required argument is refused as binding refuses it."""
+    got = []
+
+    def body(q, k, v, causal, scale, band=None, dropout_p=0.0):
+        got.append((q, k, v, causal, scale, band, dropout_p))
+
+    packed = op._PackedBody(body, "body", grads=False)
+    qkv = torch.arange(2 * 5 * 3 * 1 * 4, dtype=torch.float32).view(2, 5, 3, 1, 4)
+    q, k, v = op.unpack_qkv(qkv)
+
+    def bound(*args, **kwargs):
+        call = packed.__signature__.bind(*args, **kwargs)
+        call.apply_defaults()
+        return tuple(call.arguments.values())
+    for args, kwargs in (((qkv, True, 0.5), {}), ((qkv, True, 0.5, (3, 0, False)), {}),
+                         ((qkv, True, 0.5, None, 0.1), {}), ((qkv, True), {"scale": 0.5, "dropout_p": 0.2})):
+        got.clear()
+        packed(*args, **kwargs)
+        want = bound(*args, **kwargs)
+        (gq, gk, gv, *rest), = got
+        assert all(torch.equal(a, b) for a, b in zip((gq, gk, gv), (q, k, v))) and tuple(rest) == want[1:], (args, rest)
+    assert packed._required == 3 and packed._defaults[3:] == (None, 0.0)
+    with pytest.raises(TypeError, match="scale"):
+        packed(qkv, True)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter runs only without a GPU here")
 def test_under_the_interpreter_the_inline_ops_return_the_opaque_ops_outputs():
     q, k, v, do = _inputs((1, 2, 40, 32), 1)

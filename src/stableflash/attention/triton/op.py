@@ -934,11 +934,18 @@ class _PackedBody:
         self.__name__, self.__globals__ = name, fn.__globals__
         self.__signature__ = _packed_signature(fn, "torch.Tensor" if grads else None)
         self._names = tuple(self.__signature__.parameters)
+        self._defaults = tuple(p.default for p in self.__signature__.parameters.values())
+        # the fewest positional arguments a call may give: those after it all have defaults
+        self._required = max((i + 1 for i, d in enumerate(self._defaults) if d is inspect.Parameter.empty), default=0)
         self._at = self._names.index("qkv")              # fn's q, k, v there; a backward's dO before it
         assert not grads or self._at == 1
 
     def __call__(self, *args, **kwargs):
-        if kwargs or len(args) != len(self._names):      # torch's dispatcher passes every argument by position
+        # torch's dispatcher passes the arguments by position and leaves out trailing ones equal to their
+        # defaults (the mask arguments of an unmasked call): those are filled in from the signature's defaults
+        if not kwargs and self._required <= len(args) < len(self._names):
+            args = args + self._defaults[len(args):]
+        elif kwargs or len(args) != len(self._names):
             bound = self.__signature__.bind(*args, **kwargs)
             bound.apply_defaults()
             args = tuple(bound.arguments.values())
