@@ -89,21 +89,26 @@ def _bf16(*shape: int):
     return torch.empty(*shape, dtype=torch.bfloat16)
 
 
+def _forward_kernel(q, k, v, causal: bool, tiles: Tiles, residual: bool) -> tuple[tuple, object]:
+    """(grid, compiled kernel) of the forward's launch (``launch.launch_args``) for CPU tensors, with O, L and
+    (``residual``) R allocated as the launcher's caller allocates them."""
+    import torch
+
+    from stableflash.attention.gluon.launch import launch_args
+    r = torch.empty(q.shape, dtype=q.dtype) if residual else _bf16(0)
+    launch = launch_args(q, k, v, torch.empty_like(q), torch.empty(q.shape[:3]), r, causal, None, tiles)
+    return launch[0], _warmup(attn_fwd_hopper_kernel, launch, tiles.options)
+
+
 def compile_forward(head_dim: int, causal: bool, tiles: Tiles | None = None, residual: bool = True,
                     shape: tuple[int, int, int] = LAUNCH_SHAPE):
     """The forward's kernel compiled for sm_90a as ``launch.launch_args`` launches it at ``shape`` (B, H, N)
     with CPU tensors (a triton ``CompiledKernel``; never launched); ``residual`` False: the kernel that
     stores no R (``stabilize=False``)."""
-    import torch
-
-    from stableflash.attention.gluon.launch import launch_args
     t = tiles or tiles_for(head_dim, causal)
     t.check()
-    B, H, N = shape
-    q, k, v, o = (_bf16(B, H, N, head_dim) for _ in range(4))
-    r = _bf16(B, H, N, head_dim) if residual else _bf16(0)
-    return _warmup(attn_fwd_hopper_kernel, launch_args(q, k, v, o, torch.empty(B, H, N), r, causal, None, t),
-                   t.options)
+    q, k, v = (_bf16(*shape, head_dim) for _ in range(3))
+    return _forward_kernel(q, k, v, causal, t, residual)[1]
 
 
 def _run_on_cubin(cubin: bytes, *commands: list[str]) -> list[str]:
@@ -259,15 +264,10 @@ def compile_through_runtime(head_dim: int = 64, causal: bool = True, tiles: Tile
     compile them through triton's runtime (``warmup``) for sm_90a with a stand-in driver; the grid
     and what the PTX holds. Triton's active driver is the stand-in during the compile alone: the
     one active before comes back afterwards (a GPU launch later in the process needs the real one)."""
-    import torch
-
-    from stableflash.attention.gluon.launch import launch_args
     t = tiles or tiles_for(head_dim, causal)
     q = _bf16(2, 200, 4, head_dim).transpose(1, 2)
     k, v = _bf16(2, 2, 150, head_dim), _bf16(2, 2, 150, head_dim)
-    o, residual, lse = torch.empty_like(q), torch.empty(q.shape, dtype=q.dtype), torch.empty(q.shape[:3])
-    launch = launch_args(q, k, v, o, lse, residual, causal, None, t)
-    grid, kernel = launch[0], _warmup(attn_fwd_hopper_kernel, launch, t.options)
+    grid, kernel = _forward_kernel(q, k, v, causal, t, residual=True)
     ptx = kernel.asm["ptx"]
     return {"grid": list(grid), "wgmma": "wgmma.mma_async" in ptx, "tma": "cp.async.bulk.tensor.4d" in ptx,
             "num_warps": kernel.metadata.num_warps, "shared_bytes": kernel.metadata.shared}
