@@ -751,3 +751,45 @@ def test_the_compile_checks_build_what_the_route_launches(d, causal):
     assert launched["attn_fwd_hopper_kernel"] == _code(sass.compile_forward(d, causal).asm["ptx"])
     backward = sass.compile_backward(d, causal, route_backward_tiles(d, N))["fused"]
     assert launched["attn_bwd_hopper_kernel"] == _code(backward.asm["ptx"])
+
+
+@pytest.mark.gpu
+@on_hopper
+def test_graph_replays_of_the_packed_route_compute_the_buffers_current_values(monkeypatch):
+    """``flash_attn_qkvpacked_func`` forward and backward on the Gluon route (head_dim 64, causal, from
+    both thresholds), repeated on the same qkv and dO buffers: the plans' first repeats capture graphs
+    (the forward's and the backward's), later calls replay them. After new values are written into
+    the buffers, a replayed call's O and dK, dV equal the launched call's bit for bit, and its dQ
+    (summed by atomics, in no fixed order) is within 1.25× (+1e-4) of the launched dQ's error
+    against float64."""
+    from stableflash.attention import flash_attn_qkvpacked_func
+    from stableflash.attention.triton import launch_cache
+    from tests.attention.test_launch_cache import _counted_captures, _until_replays_alone
+    monkeypatch.setattr(launch_cache, "GRAPHS", True)
+    monkeypatch.setattr(launch_cache, "VERIFY", False)       # the suite's check builds every planned call instead
+    graphs = _counted_captures(monkeypatch)
+    gen = torch.Generator(device="cuda").manual_seed(13)
+    B, n, H, d = 2, max(route.BACKWARD_MIN_KEYS[64], route.FORWARD_MIN_KEYS[(64, True)]), 2, 64
+    qkv = torch.randn(B, n, 3, H, d, generator=gen, device="cuda").bfloat16()
+    do = torch.randn(B, n, H, d, generator=gen, device="cuda").bfloat16()
+
+    def step():
+        x = qkv.detach().requires_grad_(True)
+        o = flash_attn_qkvpacked_func(x, causal=True)
+        g = torch.autograd.grad(o, x, do)[0]
+        return [o.detach().clone(), *(g[:, :, i].clone() for i in range(3))]
+    new = [torch.randn(t.shape, generator=gen, device="cuda").bfloat16() for t in (qkv, do)]  # allocated before
+    _until_replays_alone(step, graphs, 2)                  # the forward's graph and the backward's
+    captured, before = len(graphs), sum(g.replays for g in graphs)
+    qkv.copy_(new[0])
+    do.copy_(new[1])
+    got = step()
+    assert len(graphs) == captured and sum(g.replays for g in graphs) == before + 2
+    monkeypatch.setattr(launch_cache, "GRAPHS", False)
+    launched = step()
+    for name, a, b in zip(("O", "dK", "dV"), (got[0], *got[2:]), (launched[0], *launched[2:])):
+        assert torch.equal(a, b), name
+    q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
+    ref = expanded_reference(q, k, v, do.transpose(1, 2), True)[1].transpose(1, 2)
+    err, err_t = (((y.double() - ref).norm() / ref.norm()).item() for y in (got[1], launched[1]))
+    assert err <= 1.25 * err_t + 1e-4, (err, err_t)

@@ -96,6 +96,27 @@ def test_a_packed_body_fills_left_out_trailing_arguments_as_its_signature_does()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter runs only without a GPU here")
+def test_the_inline_forward_hands_a_call_to_the_opaque_forward_without_an_autograd_layer():
+    """The op the inline forward's body calls where a call must stay opaque (here: the interpreter) is
+    ``stableflash::attn_fwd_opaque``: schema and fake agree with its run, it has no autograd kernel of its
+    own (the inline op's formula gives the gradient; a custom_op's Python autograd layer would run on
+    every call in a compiled graph), and it gives the outputs of ``stableflash::attn_fwd``, which has one."""
+    q, k, v, _ = _inputs((1, 2, 40, 32), 3)
+    args = (q, k, v, True, 0.25, *CONFIG.op_args(), *Masks().op_args())
+    torch.library.opcheck(op.attn_fwd_opaque, args, test_utils=("test_schema", "test_faketensor"))
+    assert op.attn_fwd_opaque is torch.ops.stableflash.attn_fwd_opaque.default
+    called = []
+    real = op.attn_fwd_opaque
+    with mock.patch.object(op, "attn_fwd_opaque", lambda *a: called.append(a) or real(*a)):
+        inline = op.attn_fwd_inline(*args)
+    assert len(called) == 1
+    has = torch._C._dispatch_has_kernel_for_dispatch_key
+    assert not has("stableflash::attn_fwd_opaque", "Autograd") and has("stableflash::attn_fwd", "Autograd")
+    for a, b in zip(inline, op.attn_fwd(*args)):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter runs only without a GPU here")
 def test_under_the_interpreter_the_inline_ops_return_the_opaque_ops_outputs():
     q, k, v, do = _inputs((1, 2, 40, 32), 1)
     assert op.why_not_inline(q, k, v, CONFIG, Masks()) == "Triton's interpreter runs the kernels"

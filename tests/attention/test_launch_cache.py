@@ -376,6 +376,95 @@ def test_a_plan_sends_each_of_the_calls_tensors_and_new_buffers_to_their_places(
     assert not plan.current
 
 
+def test_a_plan_replays_a_call_repeating_its_addresses_as_one_captured_graph(monkeypatch):
+    """``Plan`` on a CUDA device (its graph store present; the capture and the capture check stood in
+    for): a call's first addresses launch one by one, their first repeat captures the launches (on the
+    capture's stream) and replays the graph, later repeats replay it alone; other addresses launch; so
+    does every call while the stream is being captured, with a launch hook set or with ``GRAPHS`` off;
+    each store stays bounded; a refused capture leaves the plan launching, with a warning; a plan of
+    CPU tensors keeps no store."""
+    entry, kernel, launched = _replay_world(monkeypatch)
+    a, b, buf = torch.zeros(64), torch.zeros(64), torch.zeros(8, 8)
+    launches = [(entry, (4,), (_Descriptor(buf, [8, 8], [8, 1], [4, 8]), a, 64, 2.0), {"BLOCK": 16}),
+                (entry, (2, 3), (_Descriptor(b.view(8, 8), [8, 8], [8, 1], [4, 8]), buf, 64, 2.0), {"BLOCK": 16})]
+    for _ in range(2):
+        for kern, grid, args, kwargs in launches:
+            launch_cache.launch(kern, grid, *args, **kwargs)
+    plan = launch_cache.Plan.record((a, b), (buf,), launches)
+    assert plan.graphs is None                                     # CPU tensors: no graphs
+    plan.graphs = {}                                               # as a plan of CUDA tensors has
+    buffers = (torch.zeros(8, 8),)
+    capturing = []
+    monkeypatch.setattr(launch_cache, "_capturing", lambda: bool(capturing))
+
+    class Graph:
+        def __init__(self, ts):
+            self.ts = ts
+
+        def replay(self):
+            launched.append(("replay", self.ts))
+
+    def capture(p, ts):
+        p.launch(ts, "capture stream")
+        return Graph(ts)
+    monkeypatch.setattr(launch_cache, "capture", capture)
+
+    class Fixed(launch_cache.Plan):                                # a plan whose buffers keep one address
+        __slots__ = ()
+
+        def allocate(self):
+            return buffers
+    fixed = Fixed(torch.device("cpu"), plan.buffers, plan.steps)
+    fixed.graphs = {}
+    streams = lambda: [sent[3] for how, *rest in launched if how == "run" for sent in rest]  # noqa: E731
+    a2, b2 = torch.ones(64), torch.ones(64)
+    launched.clear()
+    fixed((a2, b2))                                                # first sighting: launched one by one
+    assert streams() == [1234, 1234] and not fixed.graphs
+    launched.clear()
+    fixed((a2, b2))                                                # first repeat: captured, then replayed
+    assert streams() == ["capture stream", "capture stream"] and launched[-1][0] == "replay"
+    assert list(fixed.graphs) == [(a2.data_ptr(), b2.data_ptr(), buffers[0].data_ptr())]
+    launched.clear()
+    fixed((a2, b2))                                                # later repeats: the graph alone
+    assert [how for how, *_ in launched] == ["replay"]
+    a3 = torch.ones(64)
+    launched.clear()
+    fixed((a3, b2))                                                # other addresses: launched
+    assert streams() == [1234, 1234]
+    for switch in ("capturing", "hook", "off"):
+        with monkeypatch.context() as m:
+            if switch == "capturing":
+                capturing.append(True)
+            elif switch == "hook":
+                m.setattr(launch_cache.knobs.runtime, "launch_enter_hook", lambda *args: None)
+            else:
+                m.setattr(launch_cache, "GRAPHS", False)
+            launched.clear()
+            fixed((a2, b2))
+            assert [how for how, *_ in launched] == (["getitem"] * 2 if switch == "hook" else ["run"] * 2), switch
+            capturing.clear()
+    monkeypatch.setattr(launch_cache, "MAX_GRAPHS", 1)
+    for t in (a3, torch.ones(64), torch.ones(64)):
+        for _ in range(2):
+            fixed((t, b2))
+    assert list(fixed.graphs) == [(t.data_ptr(), b2.data_ptr(), buffers[0].data_ptr())] and len(fixed.seen) == 1
+
+    def refuse(p, ts):
+        raise RuntimeError("operation not permitted when stream is capturing")
+    monkeypatch.setattr(launch_cache, "capture", refuse)
+    a4 = torch.ones(64)
+    fixed((a4, b2))
+    launched.clear()
+    with pytest.warns(RuntimeWarning, match="could not be captured"):
+        fixed((a4, b2))
+    assert streams() == [1234, 1234] and fixed.graphs is None
+    launched.clear()
+    fixed((a4, b2))
+    assert streams() == [1234, 1234]
+    launch_cache.clear()
+
+
 def _grads(q, k, v, do, causal):
     return run(q, k, v, do, causal=causal, backend="triton")
 
@@ -453,3 +542,97 @@ def test_a_repeated_call_does_not_bind_through_triton_and_the_record_stays_bound
         _grads(x, x, x, x, True)
         _grads(x, x, x, x, True)
         assert len(launch_cache._calls) <= 2
+
+
+class _CountingGraph:
+    """A captured graph whose replays are counted."""
+
+    def __init__(self, graph):
+        self.graph, self.replays = graph, 0
+
+    def replay(self):
+        self.replays += 1
+        self.graph.replay()
+
+
+def _counted_captures(monkeypatch) -> list:
+    """Every graph ``launch_cache.capture`` makes from now on, wrapped in ``_CountingGraph``."""
+    graphs = []
+    real = launch_cache.capture
+
+    def counting(plan, ts):
+        graphs.append(_CountingGraph(real(plan, ts)))
+        return graphs[-1]
+    monkeypatch.setattr(launch_cache, "capture", counting)
+    return graphs
+
+
+def _until_replays_alone(call, graphs: list, plans: int, most: int = 12) -> None:
+    """Call ``call()`` until one call replays ``plans`` graphs and captures none (its first calls go
+    through Triton, record the launches and their plans, then see each set of addresses once); fails
+    after ``most`` calls."""
+    for _ in range(most):
+        captured, replays = len(graphs), sum(g.replays for g in graphs)
+        call()
+        if len(graphs) == captured and sum(g.replays for g in graphs) == replays + plans:
+            return
+    raise AssertionError(f"no call of {most} replayed {plans} graphs alone: {len(graphs)} captured, "
+                         f"{[g.replays for g in graphs]} replays")
+
+
+@needs_cuda
+def test_a_graph_replay_computes_the_current_contents_of_the_repeated_addresses(monkeypatch):
+    """Forward calls on the same q, k, v buffers, their outputs freed before the next call (so that the
+    call's addresses repeat, as a training step's do): the first repeat captures the forward's launches,
+    later calls replay the graph; after new values are written into the buffers, a replay gives what
+    the kernels launched one by one give on them, bit for bit."""
+    import stableflash as sf
+    monkeypatch.setattr(launch_cache, "GRAPHS", True)
+    monkeypatch.setattr(launch_cache, "VERIFY", False)       # the suite's check builds every planned call instead
+    graphs = _counted_captures(monkeypatch)
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    q, k, v = (torch.randn(2, 3, 256, 64, generator=gen, device="cuda").bfloat16() for _ in range(3))
+
+    def forward():
+        with torch.no_grad():
+            return sf.flash_attention(q, k, v, causal=True).clone()
+    new = [torch.randn(t.shape, generator=gen, device="cuda").bfloat16() for t in (q, k, v)]   # before: no allocation
+    _until_replays_alone(forward, graphs, 1)                                                    # between the calls
+    captured, before = len(graphs), sum(g.replays for g in graphs)
+    for t, values in zip((q, k, v), new):
+        t.copy_(values)
+    got = forward()
+    assert len(graphs) == captured and sum(g.replays for g in graphs) == before + 1
+    monkeypatch.setattr(launch_cache, "GRAPHS", False)
+    assert torch.equal(got, forward())
+
+
+@needs_cuda
+def test_calls_inside_a_users_graph_capture_join_it(monkeypatch):
+    """A forward captured by the user (``torch.cuda.graph``) after its plan has a graph of its own: the
+    launches join the user's capture (no capture inside a capture), and the user's replays compute
+    the buffers' current values, bit for bit what launches give."""
+    import stableflash as sf
+    monkeypatch.setattr(launch_cache, "GRAPHS", True)
+    monkeypatch.setattr(launch_cache, "VERIFY", False)       # the suite's check builds every planned call instead
+    gen = torch.Generator(device="cuda").manual_seed(12)
+    q, k, v = (torch.randn(1, 2, 384, 64, generator=gen, device="cuda").bfloat16() for _ in range(3))
+
+    def forward():
+        with torch.no_grad():
+            return sf.flash_attention(q, k, v, causal=False)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):              # warm-up on a side stream, as torch.cuda.graph asks
+        for _ in range(3):
+            forward()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o = forward()
+    for t in (q, k, v):
+        t.copy_(torch.randn(t.shape, generator=gen, device="cuda"))
+    graph.replay()
+    torch.cuda.synchronize()
+    monkeypatch.setattr(launch_cache, "GRAPHS", False)
+    assert torch.equal(o, forward())

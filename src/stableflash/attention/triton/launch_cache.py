@@ -33,6 +33,12 @@ step's small shapes that time is as long as the kernels'.
 
 Under the interpreter every call goes through Triton.
 
+Above both, a ``Plan`` keeps the launches of one call signature of the attention ops (their tensors'
+shapes, strides, dtypes and alignment, the options), launching them with a later call's tensors in
+the recorded places; on a CUDA device a call repeating an earlier call's addresses replays them as one
+CUDA graph (``GRAPHS``), which costs the host one graph launch instead of one launch through Triton's
+launcher per kernel.
+
 Every compiled launch asks for ``COMPILE_OPTIONS`` (a caller's own value of one stands): floating-point
 contraction, which triton 3.6-3.9 apply by default, asked for explicitly — triton 3.9 warns about every
 kernel that leaves it to the default, which it announces will turn off, and the Gluon kernels ask for
@@ -45,6 +51,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -479,6 +486,11 @@ def replay_of(entry, args: tuple, kwargs: dict, grid=None) -> Replay | None:
 # off: every call whose launches a plan keeps builds them again (what the plans are tested against)
 PLANS = True
 MAX_PLANS = 256
+# on: a plan's call whose tensors sit at the addresses of an earlier call of the same plan launches its
+# kernels as one CUDA graph, captured at the first repeat (``Plan``); off: through Triton's launcher each
+GRAPHS = True
+# the graphs, and the address sets seen once, that one plan keeps (each store emptied when it is full)
+MAX_GRAPHS = 64
 
 
 def plan_key(tensors: tuple, *extra, fresh: tuple = ()) -> tuple:
@@ -508,12 +520,23 @@ class Plan:
     call's tensors and then the buffers the plan allocates (their shapes and dtypes recorded). A call
     repeating the signature allocates the buffers and launches: no arguments built, no key, no
     binding. ``clear`` retires it (``current``). Its user keeps it by key and, under ``VERIFY``,
-    builds the launches anyway and runs them through ``checking``."""
+    builds the launches anyway and runs them through ``checking``.
 
-    __slots__ = ("device", "buffers", "steps")
+    On a CUDA device (``GRAPHS`` on) a call whose tensors, buffers included, sit at the addresses of
+    an earlier call replays the launches as one CUDA graph, captured at the first such repeat: a
+    training step allocates in the same order every step, so its calls repeat their addresses, and one
+    graph launch costs the host a fraction of the kernels' launches through Triton's launcher, each of
+    which builds the kernel's TMA descriptors anew. Everything else a launch reads is fixed by the
+    signature, so a graph is keyed by the addresses alone. Not while the stream is being captured (the
+    launches then join the capture) nor with Triton's launch hooks set (they run at each launch)."""
+
+    __slots__ = ("device", "buffers", "steps", "graphs", "seen")
 
     def __init__(self, device, buffers: tuple, steps: tuple) -> None:
         self.device, self.buffers, self.steps = device, buffers, steps
+        # addresses of the call's tensors -> its graph; addresses seen once (a graph at the next sighting)
+        self.graphs: dict[tuple, Any] | None = {} if device.type == "cuda" else None
+        self.seen: set[tuple] = set()
 
     @classmethod
     def record(cls, tensors: tuple, buffers: tuple, launches: list) -> "Plan | None":
@@ -544,9 +567,41 @@ class Plan:
 
     def __call__(self, tensors: tuple) -> None:
         ts = (*tensors, *self.allocate())
-        stream = current_stream()                  # one lookup for the plan's launches
+        if self.graphs is not None and GRAPHS and self._graphed(ts):
+            return
+        self.launch(ts, current_stream())          # one stream lookup for the plan's launches
+
+    def launch(self, ts: tuple, stream) -> None:
+        """The plan's launches on ``ts`` (the call's tensors, then its buffers) on ``stream``."""
         for replay, order in self.steps:
             replay(replay.grid, [ts[i] for i in order], stream)
+
+    def _graphed(self, ts: tuple) -> bool:
+        """Whether the launches on ``ts`` ran as the graph of their addresses (captured now if these
+        addresses were seen once before); False where they are to be launched one by one."""
+        runtime = knobs.runtime
+        if not (_unhooked(runtime.launch_enter_hook) and _unhooked(runtime.launch_exit_hook)) or _capturing():
+            return False
+        addresses = tuple([t.data_ptr() for t in ts])
+        graph = self.graphs.get(addresses)
+        if graph is None:
+            if addresses not in self.seen:
+                if len(self.seen) >= MAX_GRAPHS:
+                    self.seen.clear()
+                self.seen.add(addresses)
+                return False
+            try:
+                graph = capture(self, ts)
+            except RuntimeError as e:       # the capture refused: this plan launches one by one from now on
+                warnings.warn(f"stableflash: a CUDA graph of the attention kernels' launches could not be captured "
+                              f"({e}); they are launched one by one", RuntimeWarning, stacklevel=2)
+                self.graphs = None
+                return False
+            if len(self.graphs) >= MAX_GRAPHS:
+                self.graphs.clear()
+            self.graphs[addresses] = graph
+        graph.replay()
+        return True
 
     def checking(self, tensors: tuple, buffers: tuple):
         """A ``launch(index, kernel, grid, arguments, keyword arguments)`` for a call building its
@@ -560,6 +615,34 @@ class Plan:
             replay.check(kernel, grid, args, kwargs, mine)
             replay(replay.grid, mine)
         return launch
+
+
+def _capturing() -> bool:
+    """Whether the current CUDA stream is being captured into a graph (a user's, or torch.compile's)."""
+    return torch.cuda.is_current_stream_capturing()
+
+
+_capture_streams: dict = {}          # device -> the side stream graphs are captured on
+
+
+def capture(plan: Plan, ts: tuple):
+    """A ``torch.cuda.CUDAGraph`` of ``plan``'s launches on ``ts``, captured (not run) on a stream of its
+    own; the side stream is ordered after the current stream's work and before its later work, so that
+    what the capture's start runs there (torch's random-number state) stays in order with it."""
+    side = _capture_streams.get(plan.device)
+    if side is None:
+        side = _capture_streams[plan.device] = torch.cuda.Stream(plan.device)
+    here = torch.cuda.current_stream(plan.device)
+    side.wait_stream(here)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(side):
+        graph.capture_begin(capture_error_mode="thread_local")
+        try:
+            plan.launch(ts, side.cuda_stream)
+        finally:
+            graph.capture_end()
+    here.wait_stream(side)
+    return graph
 
 
 def keep_plan(plans: dict, key: tuple, plan: "Plan | None") -> None:

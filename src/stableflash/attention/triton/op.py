@@ -12,8 +12,9 @@ the Gluon Hopper forward); the autograd formulas call the matching backward op. 
 ``attention`` goes through a plain autograd.Function instead: the custom-op dispatch costs about
 55 µs of Python per call (measured on this project's CPU machine), as much as a small attention
 kernel takes on the GPU. The opaque backward ops need no autograd formula and are registered through
-``torch.library.Library`` directly (``_opaque_backward_op``), which halves their dispatch. Inputs
-whose last dimension is not contiguous are copied first.
+``torch.library.Library`` directly (``_opaque_op``), which halves their dispatch; so is the opaque
+forward the inline forward's body hands a call to (``stableflash::attn_fwd_opaque``), whose gradient
+the inline op's formula gives. Inputs whose last dimension is not contiguous are copied first.
 """
 from __future__ import annotations
 
@@ -618,7 +619,26 @@ def _forward_op(inline: bool):
 
 # torch.compile leaves an opaque op's body alone (it runs as Python on every call); it traces an
 # inline op's body and launches its Triton kernels from its own generated code
-attn_fwd = attn_fwd_opaque = torch.library.custom_op("stableflash::attn_fwd", mutates_args=())(_forward_op(False))
+attn_fwd = torch.library.custom_op("stableflash::attn_fwd", mutates_args=())(_forward_op(False))
+
+
+# the ops without an autograd formula (the backward ops, and the forward an inline op's traced body
+# calls), defined through torch.library's own registration (``_opaque_op``)
+_LIBRARY = torch.library.Library("stableflash", "FRAGMENT")
+
+
+def _opaque_op(name: str, fn, fake) -> torch._ops.OpOverload:
+    """``stableflash::<name>``, opaque to torch.compile: its schema inferred from ``fn``'s signature
+    (``torch.library.infer_schema``), ``fn`` its implementation on every device, ``fake`` its fake.
+    For an op that needs no autograd formula (a backward; the forward an inline op's body calls, whose
+    gradient the inline op's own formula gives), so not a ``torch.library.custom_op``, whose Python
+    layers around the implementation (its autograd wrapper, which runs on every call of an op whose
+    inputs require grad even with grad mode off, a redispatch, checks of the outputs) double the host
+    time of each call of 32 arguments (CPU: scratch measurements in the training-speed notebook)."""
+    _LIBRARY.define(name + torch.library.infer_schema(fn, mutates_args=()))
+    _LIBRARY.impl(name, fn, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"stableflash::{name}", fake, lib=_LIBRARY)
+    return getattr(torch.ops.stableflash, name).default
 
 
 def why_not_inline(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: KernelConfig, masks: Masks,
@@ -663,6 +683,12 @@ def _attn_fwd_fake(q, k, v, causal, scale, *args, **kwargs):
     mask_args = args[len(OP_FIELDS):]
     dropout_p = mask_args[MASK_ARGS.index("dropout_p")] if len(mask_args) == N_MASK_ARGS else kwargs.get("dropout_p", 0.0)
     return _empty_like_layout(q), q.new_empty(q.shape[:3], dtype=torch.float32), o32, _seed_output(0, dropout_p, q)
+
+
+# the opaque forward without an autograd formula: what the inline forward's traced body calls where a call
+# must run on the opaque op (``why_not_inline``) — the inline op's formula gives its gradient, so the
+# compiled step's graph calls it without torch.library.custom_op's Python layers
+attn_fwd_opaque = _opaque_op("attn_fwd_opaque", _forward_op(False), _attn_fwd_fake)
 
 
 class _Body:
@@ -825,28 +851,11 @@ def _backward_op(inline: bool):
     return attn_bwd
 
 
-# the opaque backward ops, defined through torch.library's own registration (``_opaque_backward_op``)
-_LIBRARY = torch.library.Library("stableflash", "FRAGMENT")
-
-
-def _opaque_backward_op(name: str, fn, fake) -> torch._ops.OpOverload:
-    """``stableflash::<name>``, opaque to torch.compile: its schema inferred from ``fn``'s signature
-    (``torch.library.infer_schema``), ``fn`` its implementation on every device, ``fake`` its fake. A
-    backward op needs no autograd formula, so it is not a ``torch.library.custom_op``, whose Python
-    layers around the implementation (its autograd wrapper, a redispatch, checks of the outputs)
-    double the host time of each call of 32 arguments (CPU: scratch measurements in the training-speed
-    notebook)."""
-    _LIBRARY.define(name + torch.library.infer_schema(fn, mutates_args=()))
-    _LIBRARY.impl(name, fn, "CompositeExplicitAutograd")
-    torch.library.register_fake(f"stableflash::{name}", fake, lib=_LIBRARY)
-    return getattr(torch.ops.stableflash, name).default
-
-
 def _attn_bwd_fake(do, q, k, v, o, residual, lse, causal, scale, *args, **kwargs):
     return _empty_like_layout(q), _empty_like_layout(k), _empty_like_layout(k)
 
 
-attn_bwd = attn_bwd_opaque = _opaque_backward_op("attn_bwd", _backward_op(False), _attn_bwd_fake)
+attn_bwd = attn_bwd_opaque = _opaque_op("attn_bwd", _backward_op(False), _attn_bwd_fake)
 
 
 # the kernels a backward op may launch (torch.compile's cache key reads their source)
@@ -965,7 +974,7 @@ def _attn_bwd_packed_fake(do, qkv, *args, **kwargs):
     return torch.empty(qkv.shape, dtype=qkv.dtype, device=qkv.device)
 
 
-attn_bwd_packed = _opaque_backward_op("attn_bwd_packed", _PackedBody(_backward_op(False), "attn_bwd_packed", grads=True),
+attn_bwd_packed = _opaque_op("attn_bwd_packed", _PackedBody(_backward_op(False), "attn_bwd_packed", grads=True),
                                       _attn_bwd_packed_fake)
 
 
