@@ -975,7 +975,7 @@ def _attn_bwd_packed_fake(do, qkv, *args, **kwargs):
 
 
 attn_bwd_packed = _opaque_op("attn_bwd_packed", _PackedBody(_backward_op(False), "attn_bwd_packed", grads=True),
-                                      _attn_bwd_packed_fake)
+                             _attn_bwd_packed_fake)
 
 
 attn_bwd_packed_inline = _triton_op(
