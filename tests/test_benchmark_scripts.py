@@ -791,7 +791,8 @@ def test_host_overhead_refuses_bad_arguments_naming_them_before_asking_for_a_gpu
 
 
 def test_train_interleaved_names_bad_arguments_and_pairs_each_round(capsys, monkeypatch):
-    """benchmarks/tools/train_interleaved.py: one attention (without --without-plans or --without-route) or a repeated one,
+    """benchmarks/tools/train_interleaved.py: one attention (without --without-plans, --without-graphs or --without-route)
+    or a repeated one,
     an unknown spec, fewer than four rounds, a batch or warm-up below one and an unknown compile mode are
     refused (exit 2) naming the argument; well-formed arguments without a GPU stop at the GPU check.
     ``paired_summary``: each case's medians, and the first case's step over its own in the same round,
@@ -806,6 +807,7 @@ def test_train_interleaved_names_bad_arguments_and_pairs_each_round(capsys, monk
                         (["--warmup", "0"], "--warmup 0"), (["--compile-mode", "fast"], "--compile-mode 'fast'"),
                         ([], "needs a CUDA GPU"), (["--attention", "triton", "--without-plans"], "needs a CUDA GPU"),
                         (["--attention", "triton", "--without-route"], "needs a CUDA GPU"),
+                        (["--attention", "triton", "--without-graphs"], "needs a CUDA GPU"),
                         (["--attention", "triton", "--forward-min-keys", "1024"], "needs a CUDA GPU"),
                         (["--forward-min-keys", "0"], "--forward-min-keys 0")):
         assert named in refused(tool.main, argv, capsys), argv
@@ -824,8 +826,10 @@ def test_train_interleaved_builds_and_steps_each_case_under_its_own_route_settin
     """benchmarks/tools/train_interleaved.py's ``build_steps`` and ``run_rounds`` with the training step
     stood in for (no GPU): the "route off" case's model is built and stepped with ``route.ENABLED``
     False, the "forward routed from N keys" case's with ``FORWARD_MIN_KEYS[(64, True)]`` = N and the
-    other thresholds as they are, every other case with the route as shipped, and the route's settings
-    are restored after building and after the rounds."""
+    other thresholds as they are, every other case with the route as shipped; the "plans off" and "graphs
+    off" cases step the last attention's model with ``launch_cache.PLANS`` or ``GRAPHS`` False, every
+    other case with both on; the route's settings and both switches are restored after building and after
+    the rounds."""
     import torch
     from stableflash.attention.gluon import route
     from stableflash.attention.triton import launch_cache
@@ -835,17 +839,18 @@ def test_train_interleaved_builds_and_steps_each_case_under_its_own_route_settin
     import torch._functorch.config as functorch_config            # build_steps switches its AOT cache off
     monkeypatch.setattr(functorch_config, "enable_autograd_cache", functorch_config.enable_autograd_cache)
     shipped = dict(route.FORWARD_MIN_KEYS)
-    seen = []                                  # (spec, build number, ENABLED, FORWARD_MIN_KEYS, PLANS) at each step
+    seen = []                      # (spec, build number, ENABLED, FORWARD_MIN_KEYS, PLANS, GRAPHS) at each step
 
     def training_step(spec, cfg, device):
         build = sum(1 for s in seen if s[0] == spec and s[1] == "built")
         seen.append((spec, "built", build))
-        return (lambda: seen.append((spec, build, route.ENABLED, dict(route.FORWARD_MIN_KEYS), launch_cache.PLANS)),
-                None)
+        return (lambda: seen.append((spec, build, route.ENABLED, dict(route.FORWARD_MIN_KEYS), launch_cache.PLANS,
+                                     launch_cache.GRAPHS)), None)
     monkeypatch.setattr(training, "training_step", training_step)
     cfg = tool.TrainBenchConfig(attentions=("sdpa", "triton"), batch_size=1, compile=False, warmup=2)
-    steps = tool.build_steps(["sdpa", "triton"], cfg, without_plans=True, without_route=True, forward_min_keys=1024)
-    assert list(steps) == ["sdpa", "triton", "triton, plans off", "triton, route off",
+    steps = tool.build_steps(["sdpa", "triton"], cfg, without_plans=True, without_route=True, forward_min_keys=1024,
+                             without_graphs=True)
+    assert list(steps) == ["sdpa", "triton", "triton, plans off", "triton, graphs off", "triton, route off",
                            "triton, forward routed from 1024 keys"]
     assert route.ENABLED and route.FORWARD_MIN_KEYS == shipped          # restored after building
     earlier = {**shipped, (64, True): 1024}
@@ -853,17 +858,19 @@ def test_train_interleaved_builds_and_steps_each_case_under_its_own_route_settin
             ("triton", 2): (True, earlier)}
     steps_seen = [s for s in seen if s[1] != "built"]
     assert len(steps_seen) == 4 * cfg.warmup                            # four models built, each warmed up
-    for spec, build, enabled, keys, _ in steps_seen:
+    for spec, build, enabled, keys, *_ in steps_seen:
         assert (enabled, keys) == want[(spec, build)], (spec, build)
     seen.clear()
     tool.run_rounds(steps, rounds=3)
     assert route.ENABLED and route.FORWARD_MIN_KEYS == shipped and launch_cache.PLANS   # restored after the rounds
-    assert len(seen) == 3 * 5
+    assert launch_cache.GRAPHS
+    assert len(seen) == 3 * 6
     cases = list(steps)
     stepped = [case for index in range(3) for case in cases[index:] + cases[:index]]   # turned by one a round
-    for (spec, build, enabled, keys, plans), case in zip(seen, stepped):
+    for (spec, build, enabled, keys, plans, graphs), case in zip(seen, stepped):
         assert (enabled, keys) == want[(spec, build)], case
         assert plans == (case != "triton, plans off"), case
+        assert graphs == (case != "triton, graphs off"), case
 
 
 def test_carry_triton_packs_keeps_and_unpacks_a_stripped_tree_in_parts(tmp_path, capsys):

@@ -2,7 +2,7 @@
 interleaved one at a time in one process, so that the host's drift between processes cancels.
 
     python benchmarks/tools/train_interleaved.py [--attention SPEC ...] [--batch-size 4] [--no-compile]
-        [--compile-mode default] [--rounds 60] [--without-plans] [--without-route] [--forward-min-keys N]
+        [--compile-mode default] [--rounds 60] [--without-plans] [--without-graphs] [--without-route] [--forward-min-keys N]
         [--json OUT.json]
 
 ``stableflash bench train`` times each attention in turn, and at small batches, where a step waits for
@@ -15,7 +15,8 @@ step's time can depend on the step before it). Per case: the
 median step, the median host issue time, and the first case's step over the case's own in the same
 round — its median and quartiles (above 1: faster than the first). ``--without-plans`` adds one more case:
 the last attention with the Gluon route's launch plans off (``launch_cache.PLANS``), the launches
-built on every call. ``--without-route`` adds the last attention with the Gluon route off
+built on every call; ``--without-graphs`` the last attention with the plans' CUDA graphs off
+(``launch_cache.GRAPHS``), each plan's kernels launched one by one. ``--without-route`` adds the last attention with the Gluon route off
 (``route.ENABLED``, while its model is compiled and while it steps): every call on the Triton kernels,
 which torch.compile launches itself; torch's AOT autograd cache is switched off for the process, since
 it would hand that model the graph traced with the route on (the route's choice is not in its key).
@@ -67,9 +68,11 @@ def route_settings(overrides: dict):
 
 
 def build_steps(specs: list[str], cfg: TrainBenchConfig, without_plans: bool,
-                without_route: bool = False, forward_min_keys: int | None = None) -> dict[str, tuple]:
-    """case name → (step, plans switch, route settings): each attention's training step, warmed up
-    (``cfg.warmup`` steps); with ``without_plans`` the last one's again as "<spec>, plans off"; with
+                without_route: bool = False, forward_min_keys: int | None = None,
+                without_graphs: bool = False) -> dict[str, tuple]:
+    """case name → (step, plans switch, graphs switch, route settings): each attention's training step,
+    warmed up (``cfg.warmup`` steps); with ``without_plans`` the last one's again as "<spec>, plans off",
+    with ``without_graphs`` as "<spec>, graphs off"; with
     ``without_route`` the last attention's model built again with the route off, "<spec>, route off";
     with ``forward_min_keys`` N built again with the Gluon forward at head_dim 64 causal from N keys,
     "<spec>, forward routed from N keys"."""
@@ -85,36 +88,39 @@ def build_steps(specs: list[str], cfg: TrainBenchConfig, without_plans: bool,
                 step()
         return step
 
-    steps = {spec: (built(spec, {}), True, {}) for spec in specs}
+    steps = {spec: (built(spec, {}), True, True, {}) for spec in specs}
     if without_plans:
-        steps[f"{specs[-1]}, plans off"] = (steps[specs[-1]][0], False, {})
+        steps[f"{specs[-1]}, plans off"] = (steps[specs[-1]][0], False, True, {})
+    if without_graphs:
+        steps[f"{specs[-1]}, graphs off"] = (steps[specs[-1]][0], True, False, {})
     if without_route or forward_min_keys is not None:
         torch._functorch.config.enable_autograd_cache = False
     if without_route:
         off = {"ENABLED": False}
-        steps[f"{specs[-1]}, route off"] = (built(specs[-1], off), True, off)
+        steps[f"{specs[-1]}, route off"] = (built(specs[-1], off), True, True, off)
     if forward_min_keys is not None:
         earlier = {"FORWARD_MIN_KEYS": {**route.FORWARD_MIN_KEYS, (64, True): forward_min_keys}}
-        steps[f"{specs[-1]}, forward routed from {forward_min_keys} keys"] = (built(specs[-1], earlier), True, earlier)
+        steps[f"{specs[-1]}, forward routed from {forward_min_keys} keys"] = (built(specs[-1], earlier), True, True,
+                                                                              earlier)
     torch.cuda.synchronize()
     return steps
 
 
 def run_rounds(steps: dict[str, tuple], rounds: int) -> tuple[dict, dict]:
     """(wall ms, host issue ms) per case and round: one step of every case per round, in the order
-    ``round_order`` gives that round, each under its plans switch and route settings."""
+    ``round_order`` gives that round, each under its plans and graphs switches and route settings."""
     import torch
     from tqdm import tqdm
 
     from stableflash.attention.triton import launch_cache
     walls = {case: [] for case in steps}
     issues = {case: [] for case in steps}
-    was = launch_cache.PLANS
+    was = launch_cache.PLANS, launch_cache.GRAPHS
     try:
         for index in tqdm(range(rounds), desc="rounds", unit="round"):
             for case in round_order(list(steps), index):
-                step, plans, settings = steps[case]
-                launch_cache.PLANS = plans
+                step, plans, graphs, settings = steps[case]
+                launch_cache.PLANS, launch_cache.GRAPHS = plans, graphs
                 with route_settings(settings):
                     torch.cuda.synchronize()
                     t0 = time.perf_counter()
@@ -125,7 +131,7 @@ def run_rounds(steps: dict[str, tuple], rounds: int) -> tuple[dict, dict]:
                 walls[case].append((t2 - t0) * 1e3)
                 issues[case].append((t1 - t0) * 1e3)
     finally:
-        launch_cache.PLANS = was
+        launch_cache.PLANS, launch_cache.GRAPHS = was
     return walls, issues
 
 
@@ -140,6 +146,8 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=6, help="steps of each case before the rounds (default 6)")
     ap.add_argument("--without-plans", action="store_true",
                     help="also the last attention with the route's launch plans off")
+    ap.add_argument("--without-graphs", action="store_true",
+                    help="also the last attention with the plans' CUDA graphs off (each plan's kernels launched one by one)")
     ap.add_argument("--without-route", action="store_true",
                     help="also the last attention with the Gluon route off (its model compiled so)")
     ap.add_argument("--forward-min-keys", type=int, metavar="N",
@@ -148,10 +156,10 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=Path, help="also write the table and every round's times here")
     args = ap.parse_args(argv)
     specs = args.attention or ["sdpa", "triton"]
-    extra_case = args.without_plans or args.without_route or args.forward_min_keys is not None
+    extra_case = args.without_plans or args.without_graphs or args.without_route or args.forward_min_keys is not None
     if len(set(specs)) != len(specs) or (len(specs) < 2 and not extra_case):
         ap.error(f"--attention {' '.join(specs)} is invalid; accepted: two or more different attentions "
-                 "(or one with --without-plans, --without-route or --forward-min-keys)")
+                 "(or one with --without-plans, --without-graphs, --without-route or --forward-min-keys)")
     if args.forward_min_keys is not None and args.forward_min_keys < 1:
         ap.error(f"--forward-min-keys {args.forward_min_keys} is invalid; accepted: an integer ≥ 1 (keys)")
     if args.rounds < 4:
@@ -166,8 +174,8 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         ap.error("needs a CUDA GPU (it times training steps there); none is visible")
     import triton
-    walls, issues = run_rounds(build_steps(specs, cfg, args.without_plans, args.without_route, args.forward_min_keys),
-                               args.rounds)
+    walls, issues = run_rounds(build_steps(specs, cfg, args.without_plans, args.without_route, args.forward_min_keys,
+                                           args.without_graphs), args.rounds)
     table = paired_summary(walls, issues)
     mode = "eager" if args.no_compile else f"torch.compile ({args.compile_mode})"
     out = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
