@@ -828,13 +828,17 @@ def test_train_interleaved_builds_and_steps_each_case_under_its_own_route_settin
     False, the "forward routed from N keys" case's with ``FORWARD_MIN_KEYS[(64, True)]`` = N and the
     other thresholds as they are, every other case with the route as shipped; the "plans off" and "graphs
     off" cases step the last attention's model with ``launch_cache.PLANS`` or ``GRAPHS`` False, every
-    other case with both on; the route's settings and both switches are restored after building and after
-    the rounds."""
+    other case with both on; the "launches stood in for" and "op bodies stood in for" cases (models of their
+    own) step with ``Replay.__call__`` (graphs off), or ``op._forward`` and ``op._backward_impl``, replaced,
+    every other case and every warm-up with the real ones; the route's settings, both switches and the
+    stood-in functions are restored after building and after the rounds."""
     import torch
     from stableflash.attention.gluon import route
     from stableflash.attention.triton import launch_cache
     from stableflash.bench import training
+    from stableflash.attention.triton import op
     tool = load("tools/train_interleaved")
+    replay_call, forward, backward = launch_cache.Replay.__call__, op._forward, op._backward_impl
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     import torch._functorch.config as functorch_config            # build_steps switches its AOT cache off
     monkeypatch.setattr(functorch_config, "enable_autograd_cache", functorch_config.enable_autograd_cache)
@@ -845,32 +849,70 @@ def test_train_interleaved_builds_and_steps_each_case_under_its_own_route_settin
         build = sum(1 for s in seen if s[0] == spec and s[1] == "built")
         seen.append((spec, "built", build))
         return (lambda: seen.append((spec, build, route.ENABLED, dict(route.FORWARD_MIN_KEYS), launch_cache.PLANS,
-                                     launch_cache.GRAPHS)), None)
+                                     launch_cache.GRAPHS, launch_cache.Replay.__call__ is replay_call,
+                                     op._forward is forward and op._backward_impl is backward)), None)
     monkeypatch.setattr(training, "training_step", training_step)
     cfg = tool.TrainBenchConfig(attentions=("sdpa", "triton"), batch_size=1, compile=False, warmup=2)
     steps = tool.build_steps(["sdpa", "triton"], cfg, without_plans=True, without_route=True, forward_min_keys=1024,
-                             without_graphs=True)
-    assert list(steps) == ["sdpa", "triton", "triton, plans off", "triton, graphs off", "triton, route off",
+                             without_graphs=True, host_parts=True)
+    assert list(steps) == ["sdpa", "triton", "triton, plans off", "triton, graphs off",
+                           "triton, launches stood in for", "triton, op bodies stood in for", "triton, route off",
                            "triton, forward routed from 1024 keys"]
     assert route.ENABLED and route.FORWARD_MIN_KEYS == shipped          # restored after building
     earlier = {**shipped, (64, True): 1024}
-    want = {("sdpa", 0): (True, shipped), ("triton", 0): (True, shipped), ("triton", 1): (False, shipped),
-            ("triton", 2): (True, earlier)}
+    want = {("sdpa", 0): (True, shipped), ("triton", 0): (True, shipped), ("triton", 1): (True, shipped),
+            ("triton", 2): (True, shipped), ("triton", 3): (False, shipped), ("triton", 4): (True, earlier)}
     steps_seen = [s for s in seen if s[1] != "built"]
-    assert len(steps_seen) == 4 * cfg.warmup                            # four models built, each warmed up
+    assert len(steps_seen) == 6 * cfg.warmup                            # six models built, each warmed up
+    assert all(s[-2] and s[-1] for s in steps_seen)                     # warmed up with nothing stood in for
     for spec, build, enabled, keys, *_ in steps_seen:
         assert (enabled, keys) == want[(spec, build)], (spec, build)
     seen.clear()
     tool.run_rounds(steps, rounds=3)
     assert route.ENABLED and route.FORWARD_MIN_KEYS == shipped and launch_cache.PLANS   # restored after the rounds
-    assert launch_cache.GRAPHS
-    assert len(seen) == 3 * 6
+    assert launch_cache.GRAPHS and launch_cache.Replay.__call__ is replay_call
+    assert op._forward is forward and op._backward_impl is backward
+    assert len(seen) == 3 * 8
     cases = list(steps)
     stepped = [case for index in range(3) for case in cases[index:] + cases[:index]]   # turned by one a round
-    for (spec, build, enabled, keys, plans, graphs), case in zip(seen, stepped):
+    for (spec, build, enabled, keys, plans, graphs, real_launches, real_bodies), case in zip(seen, stepped):
         assert (enabled, keys) == want[(spec, build)], case
         assert plans == (case != "triton, plans off"), case
-        assert graphs == (case != "triton, graphs off"), case
+        assert graphs == (case not in ("triton, graphs off", "triton, launches stood in for")), case
+        assert real_launches == (case != "triton, launches stood in for"), case
+        assert real_bodies == (case != "triton, op bodies stood in for"), case
+
+
+def test_train_interleaved_stands_in_for_the_launches_or_the_op_bodies(monkeypatch):
+    """``stood_in``: "launches" — a replay builds its arguments and launches nothing; "bodies" — ``op._forward``
+    runs the real forward once per signature and returns those outputs after, ``op._backward_impl`` returns
+    q, k, v; both restored after the block, also after an error inside it."""
+    import torch
+    from stableflash.attention.triton import launch_cache, op
+    tool = load("tools/train_interleaved")
+    calls = []
+
+    class Replay:
+        values = lambda self, tensors: calls.append(("values", tuple(tensors)))  # noqa: E731
+    monkeypatch.setattr(launch_cache.Replay, "__call__", lambda self, grid, tensors, stream=None: calls.append("run"))
+    real_call = launch_cache.Replay.__call__
+    with tool.stood_in("launches"):
+        launch_cache.Replay.__call__(Replay(), (1, 1, 1), [1, 2])
+    assert calls == [("values", (1, 2))] and launch_cache.Replay.__call__ is real_call
+    forwards = []
+    monkeypatch.setattr(op, "_forward", lambda *args: forwards.append(args) or ("o", "lse", len(forwards)))
+    real_forward, real_backward = op._forward, op._backward_impl
+    q, k, v = torch.zeros(1, 2, 8, 4), torch.zeros(1, 2, 8, 4), torch.zeros(1, 2, 8, 4)
+    with pytest.raises(RuntimeError, match="inside"):
+        with tool.stood_in("bodies"):
+            first = op._forward(q, k, v, True, 0.5, "config")
+            assert op._forward(q, k, v, True, 0.5, "config") is first and len(forwards) == 1
+            assert op._forward(q, k, v, False, 0.5, "config") is not first and len(forwards) == 2
+            assert op._backward_impl("do", q, k, v, "o", "r", "lse", True, 0.5, "config") == (q, k, v)
+            raise RuntimeError("inside")
+    assert op._forward is real_forward and op._backward_impl is real_backward
+    with tool.stood_in(None):
+        assert op._forward is real_forward
 
 
 def test_carry_triton_packs_keeps_and_unpacks_a_stripped_tree_in_parts(tmp_path, capsys):

@@ -3,7 +3,7 @@ interleaved one at a time in one process, so that the host's drift between proce
 
     python benchmarks/tools/train_interleaved.py [--attention SPEC ...] [--batch-size 4] [--no-compile]
         [--compile-mode default] [--rounds 60] [--without-plans] [--without-graphs] [--without-route] [--forward-min-keys N]
-        [--json OUT.json]
+        [--host-parts] [--json OUT.json]
 
 ``stableflash bench train`` times each attention in turn, and at small batches, where a step waits for
 the host, the same command gives ratios tens of percent apart from process to process (the host's
@@ -23,6 +23,13 @@ it would hand that model the graph traced with the route on (the route's choice 
 ``--forward-min-keys N`` adds the last attention with the Gluon forward taking head_dim 64 under a causal
 mask from N keys (``route.FORWARD_MIN_KEYS[(64, True)]``, while its model is compiled and while it steps;
 the AOT autograd cache off as for ``--without-route``): a route threshold timed on the training step.
+``--host-parts`` adds two models of the last attention, built and warmed up as the others, whose steps
+run with parts of the attention ops stood in for — "launches stood in for": every launch a plan replays
+does nothing (its arguments are still built; the plans' graphs off); "op bodies stood in for": the ops'
+bodies ``_forward`` and ``_backward_impl`` return tensors at once (a forward's outputs kept from a real
+forward of the same signature) — so that their host issue times, against the last attention's, say how
+much of it is the launches and how much the bodies' Python; their step times and ratios are not a
+training step's (no attention kernels run, and their models train on garbage).
 Prints a table; ``--json`` writes it with every round's times, the GPU and the versions. Needs a CUDA
 GPU.
 """
@@ -67,12 +74,53 @@ def route_settings(overrides: dict):
             setattr(route, name, value)
 
 
+# the ``--host-parts`` cases: what each stands in for, and its name in the table
+STAND_INS = {"launches": "launches stood in for", "bodies": "op bodies stood in for"}
+
+
+@contextlib.contextmanager
+def stood_in(kind: str | None):
+    """Within the block, with ``kind`` "launches": every launch a plan replays does nothing (its arguments
+    still built, ``Replay.values``); "bodies": ``op._forward`` returns the outputs of a real forward of the
+    same signature, kept, and ``op._backward_impl`` returns its q, k, v, neither launching nor planning
+    (the packed backward's gradient stays as its op allocated it); None: nothing stood in for."""
+    if kind is None:
+        yield
+        return
+    from stableflash.attention.triton import launch_cache
+    from stableflash.attention.triton import op
+    if kind == "launches":
+        was = launch_cache.Replay.__call__
+        launch_cache.Replay.__call__ = lambda self, grid, tensors, stream=None: self.values(tensors)
+        try:
+            yield
+        finally:
+            launch_cache.Replay.__call__ = was
+        return
+    forward, backward = op._forward, op._backward_impl
+
+    def kept_forward(q, k, v, causal, scale, config, *rest):
+        key = (q.shape, q.stride(), k.shape, k.stride(), q.dtype, causal, scale, config)
+        if key not in _KEPT_OUTPUTS:
+            _KEPT_OUTPUTS[key] = forward(q, k, v, causal, scale, config, *rest)
+        return _KEPT_OUTPUTS[key]
+    op._forward, op._backward_impl = kept_forward, lambda do, q, k, v, *rest: (q, k, v)
+    try:
+        yield
+    finally:
+        op._forward, op._backward_impl = forward, backward
+
+
+_KEPT_OUTPUTS: dict = {}      # a real forward's outputs by signature, for the "bodies" stand-in
+
+
 def build_steps(specs: list[str], cfg: TrainBenchConfig, without_plans: bool,
                 without_route: bool = False, forward_min_keys: int | None = None,
-                without_graphs: bool = False) -> dict[str, tuple]:
-    """case name → (step, plans switch, graphs switch, route settings): each attention's training step,
-    warmed up (``cfg.warmup`` steps); with ``without_plans`` the last one's again as "<spec>, plans off",
-    with ``without_graphs`` as "<spec>, graphs off"; with
+                without_graphs: bool = False, host_parts: bool = False) -> dict[str, tuple]:
+    """case name → (step, plans switch, graphs switch, route settings, stand-in): each attention's training
+    step, warmed up (``cfg.warmup`` steps); with ``without_plans`` the last one's again as "<spec>, plans off",
+    with ``without_graphs`` as "<spec>, graphs off"; with ``host_parts`` two more models of the last attention
+    stepped with ``stood_in`` "launches" and "bodies"; with
     ``without_route`` the last attention's model built again with the route off, "<spec>, route off";
     with ``forward_min_keys`` N built again with the Gluon forward at head_dim 64 causal from N keys,
     "<spec>, forward routed from N keys"."""
@@ -88,27 +136,30 @@ def build_steps(specs: list[str], cfg: TrainBenchConfig, without_plans: bool,
                 step()
         return step
 
-    steps = {spec: (built(spec, {}), True, True, {}) for spec in specs}
+    steps = {spec: (built(spec, {}), True, True, {}, None) for spec in specs}
     if without_plans:
-        steps[f"{specs[-1]}, plans off"] = (steps[specs[-1]][0], False, True, {})
+        steps[f"{specs[-1]}, plans off"] = (steps[specs[-1]][0], False, True, {}, None)
     if without_graphs:
-        steps[f"{specs[-1]}, graphs off"] = (steps[specs[-1]][0], True, False, {})
+        steps[f"{specs[-1]}, graphs off"] = (steps[specs[-1]][0], True, False, {}, None)
+    if host_parts:
+        for kind, name in STAND_INS.items():    # the launches' case with graphs off: its plans launch one by one
+            steps[f"{specs[-1]}, {name}"] = (built(specs[-1], {}), True, kind != "launches", {}, kind)
     if without_route or forward_min_keys is not None:
         torch._functorch.config.enable_autograd_cache = False
     if without_route:
         off = {"ENABLED": False}
-        steps[f"{specs[-1]}, route off"] = (built(specs[-1], off), True, True, off)
+        steps[f"{specs[-1]}, route off"] = (built(specs[-1], off), True, True, off, None)
     if forward_min_keys is not None:
         earlier = {"FORWARD_MIN_KEYS": {**route.FORWARD_MIN_KEYS, (64, True): forward_min_keys}}
         steps[f"{specs[-1]}, forward routed from {forward_min_keys} keys"] = (built(specs[-1], earlier), True, True,
-                                                                              earlier)
+                                                                              earlier, None)
     torch.cuda.synchronize()
     return steps
 
 
 def run_rounds(steps: dict[str, tuple], rounds: int) -> tuple[dict, dict]:
     """(wall ms, host issue ms) per case and round: one step of every case per round, in the order
-    ``round_order`` gives that round, each under its plans and graphs switches and route settings."""
+    ``round_order`` gives that round, each under its plans and graphs switches, route settings and stand-in."""
     import torch
     from tqdm import tqdm
 
@@ -119,9 +170,9 @@ def run_rounds(steps: dict[str, tuple], rounds: int) -> tuple[dict, dict]:
     try:
         for index in tqdm(range(rounds), desc="rounds", unit="round"):
             for case in round_order(list(steps), index):
-                step, plans, graphs, settings = steps[case]
+                step, plans, graphs, settings, stand_in = steps[case]
                 launch_cache.PLANS, launch_cache.GRAPHS = plans, graphs
-                with route_settings(settings):
+                with route_settings(settings), stood_in(stand_in):
                     torch.cuda.synchronize()
                     t0 = time.perf_counter()
                     step()
@@ -153,13 +204,17 @@ def main(argv=None) -> int:
     ap.add_argument("--forward-min-keys", type=int, metavar="N",
                     help="also the last attention with the Gluon forward at head_dim 64 causal from N keys "
                          "(route.FORWARD_MIN_KEYS; its model compiled so)")
+    ap.add_argument("--host-parts", action="store_true",
+                    help="also two models of the last attention with its ops' launches, then their bodies, stood in for "
+                         "(their host issue times split the last attention's; not training steps)")
     ap.add_argument("--json", type=Path, help="also write the table and every round's times here")
     args = ap.parse_args(argv)
     specs = args.attention or ["sdpa", "triton"]
-    extra_case = args.without_plans or args.without_graphs or args.without_route or args.forward_min_keys is not None
+    extra_case = (args.without_plans or args.without_graphs or args.without_route or args.host_parts
+                  or args.forward_min_keys is not None)
     if len(set(specs)) != len(specs) or (len(specs) < 2 and not extra_case):
         ap.error(f"--attention {' '.join(specs)} is invalid; accepted: two or more different attentions "
-                 "(or one with --without-plans, --without-graphs, --without-route or --forward-min-keys)")
+                 "(or one with --without-plans, --without-graphs, --without-route, --forward-min-keys or --host-parts)")
     if args.forward_min_keys is not None and args.forward_min_keys < 1:
         ap.error(f"--forward-min-keys {args.forward_min_keys} is invalid; accepted: an integer ≥ 1 (keys)")
     if args.rounds < 4:
@@ -175,7 +230,7 @@ def main(argv=None) -> int:
         ap.error("needs a CUDA GPU (it times training steps there); none is visible")
     import triton
     walls, issues = run_rounds(build_steps(specs, cfg, args.without_plans, args.without_route, args.forward_min_keys,
-                                           args.without_graphs), args.rounds)
+                                           args.without_graphs, args.host_parts), args.rounds)
     table = paired_summary(walls, issues)
     mode = "eager" if args.no_compile else f"torch.compile ({args.compile_mode})"
     out = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
@@ -188,6 +243,9 @@ def main(argv=None) -> int:
     print("|---|---|---|---|---|")
     for case, row in table.items():
         q1, q3 = row["paired_ratio_quartiles"]
+        if any(case.endswith(name) for name in STAND_INS.values()):   # host issue only: not a training step
+            print(f"| {case} | ({row['median_ms']:.2f}) | {row['issue_median_ms']:.2f} | not a step | |")
+            continue
         print(f"| {case} | {row['median_ms']:.2f} | {row['issue_median_ms']:.2f} | {row['paired_ratio_median']:.3f} "
               f"| {q1:.3f}–{q3:.3f} |")
     if args.json:
