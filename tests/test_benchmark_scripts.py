@@ -885,10 +885,11 @@ def test_train_interleaved_builds_and_steps_each_case_under_its_own_route_settin
 
 def test_train_interleaved_stands_in_for_the_launches_or_the_op_bodies(monkeypatch):
     """``stood_in``: "launches" — a replay builds its arguments and launches nothing; "bodies" — ``op._forward``
-    runs the real forward once per signature and returns those outputs after, ``op._backward_impl`` returns
-    q, k, v; both restored after the block, also after an error inside it."""
+    and ``op._backward_impl`` are host_overhead's stand-ins, which only allocate outputs of the real ones'
+    shapes; both restored after the block, also after an error inside it."""
     import torch
     from stableflash.attention.triton import launch_cache, op
+    from stableflash.attention.triton.launch import stabilized_config
     tool = load("tools/train_interleaved")
     calls = []
 
@@ -899,18 +900,21 @@ def test_train_interleaved_stands_in_for_the_launches_or_the_op_bodies(monkeypat
     with tool.stood_in("launches"):
         launch_cache.Replay.__call__(Replay(), (1, 1, 1), [1, 2])
     assert calls == [("values", (1, 2))] and launch_cache.Replay.__call__ is real_call
-    forwards = []
-    monkeypatch.setattr(op, "_forward", lambda *args: forwards.append(args) or ("o", "lse", len(forwards)))
+    ran = []
+    monkeypatch.setattr(op, "_forward", lambda *args: ran.append("forward"))
+    monkeypatch.setattr(op, "_backward_impl", lambda *args: ran.append("backward"))
     real_forward, real_backward = op._forward, op._backward_impl
-    q, k, v = torch.zeros(1, 2, 8, 4), torch.zeros(1, 2, 8, 4), torch.zeros(1, 2, 8, 4)
+    config = stabilized_config(torch.bfloat16)
+    q = torch.zeros(1, 2, 8, 4, dtype=torch.bfloat16)
+    k = torch.zeros(1, 1, 6, 4, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="inside"):
         with tool.stood_in("bodies"):
-            first = op._forward(q, k, v, True, 0.5, "config")
-            assert op._forward(q, k, v, True, 0.5, "config") is first and len(forwards) == 1
-            assert op._forward(q, k, v, False, 0.5, "config") is not first and len(forwards) == 2
-            assert op._backward_impl("do", q, k, v, "o", "r", "lse", True, 0.5, "config") == (q, k, v)
+            o, lse, o32 = op._forward(q, k, k, True, 0.5, config)
+            assert o.shape == q.shape and lse.shape == (1, 2, 8) and lse.dtype == torch.float32
+            dq, dk, dv = op._backward_impl(o, q, k, k, o, o32, lse, True, 0.5, config)
+            assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, k.shape)
             raise RuntimeError("inside")
-    assert op._forward is real_forward and op._backward_impl is real_backward
+    assert ran == [] and op._forward is real_forward and op._backward_impl is real_backward
     with tool.stood_in(None):
         assert op._forward is real_forward
 

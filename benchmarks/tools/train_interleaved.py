@@ -26,8 +26,8 @@ the AOT autograd cache off as for ``--without-route``): a route threshold timed 
 ``--host-parts`` adds two models of the last attention, built and warmed up as the others, whose steps
 run with parts of the attention ops stood in for — "launches stood in for": every launch a plan replays
 does nothing (its arguments are still built; the plans' graphs off); "op bodies stood in for": the ops'
-bodies ``_forward`` and ``_backward_impl`` return tensors at once (a forward's outputs kept from a real
-forward of the same signature) — so that their host issue times, against the last attention's, say how
+bodies ``_forward`` and ``_backward_impl`` only allocate their outputs (``host_overhead.kernels_stubbed``)
+— so that their host issue times, against the last attention's, say how
 much of it is the launches and how much the bodies' Python; their step times and ratios are not a
 training step's (no attention kernels run, and their models train on garbage).
 Prints a table; ``--json`` writes it with every round's times, the GPU and the versions. Needs a CUDA
@@ -42,6 +42,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Callable, NamedTuple
 
 from stableflash.bench.rounds import round_order
 from stableflash.bench.training import COMPILE_MODES, TrainBenchConfig
@@ -78,47 +79,37 @@ def route_settings(overrides: dict):
 STAND_INS = {"launches": "launches stood in for", "bodies": "op bodies stood in for"}
 
 
-@contextlib.contextmanager
-def stood_in(kind: str | None):
+def stood_in(kind: str | None) -> contextlib.AbstractContextManager:
     """Within the block, with ``kind`` "launches": every launch a plan replays does nothing (its arguments
-    still built, ``Replay.values``); "bodies": ``op._forward`` returns the outputs of a real forward of the
-    same signature, kept, and ``op._backward_impl`` returns its q, k, v, neither launching nor planning
-    (the packed backward's gradient stays as its op allocated it); None: nothing stood in for."""
+    still built, ``Replay.values``); "bodies": ``op._forward`` and ``op._backward_impl`` only allocate their
+    outputs (``host_overhead.kernels_stubbed``); None: nothing stood in for."""
+    from unittest import mock
     if kind is None:
-        yield
-        return
-    from stableflash.attention.triton import launch_cache
-    from stableflash.attention.triton import op
+        return contextlib.nullcontext()
     if kind == "launches":
-        was = launch_cache.Replay.__call__
-        launch_cache.Replay.__call__ = lambda self, grid, tensors, stream=None: self.values(tensors)
-        try:
-            yield
-        finally:
-            launch_cache.Replay.__call__ = was
-        return
-    forward, backward = op._forward, op._backward_impl
-
-    def kept_forward(q, k, v, causal, scale, config, *rest):
-        key = (q.shape, q.stride(), k.shape, k.stride(), q.dtype, causal, scale, config)
-        if key not in _KEPT_OUTPUTS:
-            _KEPT_OUTPUTS[key] = forward(q, k, v, causal, scale, config, *rest)
-        return _KEPT_OUTPUTS[key]
-    op._forward, op._backward_impl = kept_forward, lambda do, q, k, v, *rest: (q, k, v)
-    try:
-        yield
-    finally:
-        op._forward, op._backward_impl = forward, backward
+        from stableflash.attention.triton import launch_cache
+        return mock.patch.object(launch_cache.Replay, "__call__",
+                                 lambda self, grid, tensors, stream=None: self.values(tensors))
+    here = str(Path(__file__).resolve().parent)                   # this folder's host_overhead.py
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    from host_overhead import kernels_stubbed
+    return kernels_stubbed()
 
 
-_KEPT_OUTPUTS: dict = {}      # a real forward's outputs by signature, for the "bodies" stand-in
+class Case(NamedTuple):
+    """One case of the rounds: its training step and what it runs under."""
+    step: Callable[[], object]
+    plans: bool = True                   # launch_cache.PLANS
+    graphs: bool = True                  # launch_cache.GRAPHS
+    settings: dict = {}                  # the Gluon route's module attributes (``route_settings``)
+    stand_in: str | None = None          # ``stood_in``'s kind
 
 
 def build_steps(specs: list[str], cfg: TrainBenchConfig, without_plans: bool,
                 without_route: bool = False, forward_min_keys: int | None = None,
-                without_graphs: bool = False, host_parts: bool = False) -> dict[str, tuple]:
-    """case name → (step, plans switch, graphs switch, route settings, stand-in): each attention's training
-    step, warmed up (``cfg.warmup`` steps); with ``without_plans`` the last one's again as "<spec>, plans off",
+                without_graphs: bool = False, host_parts: bool = False) -> dict[str, Case]:
+    """case name → ``Case``: each attention's training step, warmed up (``cfg.warmup`` steps); with ``without_plans`` the last one's again as "<spec>, plans off",
     with ``without_graphs`` as "<spec>, graphs off"; with ``host_parts`` two more models of the last attention
     stepped with ``stood_in`` "launches" and "bodies"; with
     ``without_route`` the last attention's model built again with the route off, "<spec>, route off";
@@ -136,28 +127,29 @@ def build_steps(specs: list[str], cfg: TrainBenchConfig, without_plans: bool,
                 step()
         return step
 
-    steps = {spec: (built(spec, {}), True, True, {}, None) for spec in specs}
+    steps = {spec: Case(built(spec, {})) for spec in specs}
+    last = steps[specs[-1]].step
     if without_plans:
-        steps[f"{specs[-1]}, plans off"] = (steps[specs[-1]][0], False, True, {}, None)
+        steps[f"{specs[-1]}, plans off"] = Case(last, plans=False)
     if without_graphs:
-        steps[f"{specs[-1]}, graphs off"] = (steps[specs[-1]][0], True, False, {}, None)
+        steps[f"{specs[-1]}, graphs off"] = Case(last, graphs=False)
     if host_parts:
         for kind, name in STAND_INS.items():    # the launches' case with graphs off: its plans launch one by one
-            steps[f"{specs[-1]}, {name}"] = (built(specs[-1], {}), True, kind != "launches", {}, kind)
+            steps[f"{specs[-1]}, {name}"] = Case(built(specs[-1], {}), graphs=kind != "launches", stand_in=kind)
     if without_route or forward_min_keys is not None:
         torch._functorch.config.enable_autograd_cache = False
     if without_route:
         off = {"ENABLED": False}
-        steps[f"{specs[-1]}, route off"] = (built(specs[-1], off), True, True, off, None)
+        steps[f"{specs[-1]}, route off"] = Case(built(specs[-1], off), settings=off)
     if forward_min_keys is not None:
         earlier = {"FORWARD_MIN_KEYS": {**route.FORWARD_MIN_KEYS, (64, True): forward_min_keys}}
-        steps[f"{specs[-1]}, forward routed from {forward_min_keys} keys"] = (built(specs[-1], earlier), True, True,
-                                                                              earlier, None)
+        steps[f"{specs[-1]}, forward routed from {forward_min_keys} keys"] = Case(built(specs[-1], earlier),
+                                                                                  settings=earlier)
     torch.cuda.synchronize()
     return steps
 
 
-def run_rounds(steps: dict[str, tuple], rounds: int) -> tuple[dict, dict]:
+def run_rounds(steps: dict[str, Case], rounds: int) -> tuple[dict, dict]:
     """(wall ms, host issue ms) per case and round: one step of every case per round, in the order
     ``round_order`` gives that round, each under its plans and graphs switches, route settings and stand-in."""
     import torch

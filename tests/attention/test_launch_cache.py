@@ -392,7 +392,6 @@ def test_a_plan_replays_a_call_repeating_its_addresses_as_one_captured_graph(mon
             launch_cache.launch(kern, grid, *args, **kwargs)
     plan = launch_cache.Plan.record((a, b), (buf,), launches)
     assert plan.graphs is None                                     # CPU tensors: no graphs
-    plan.graphs = {}                                               # as a plan of CUDA tensors has
     buffers = (torch.zeros(8, 8),)
     capturing = []
     monkeypatch.setattr(launch_cache, "_capturing", lambda: bool(capturing))
@@ -415,7 +414,7 @@ def test_a_plan_replays_a_call_repeating_its_addresses_as_one_captured_graph(mon
         def allocate(self):
             return buffers
     fixed = Fixed(torch.device("cpu"), plan.buffers, plan.steps)
-    fixed.graphs = {}
+    fixed.graphs = {}                                              # as a plan of CUDA tensors has
     streams = lambda: [sent[3] for how, *rest in launched if how == "run" for sent in rest]  # noqa: E731
     a2, b2 = torch.ones(64), torch.ones(64)
     launched.clear()

@@ -403,8 +403,7 @@ class Replay:
         """Launch on ``stream`` (a CUDA stream handle; None: the current device's current stream)."""
         kernel = self.kernel
         values = self.values(tensors)
-        runtime = knobs.runtime
-        if _unhooked(runtime.launch_enter_hook) and _unhooked(runtime.launch_exit_hook):
+        if _unhooked():
             # what ``kernel[grid](*values)`` does when no hook is set, without its closure
             if stream is None:
                 stream = current_stream()
@@ -432,10 +431,12 @@ def current_stream():
     return driver.active.get_current_stream(driver.active.get_current_device())
 
 
-def _unhooked(hook) -> bool:
-    """Whether a launch hook of Triton's knobs calls nothing: None, or a chain of no hooks (the form
-    newer releases keep)."""
-    return hook is None or getattr(hook, "calls", None) == []
+def _unhooked() -> bool:
+    """Whether neither launch hook of Triton's knobs calls anything: each None, or a chain of no hooks
+    (the form newer releases keep)."""
+    runtime = knobs.runtime
+    return all(hook is None or getattr(hook, "calls", None) == []
+               for hook in (runtime.launch_enter_hook, runtime.launch_exit_hook))
 
 
 def _rebased(desc, base):
@@ -579,8 +580,7 @@ class Plan:
     def _graphed(self, ts: tuple) -> bool:
         """Whether the launches on ``ts`` ran as the graph of their addresses (captured now if these
         addresses were seen once before); False where they are to be launched one by one."""
-        runtime = knobs.runtime
-        if not (_unhooked(runtime.launch_enter_hook) and _unhooked(runtime.launch_exit_hook)) or _capturing():
+        if not _unhooked() or _capturing():
             return False
         addresses = tuple([t.data_ptr() for t in ts])
         graph = self.graphs.get(addresses)
