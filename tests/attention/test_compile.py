@@ -3,6 +3,8 @@
 On the CPU backend="auto" picks the emulation; the GPU's default path, the Triton kernels, is
 compiled here under Triton's interpreter (backend="triton"), with dynamic shapes, and with inductor
 on a GPU."""
+import json
+
 import pytest
 import torch
 
@@ -89,6 +91,28 @@ def test_fullgraph_compile_with_inductor_on_the_gpu(dynamic):
         assert err <= 1.25 * err_e + 1e-4, (name, err, err_e)
 
 
+def test_a_symbolic_float_of_the_configuration_reaches_the_ops_with_its_value(monkeypatch):
+    """The ops take the configuration as one string (``KernelConfig.op_key``). Under ``dynamic=True`` a
+    float argument such as ``beta`` is symbolic in the trace: the key must carry each call's value
+    (specialized and guarded), so that a later call with another beta runs with that beta, as eager does."""
+    from stableflash.attention.triton import config as config_module
+    keys = []
+    decode = config_module._from_op_key.__wrapped__
+    monkeypatch.setattr(config_module, "_from_op_key", lambda key: keys.append(key) or decode(key))
+    torch._dynamo.reset()
+    fn = lambda q, k, v, beta: sf.flash_attention(q, k, v, causal=True, backend="triton",  # noqa: E731
+                                                  stabilize="paper", beta=beta)
+    compiled = torch.compile(fn, backend="aot_eager", fullgraph=True, dynamic=True)
+    q, k, v = (t.detach() for t in inputs(device=DEVICE))
+    k = k.clone()
+    k[..., 1, :] = k[..., 0, :]                   # tied row maxima: the rule's beta changes the shift
+    for beta in (2.0, 5.5, 2.0):
+        keys.clear()
+        got = compiled(q, k, v, beta)
+        assert keys and all(json.loads(key)["beta"] == beta for key in keys), (beta, keys)
+        assert torch.equal(got, fn(q, k, v, beta))
+
+
 @pytest.mark.parametrize("dropout_p", [0.0, 0.25])
 def test_the_forward_op_has_a_cpu_output_only_under_dropout(dropout_p):
     """Without dropout the forward op's seed output is an empty tensor on q's device (CUDA graphs,
@@ -100,7 +124,7 @@ def test_the_forward_op_has_a_cpu_output_only_under_dropout(dropout_p):
     from stableflash.attention.triton.op import Masks, attn_fwd
 
     q, k, v = (t.detach() for t in inputs(device=DEVICE))
-    args = (q, k, v, True, 0.25, *stabilized_config(torch.bfloat16).op_args(), *Masks(dropout_p=dropout_p).op_args())
+    args = (q, k, v, True, 0.25, stabilized_config(torch.bfloat16).op_key, *Masks(dropout_p=dropout_p).op_args())
     seed = attn_fwd(*args)[3]
     want = ((1,), torch.device("cpu")) if dropout_p else ((0,), q.device)
     assert (tuple(seed.shape), seed.device, seed.dtype) == (*want, torch.int64)

@@ -302,12 +302,12 @@ def test_a_repeated_call_replays_each_launch_with_its_own_tensors(case, monkeypa
         monkeypatch.setattr(launch_cache, "PLANS", plans)
         if case == "packed backward":
             do, qkv, o, r, lse = tensors
-            grad = torch.ops.stableflash.attn_bwd_packed.default(do, qkv, o, r, lse, True, d ** -0.5, *CONFIG.op_args(),
+            grad = torch.ops.stableflash.attn_bwd_packed.default(do, qkv, o, r, lse, True, d ** -0.5, CONFIG.op_key,
                                                                  *Masks().op_args(), seed)
             names = (("dO", do), ("O", o), ("R", r), ("L", lse), *zip("qkv", triton_op.unpack_qkv(qkv)),
                      *zip(("dq", "dk", "dv"), triton_op.unpack_qkv(grad)))
         else:
-            o, lse, r, _ = torch.ops.stableflash.attn_fwd.default(*tensors, True, d ** -0.5, *CONFIG.op_args(),
+            o, lse, r, _ = torch.ops.stableflash.attn_fwd.default(*tensors, True, d ** -0.5, CONFIG.op_key,
                                                                   *Masks().op_args())
             names = (*zip("qkv", tensors), ("O", o), ("L", lse), ("R", r))
         return _named_launches(replayed if plans else built, {(t.data_ptr(), t.dtype): name for name, t in names})
@@ -334,7 +334,7 @@ def test_a_plan_recorded_from_one_tensor_in_several_places_is_not_replayed_for_d
     x, k, v = (torch.randn(1, 600, 2, 128).to(torch.bfloat16).transpose(1, 2) for _ in range(3))
 
     def call(*tensors):
-        torch.ops.stableflash.attn_fwd.default(*tensors, True, 0.125, *CONFIG.op_args(), *Masks().op_args())
+        torch.ops.stableflash.attn_fwd.default(*tensors, True, 0.125, CONFIG.op_key, *Masks().op_args())
     call(x, x, x)
     call(x, x, x)
     assert len(built) == 1 and len(replayed) == 1          # recorded, then replayed

@@ -44,7 +44,7 @@ def _run(fn, q, k, v, do):
 
 def test_the_inline_forward_agrees_with_its_fake_and_schema():
     q, k, v, _ = _inputs((1, 2, 40, 32), 0)
-    args = (q, k, v, True, 0.25, *CONFIG.op_args(), *Masks().op_args())
+    args = (q, k, v, True, 0.25, CONFIG.op_key, *Masks().op_args())
     torch.library.opcheck(op.attn_fwd_inline, args, test_utils=("test_schema", "test_faketensor"))
 
 
@@ -54,7 +54,7 @@ def test_the_packed_ops_agree_with_their_fakes_and_schemas():
     gen = torch.Generator(device=DEVICE).manual_seed(5)
     qkv, do = (torch.randn(*shape, generator=gen, device=DEVICE).bfloat16() for shape in ((1, 40, 3, 2, 32),
                                                                                          (1, 2, 40, 32)))
-    args = (True, 0.25, *CONFIG.op_args(), *Masks().op_args())
+    args = (True, 0.25, CONFIG.op_key, *Masks().op_args())
     checks = ("test_schema", "test_faketensor")
     torch.library.opcheck(op.attn_fwd_packed_inline, (qkv, *args), test_utils=checks)
     o, lse, o32, seed = op.attn_fwd_packed(qkv, *args)
@@ -102,7 +102,7 @@ def test_the_inline_forward_hands_a_call_to_the_opaque_forward_without_an_autogr
     own (the inline op's formula gives the gradient; a custom_op's Python autograd layer would run on
     every call in a compiled graph), and it gives the outputs of ``stableflash::attn_fwd``, which has one."""
     q, k, v, _ = _inputs((1, 2, 40, 32), 3)
-    args = (q, k, v, True, 0.25, *CONFIG.op_args(), *Masks().op_args())
+    args = (q, k, v, True, 0.25, CONFIG.op_key, *Masks().op_args())
     torch.library.opcheck(op.attn_fwd_opaque, args, test_utils=("test_schema", "test_faketensor"))
     assert op.attn_fwd_opaque is torch.ops.stableflash.attn_fwd_opaque.default
     called = []
@@ -120,7 +120,7 @@ def test_the_inline_forward_hands_a_call_to_the_opaque_forward_without_an_autogr
 def test_under_the_interpreter_the_inline_ops_return_the_opaque_ops_outputs():
     q, k, v, do = _inputs((1, 2, 40, 32), 1)
     assert op.why_not_inline(q, k, v, CONFIG, Masks()) == "Triton's interpreter runs the kernels"
-    args = (True, 0.25, *CONFIG.op_args(), *Masks().op_args())
+    args = (True, 0.25, CONFIG.op_key, *Masks().op_args())
     inline, opaque = (f(q, k, v, *args) for f in (op.attn_fwd_inline, op.attn_fwd))
     for a, b in zip(inline, opaque):
         assert torch.equal(a, b)

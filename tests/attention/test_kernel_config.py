@@ -1,8 +1,12 @@
 """The Triton backend's one configuration: launch.kernel_config builds a typed KernelConfig from a
-policy, a rule, the dtype, a soft cap and a key block; the custom ops take it as primitive
-arguments and give it back unchanged. No kernel runs here."""
+policy, a rule, the dtype, a soft cap and a key block; the custom ops take it as one string
+(``op_key``) and give it back unchanged. No kernel runs here."""
+import copy
 import dataclasses
+import json
 import math
+import pickle
+from enum import Enum
 
 import pytest
 import torch
@@ -88,18 +92,45 @@ def test_fp16_inputs_store_o_in_fp16():
     (FA2.replace(p_bar="fp32", out="fp32"), torch.bfloat16, None, None),
     (PrecisionPolicy.preset("fa2", "fp16"), torch.float16, 1.0, None),
 ])
-def test_op_args_are_primitive_and_round_trip(policy, dtype, softcap, block_k):
+def test_op_key_is_one_string_that_round_trips(policy, dtype, softcap, block_k):
     c = kernel_config(policy, ShiftRule("paper"), dtype, softcap, block_k)
-    args = c.op_args()
-    assert len(args) == len(OP_FIELDS)
-    assert all(a is None or type(a) in (bool, int, float, str, list) for a in args)
-    assert KernelConfig.from_op_args(*args) == c
-    # the custom ops' schemas name the fields after (..., causal, scale), then the masks' arguments
-    # (and, for the backward, dropout's seed)
+    key = c.op_key
+    assert isinstance(key, str) and tuple(json.loads(key)) == OP_FIELDS
+    # written as json writes the fields' values (enums as their values, the heads as a list)
+    values = [f.value if isinstance(f, Enum) else list(f) if isinstance(f, tuple) else f
+              for f in (getattr(c, name) for name in OP_FIELDS)]
+    assert key == json.dumps(dict(zip(OP_FIELDS, values)), separators=(",", ":"))
+    assert KernelConfig.from_op_key(key) == c
+    # a configuration built again gives the same key, and one that differs in any field another
+    assert kernel_config(policy, ShiftRule("paper"), dtype, softcap, block_k).op_key == key
+    assert dataclasses.replace(c, beta=c.beta + 1).op_key != key
+    # its copies and pickles equal it and hash alike, the memoized hash and key not carried (strings hash
+    # differently in another process)
+    hash(c)
+    for other in (copy.copy(c), copy.deepcopy(c), pickle.loads(pickle.dumps(c))):
+        assert "_hash" not in vars(other)
+        assert other == c and hash(other) == hash(c) and other.op_key == key
+    # the custom ops' schemas take the configuration as one argument after (..., causal, scale), then the
+    # masks' arguments (and, for the backward, dropout's seed)
     for custom_op, tail in ((op.attn_fwd, op.MASK_ARGS), (op.attn_bwd, (*op.MASK_ARGS, "seed")),
-                            (op.attn_bwd_packed, (*op.MASK_ARGS, "seed"))):
-        names = [a.name for a in getattr(custom_op, "_opoverload", custom_op)._schema.arguments]
-        assert tuple(names[names.index("scale") + 1:]) == OP_FIELDS + tail
+                            (op.attn_bwd_packed, (*op.MASK_ARGS, "seed")), (op.attn_fwd_opaque, op.MASK_ARGS)):
+        schema = getattr(custom_op, "_opoverload", custom_op)._schema
+        names = [a.name for a in schema.arguments]
+        assert tuple(names[names.index("scale") + 1:]) == ("config", *tail)
+        assert str(schema.arguments[names.index("config")].type) == "str"
+
+
+@pytest.mark.parametrize("key, says", [
+    ("not json", "is not JSON"),
+    ("[1, 2]", "a JSON object of the fields"),
+    ('{"arithmetic": "fa2"}', "a JSON object of the fields"),
+    (KernelConfig().op_key.replace('"rule":0', '"rule":9'), "9 is not a valid RuleKind"),
+    (KernelConfig().op_key.replace('"narrow":23', '"narrow":"e5m2"'), "is not a valid Format"),
+])
+def test_from_op_key_names_what_is_wrong(key, says):
+    with pytest.raises(ValueError, match="config=") as e:
+        KernelConfig.from_op_key(key)
+    assert says in str(e.value) and "accepted" in str(e.value)
 
 
 def test_op_fields_are_the_dataclass_fields_and_the_config_is_frozen():

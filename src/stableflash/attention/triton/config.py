@@ -4,11 +4,14 @@ Each coded meaning is an enum: the arithmetic (which reaches the kernels as the 
 the row-maximum rule, the rounding formats and the source of δ, whose values are the numbers the
 kernels specialize on (``common`` names them as ``tl.constexpr`` globals). ``KernelConfig`` holds them with the rule's parameters, which points
 are narrowed, P̄'s format, the fp32 heads, the soft cap and the key block. The custom ops take
-primitive arguments: ``KernelConfig.op_args`` gives them (in ``OP_FIELDS`` order) and
-``KernelConfig.from_op_args`` reads them back. This module imports neither Triton nor torch.
+it as one string argument: ``KernelConfig.op_key`` gives it (its fields as JSON, enums as their
+values) and ``KernelConfig.from_op_key`` reads it back, memoized: one argument costs torch's
+dispatcher a fraction of what seventeen cost. This module imports neither Triton nor torch.
 """
 from __future__ import annotations
 
+import functools
+import json
 from dataclasses import dataclass, fields
 from enum import Enum
 
@@ -178,24 +181,78 @@ class KernelConfig:
         """P̄V takes P̄ in fp32 (no rounding of P̄, no tensor cores)."""
         return self.p_bar is Format.FP32
 
-    def op_args(self) -> tuple:
-        """The fields as the custom ops' arguments, in ``OP_FIELDS`` order: enums as their values,
-        the heads as a list (the op schema's primitive types)."""
-        return (self.arithmetic.value, self.rule.value, self.beta, self.eps, self.min_shift, self.max_shift,
-                self.narrow.value, self.narrow_acc, self.narrow_row_sum, self.narrow_out, self.stochastic,
-                None if self.p_bar is None else self.p_bar.value, self.fp8_product, self.delta.value,
-                list(self.hp_heads), self.softcap, self.block_k)
+    def __hash__(self) -> int:
+        """The fields' hash, computed once (a launch plan's key holds the configuration: every call
+        hashes it)."""
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash(tuple(getattr(self, name) for name in OP_FIELDS))
+            object.__setattr__(self, "_hash", h)
+        return h
 
-    @classmethod
-    def from_op_args(cls, arithmetic: str, rule: int, beta: float, eps: float, min_shift: float, max_shift: float,
-                     narrow: int, narrow_acc: bool, narrow_row_sum: bool, narrow_out: bool, stochastic: bool,
-                     p_bar: int | None, fp8_product: bool, delta: int, hp_heads: list[int], softcap: float | None,
-                     block_k: int | None) -> KernelConfig:
-        """The configuration ``op_args`` gave these arguments for."""
-        return cls(Arithmetic(arithmetic), RuleKind(rule), beta, eps, min_shift, max_shift, Format(narrow),
-                   narrow_acc, narrow_row_sum, narrow_out, stochastic, None if p_bar is None else Format(p_bar),
-                   fp8_product, DeltaSource(delta), tuple(hp_heads), softcap, block_k)
+    def __getstate__(self) -> dict:
+        """The fields alone: the memoized hash (of strings, which each process hashes its own way) is not
+        carried into a copy or a pickle."""
+        return {name: getattr(self, name) for name in OP_FIELDS}
+
+    @property
+    def op_key(self) -> str:
+        """The configuration as the custom ops' ``config`` argument: its fields as a JSON object in
+        ``OP_FIELDS`` order, enums as their values, the heads as a list (``from_op_key`` reads it back).
+        Written out by hand rather than by ``json``, whose C encoder torch.compile cannot trace."""
+        values = (self.arithmetic.value, self.rule.value, self.beta, self.eps, self.min_shift, self.max_shift,
+                  self.narrow.value, self.narrow_acc, self.narrow_row_sum, self.narrow_out, self.stochastic,
+                  None if self.p_bar is None else self.p_bar.value, self.fp8_product, self.delta.value,
+                  self.hp_heads, self.softcap, self.block_k)
+        return "{" + ",".join(['"' + name + '":' + _json(value) for name, value in zip(OP_FIELDS, values)]) + "}"
+
+    @staticmethod
+    def from_op_key(key: str) -> KernelConfig:
+        """The configuration whose ``op_key`` is ``key`` (memoized: the ops read it on every call);
+        ValueError naming what is wrong for a string no ``op_key`` gives."""
+        return _from_op_key(key)
 
 
-# the custom ops' arguments after (..., causal, scale): KernelConfig's fields, in order
+def _json(value) -> str:
+    """``value`` (None, a bool, an int, a float, a str without quotes or escapes, or a tuple of ints) as
+    JSON. Numbers go through ``%r`` formatting, which torch.compile specializes (and guards) where a
+    traced float is symbolic, as under ``dynamic=True``."""
+    if value is None:
+        return "null"
+    if value is True or value is False:
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value + '"'
+    if isinstance(value, tuple):
+        return "[" + ",".join(["%d" % (h,) for h in value]) + "]"
+    text = "%r" % (value,)
+    return _NON_FINITE.get(text, text)
+
+
+_NON_FINITE = {"inf": "Infinity", "-inf": "-Infinity", "nan": "NaN"}      # as json writes them
+
+
+@functools.lru_cache(maxsize=256)
+def _from_op_key(key: str) -> KernelConfig:
+    try:
+        named = json.loads(key)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"KernelConfig.from_op_key: config={key!r} is not JSON ({e}); accepted: a "
+                         f"KernelConfig.op_key") from None
+    if not isinstance(named, dict) or tuple(named) != OP_FIELDS:
+        raise ValueError(f"KernelConfig.from_op_key: config={key!r}; accepted: a JSON object of the fields "
+                         f"{', '.join(OP_FIELDS)}, in that order (a KernelConfig.op_key)")
+    try:
+        p_bar = named["p_bar"]
+        return KernelConfig(Arithmetic(named["arithmetic"]), RuleKind(named["rule"]), named["beta"], named["eps"],
+                            named["min_shift"], named["max_shift"], Format(named["narrow"]), named["narrow_acc"],
+                            named["narrow_row_sum"], named["narrow_out"], named["stochastic"],
+                            None if p_bar is None else Format(p_bar), named["fp8_product"],
+                            DeltaSource(named["delta"]), tuple(named["hp_heads"]), named["softcap"],
+                            named["block_k"])
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"KernelConfig.from_op_key: config={key!r}: {e}; accepted: a KernelConfig.op_key") from None
+
+
+# KernelConfig's fields, in order (the keys of its op_key)
 OP_FIELDS = tuple(f.name for f in fields(KernelConfig))

@@ -40,7 +40,7 @@ from stableflash.attention.triton import launch_cache
 from stableflash.attention.triton.backward import (attn_bwd_dkdv_kernel, attn_bwd_dq_kernel,
                                                    delta_dot_kernel, delta_pass_kernel)
 from stableflash.attention.triton.common import NO_FORMAT
-from stableflash.attention.triton.config import OP_FIELDS, Format, KernelConfig
+from stableflash.attention.triton.config import Format, KernelConfig
 from stableflash.attention.triton.forward import attn_fwd_kernel
 
 LOG2E = 1.0 / math.log(2.0)
@@ -431,7 +431,7 @@ class Masks(NamedTuple):
         return self.band is not None or self.attn_mask is not None or self.cu_q is not None or self.dropout_p > 0
 
     def op_args(self) -> tuple:
-        """The custom ops' arguments for these masks (``MASK_ARGS``, after the KernelConfig's)."""
+        """The custom ops' arguments for these masks (``MASK_ARGS``, after the configuration's)."""
         return (None if self.band is None else [int(x) for x in self.band], self.attn_mask, self.cu_q, self.cu_k,
                 self.max_q, self.max_k, self.dropout_p)
 
@@ -564,20 +564,7 @@ def _keep_forward_plan(key, plan, tensors: tuple, launched) -> None:
         launch_cache.keep_plan(_forward_plans, key, launch_cache.Plan.record(tensors, (), [launched]))
 
 
-@functools.lru_cache(maxsize=256)
-def _op_config(*config_args) -> KernelConfig:
-    """``KernelConfig.from_op_args`` memoized: the custom ops rebuild the configuration on every
-    call (hp_heads reaches them as a tuple, hashable)."""
-    return KernelConfig.from_op_args(*config_args)
-
-
-def _config_of(config_args: tuple) -> KernelConfig:
-    """The configuration of a custom op's trailing arguments (``OP_FIELDS`` order)."""
-    *head, hp_heads, softcap, block_k = config_args
-    return _op_config(*head, tuple(hp_heads), softcap, block_k)
-
-
-# the masks' arguments of both ops, after (q, k, v, causal, scale) and the KernelConfig's fields
+# the masks' arguments of both ops, after (q, k, v, causal, scale) and the configuration (``KernelConfig.op_key``)
 MASK_ARGS = ("band", "attn_mask", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "dropout_p")
 N_MASK_ARGS = len(MASK_ARGS)
 
@@ -587,25 +574,21 @@ def _forward_op(inline: bool):
     launches through ``wrap_triton`` (``attn_fwd_inline``), except where a call needs the opaque
     op — which it then calls."""
 
-    def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, arithmetic: str,
-                 rule: int, beta: float, eps: float, min_shift: float, max_shift: float, narrow: int,
-                 narrow_acc: bool, narrow_row_sum: bool, narrow_out: bool, stochastic: bool, p_bar: Optional[int],
-                 fp8_product: bool, delta: int, hp_heads: list[int], softcap: Optional[float],
-                 block_k: Optional[int], band: Optional[list[int]] = None, attn_mask: Optional[torch.Tensor] = None,
+    def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, config: str,
+                 band: Optional[list[int]] = None, attn_mask: Optional[torch.Tensor] = None,
                  cu_seqlens_q: Optional[torch.Tensor] = None, cu_seqlens_k: Optional[torch.Tensor] = None,
                  max_seqlen_q: int = 0, max_seqlen_k: int = 0,
                  dropout_p: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(O, LSE, O32, seed) as ``_forward`` for the KernelConfig whose ``op_args`` these are
-        (``OP_FIELDS``) and the masks (``Masks.op_args``); seed: with dropout, dropout's seed as a CPU
+        """(O, LSE, O32, seed) as ``_forward`` for the KernelConfig whose ``op_key`` ``config`` is and the
+        masks (``Masks.op_args``); seed: with dropout, dropout's seed as a CPU
         int64 tensor of one value for the backward op, drawn here on every call (also under
         torch.compile, where the op is opaque); without, an empty int64 tensor on q's device, so that
         a step with no dropout has no CPU output (torch.compile's CUDA graphs cannot record one)."""
-        config = _op_config(arithmetic, rule, beta, eps, min_shift, max_shift, narrow, narrow_acc, narrow_row_sum,
-                            narrow_out, stochastic, p_bar, fp8_product, delta, tuple(hp_heads), softcap, block_k)
+        key, config = config, KernelConfig.from_op_key(config)
         masks = Masks.from_op_args(band, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                    dropout_p)
         if inline and why_not_inline(q, k, v, config, masks, causal) is not None:
-            return attn_fwd_opaque(q, k, v, causal, scale, *config.op_args(), *masks.op_args())
+            return attn_fwd_opaque(q, k, v, causal, scale, key, *masks.op_args())
         seed = draw_seed() if masks.dropout_p > 0 else 0
         token = _INLINE.set(_InlineBody(tune_here=not masks.any) if inline else None)
         try:
@@ -677,10 +660,9 @@ def _seed_output(seed: int, dropout_p: float, q: torch.Tensor) -> torch.Tensor:
 
 
 @attn_fwd.register_fake
-def _attn_fwd_fake(q, k, v, causal, scale, *args, **kwargs):
-    delta = _config_of(args[:len(OP_FIELDS)]).delta
+def _attn_fwd_fake(q, k, v, causal, scale, config, *mask_args, **kwargs):
+    delta = KernelConfig.from_op_key(config).delta
     o32 = q.new_empty(q.shape if delta.keeps_o else (0,), dtype=q.dtype if delta.residual else torch.float32)
-    mask_args = args[len(OP_FIELDS):]
     dropout_p = mask_args[MASK_ARGS.index("dropout_p")] if len(mask_args) == N_MASK_ARGS else kwargs.get("dropout_p", 0.0)
     return _empty_like_layout(q), q.new_empty(q.shape[:3], dtype=torch.float32), o32, _seed_output(0, dropout_p, q)
 
@@ -824,23 +806,18 @@ def _backward_op(inline: bool):
     for ``_forward_op`` (the backward of dropout reads its seed from a tensor: the opaque op)."""
 
     def attn_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-                 residual: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float, arithmetic: str, rule: int,
-                 beta: float, eps: float, min_shift: float, max_shift: float, narrow: int, narrow_acc: bool,
-                 narrow_row_sum: bool, narrow_out: bool, stochastic: bool, p_bar: Optional[int],
-                 fp8_product: bool, delta: int, hp_heads: list[int], softcap: Optional[float],
-                 block_k: Optional[int], band: Optional[list[int]] = None, attn_mask: Optional[torch.Tensor] = None,
+                 residual: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float, config: str,
+                 band: Optional[list[int]] = None, attn_mask: Optional[torch.Tensor] = None,
                  cu_seqlens_q: Optional[torch.Tensor] = None, cu_seqlens_k: Optional[torch.Tensor] = None,
                  max_seqlen_q: int = 0, max_seqlen_k: int = 0, dropout_p: float = 0.0,
                  seed: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(dQ, dK, dV) for the forward that produced ``o``, ``lse`` and dropout's ``seed``, with the
         forward's arguments."""
-        config = _op_config(arithmetic, rule, beta, eps, min_shift, max_shift, narrow, narrow_acc, narrow_row_sum,
-                            narrow_out, stochastic, p_bar, fp8_product, delta, tuple(hp_heads), softcap, block_k)
+        key, config = config, KernelConfig.from_op_key(config)
         masks = Masks.from_op_args(band, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                    dropout_p)
         if inline and why_not_inline_backward(do, q, k, v, config, masks) is not None:
-            return attn_bwd_opaque(do, q, k, v, o, residual, lse, causal, scale, *config.op_args(),
-                                   *masks.op_args(), seed)
+            return attn_bwd_opaque(do, q, k, v, o, residual, lse, causal, scale, key, *masks.op_args(), seed)
         token = _INLINE.set(_InlineBody(tune_here=not masks.any) if inline else None)
         try:
             return _backward_impl(do, q, k, v, o, residual, lse, causal, scale, config, masks,
@@ -873,11 +850,10 @@ def _for_delta(o: torch.Tensor, o32: torch.Tensor, config: KernelConfig) -> tupl
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, causal, scale, *rest = inputs
-    config_args, mask_args = rest[:len(OP_FIELDS)], rest[len(OP_FIELDS):]
+    q, k, v, causal, scale, config, *mask_args = inputs
     o, lse, o32, seed = output
-    ctx.save_for_backward(q, k, v, lse, *_for_delta(o, o32, _config_of(config_args)), seed)
-    ctx.args = (causal, scale, *config_args)
+    ctx.save_for_backward(q, k, v, lse, *_for_delta(o, o32, KernelConfig.from_op_key(config)), seed)
+    ctx.args = (causal, scale, config)
     ctx.mask_args = tuple(mask_args) + tuple(Masks().op_args()[len(mask_args):])
     ctx.mark_non_differentiable(lse, o32, seed)
 
@@ -886,7 +862,7 @@ def _backward_of(op):
     def backward(ctx, do, _dlse, _do32, _dseed):
         q, k, v, lse, o, residual, seed = ctx.saved_tensors
         dq, dk, dv = op(do, q, k, v, o, residual, lse, *ctx.args, *ctx.mask_args, seed)
-        return dq, dk, dv, *[None] * (2 + len(OP_FIELDS) + N_MASK_ARGS)
+        return dq, dk, dv, *[None] * (3 + N_MASK_ARGS)
 
     return backward
 
@@ -963,7 +939,7 @@ class _PackedBody:
             return self._fn(*args[:at], *unpack_qkv(args[at]), *args[at + 1:])
         if self._opaque is not None:
             named = dict(zip(self._names, args))
-            config = _config_of(tuple(named[f] for f in OP_FIELDS))
+            config = KernelConfig.from_op_key(named["config"])
             masks = Masks.from_op_args(*(named[m] for m in MASK_ARGS))
             if why_not_inline_backward(named["do"], *unpack_qkv(named["qkv"]), config, masks) is not None:
                 return self._opaque(*args)
@@ -1005,7 +981,7 @@ def _packed_backward_of(op):
     def backward(ctx, do, _dlse, _do32, _dseed):
         qkv, _, _, lse, o, residual, seed = ctx.saved_tensors
         dqkv = op(do, qkv, o, residual, lse, *ctx.args, *ctx.mask_args, seed)
-        return dqkv, *[None] * (2 + len(OP_FIELDS) + N_MASK_ARGS)
+        return dqkv, *[None] * (3 + N_MASK_ARGS)
 
     return backward
 
@@ -1058,7 +1034,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, s
               config: KernelConfig, masks: Masks = Masks(),
               packed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(O, LSE): O differentiable, LSE (B, H, Nq) fp32 without gradient — the inline forward op
-    under torch.compile (the opaque one with ``INLINE_OPS`` off; ``config`` as its ``op_args``),
+    under torch.compile (the opaque one with ``INLINE_OPS`` off; ``config`` as its ``op_key``),
     the autograd.Function in eager mode. ``config``: what ``launch.kernel_config`` built;
     ``masks``: what the call masks beyond CAUSAL. ``packed``: the (B, N, 3, H, d) tensor whose
     ``unpack_qkv`` views q, k and v are; then O is differentiable with respect to it, and the
@@ -1066,11 +1042,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, s
     if packed is not None:
         if torch.compiler.is_compiling():
             op = attn_fwd_packed_inline if INLINE_OPS else attn_fwd_packed
-            o, lse, _, _ = op(packed, causal, scale, *config.op_args(), *masks.op_args())
+            o, lse, _, _ = op(packed, causal, scale, config.op_key, *masks.op_args())
             return o, lse
         return _EagerPackedAttention.apply(packed, causal, scale, config, masks)
     if torch.compiler.is_compiling():
         op = attn_fwd_inline if INLINE_OPS else attn_fwd
-        o, lse, _, _ = op(q, k, v, causal, scale, *config.op_args(), *masks.op_args())
+        o, lse, _, _ = op(q, k, v, causal, scale, config.op_key, *masks.op_args())
         return o, lse
     return _EagerAttention.apply(q, k, v, causal, scale, config, masks)
