@@ -531,10 +531,12 @@ class Plan:
     signature, so a graph is keyed by the addresses alone. Not while the stream is being captured (the
     launches then join the capture) nor with Triton's launch hooks set (they run at each launch)."""
 
-    __slots__ = ("device", "buffers", "steps", "graphs", "seen")
+    __slots__ = ("device", "buffers", "steps", "graphs", "seen", "generation")
 
     def __init__(self, device, buffers: tuple, steps: tuple) -> None:
         self.device, self.buffers, self.steps = device, buffers, steps
+        # the oldest of its replays' generations: the plan is current while that one is
+        self.generation = min((replay.generation for replay, _ in steps), default=_generation)
         # addresses of the call's tensors -> its graph; addresses seen once (a graph at the next sighting)
         self.graphs: dict[tuple, Any] | None = {} if device.type == "cuda" else None
         self.seen: set[tuple] = set()
@@ -560,14 +562,15 @@ class Plan:
 
     @property
     def current(self) -> bool:
-        return all(replay.current for replay, _ in self.steps)
+        """False once ``clear`` ran after any of its replays was made."""
+        return self.generation == _generation
 
     def allocate(self) -> tuple:
         """New buffers of the recorded shapes and dtypes (uninitialised)."""
-        return tuple(torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in self.buffers)
+        return tuple([torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in self.buffers])
 
     def __call__(self, tensors: tuple) -> None:
-        ts = (*tensors, *self.allocate())
+        ts = (*tensors, *self.allocate()) if self.buffers else tensors
         if self.graphs is not None and GRAPHS and self._graphed(ts):
             return
         self.launch(ts, current_stream())          # one stream lookup for the plan's launches
