@@ -411,7 +411,7 @@ def test_a_plan_replays_a_call_repeating_its_addresses_as_one_captured_graph(mon
     class Fixed(launch_cache.Plan):                                # a plan whose buffers keep one address
         __slots__ = ()
 
-        def allocate(self):
+        def allocate(self, like=None):
             return buffers
     fixed = Fixed(torch.device("cpu"), plan.buffers, plan.steps)
     fixed.graphs = {}                                              # as a plan of CUDA tensors has
@@ -635,3 +635,50 @@ def test_calls_inside_a_users_graph_capture_join_it(monkeypatch):
     torch.cuda.synchronize()
     monkeypatch.setattr(launch_cache, "GRAPHS", False)
     assert torch.equal(o, forward())
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 4), (0,), (4, 0, 3), (5,), (2, 1024, 3, 12, 64)])
+def test_contiguous_strides_are_torchs(shape):
+    assert launch_cache.contiguous_strides(shape) == torch.empty(shape).stride()
+
+
+def _allocations_on(device: str) -> list:
+    """launch_cache.empty beside torch.empty_strided: as is, under a fake mode, under a dispatch mode."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func)
+            return func(*args, **(kwargs or {}))
+
+    like = torch.zeros(3, device=device)
+    shape, strides = (2, 12, 5), (60, 1, 12)
+    got = launch_cache.empty(shape, strides, torch.bfloat16, like)
+    assert type(got) is torch.Tensor
+    assert (got.shape, got.stride(), got.dtype, got.device) == (shape, strides, torch.bfloat16, like.device)
+    with FakeTensorMode() as mode:                 # traced: a fake tensor, no memory
+        fake = launch_cache.empty(shape, strides, torch.float32, mode.from_tensor(like))
+    assert isinstance(fake, FakeTensor) and (fake.shape, fake.stride(), fake.device) == (shape, strides, like.device)
+    with Seen() as seen:                           # a dispatch mode sees the allocation
+        launch_cache.empty(shape, strides, torch.float32, like)
+    return seen.ops
+
+
+def test_empty_allocates_as_torch_empty_strided_and_stays_visible_to_modes():
+    assert torch.ops.aten.empty_strided.default in _allocations_on("cpu")
+
+
+@needs_cuda
+def test_empty_on_the_gpu_allocates_on_the_tensors_device_as_torch_empty_strided():
+    assert torch.ops.aten.empty_strided.default in _allocations_on("cuda")
+    # through the allocator's direct entry: the current stream's pool, freed and reused as torch's
+    like = torch.zeros(1, device="cuda")
+    a = launch_cache.empty((1024,), (1,), torch.float32, like)
+    address = a.data_ptr()
+    del a
+    assert launch_cache.empty((1024,), (1,), torch.float32, like).data_ptr() == address

@@ -50,6 +50,7 @@ for another ``ptxas`` than triton's default (``assembler``); launches of recorde
 from __future__ import annotations
 
 import dataclasses
+import functools
 import operator
 import warnings
 from typing import Any, Callable
@@ -61,6 +62,11 @@ from triton.runtime.driver import driver
 from triton.runtime.interpreter import InterpretedFunction
 
 from stableflash.attention.triton import assembler
+
+try:        # the caching allocator's entry that torch.compile's generated code allocates through
+    from torch._C._dynamo.guards import _empty_strided_cuda
+except ImportError:                              # a torch without it: torch.empty_strided alone
+    _empty_strided_cuda = None
 
 # off: every launch through Triton's dispatch (benchmarks compare both)
 ENABLED = True
@@ -494,6 +500,27 @@ GRAPHS = True
 MAX_GRAPHS = 64
 
 
+def empty(shape: tuple, strides: tuple, dtype: torch.dtype, like: torch.Tensor) -> torch.Tensor:
+    """``torch.empty_strided(shape, strides, dtype=dtype, device=like.device)``. For a plain tensor ``like``
+    on the current CUDA device with no dispatch mode active (not traced, not faked), through the
+    allocator's entry that torch.compile's generated code uses, which costs the host about half as
+    much (the ops allocate their outputs and buffers on every call)."""
+    if _empty_strided_cuda is not None and type(like) is torch.Tensor and like.is_cuda \
+            and torch._C._len_torch_dispatch_stack() == 0 and like.get_device() == torch.cuda.current_device():
+        return _empty_strided_cuda(shape, strides, dtype)
+    return torch.empty_strided(shape, strides, dtype=dtype, device=like.device)
+
+
+@functools.lru_cache(maxsize=1024)
+def contiguous_strides(shape: tuple) -> tuple:
+    """The strides of a contiguous tensor of ``shape``."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(int(size), 1)
+    return tuple(reversed(strides))
+
+
 def plan_key(tensors: tuple, *extra, fresh: tuple = ()) -> tuple:
     """What a call's launches can read of ``tensors`` beyond their addresses — every tensor's shape,
     strides, dtype and address modulo 16, and which of them share an address and dtype (a plan maps
@@ -565,12 +592,15 @@ class Plan:
         """False once ``clear`` ran after any of its replays was made."""
         return self.generation == _generation
 
-    def allocate(self) -> tuple:
-        """New buffers of the recorded shapes and dtypes (uninitialised)."""
-        return tuple([torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in self.buffers])
+    def allocate(self, like: torch.Tensor | None = None) -> tuple:
+        """New buffers of the recorded shapes and dtypes (uninitialised), contiguous; ``like``: a tensor of
+        the call on the plan's device (``empty``)."""
+        if like is None:
+            return tuple([torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in self.buffers])
+        return tuple([empty(shape, contiguous_strides(shape), dtype, like) for shape, dtype in self.buffers])
 
     def __call__(self, tensors: tuple) -> None:
-        ts = (*tensors, *self.allocate()) if self.buffers else tensors
+        ts = (*tensors, *self.allocate(tensors[0])) if self.buffers else tensors
         if self.graphs is not None and GRAPHS and self._graphed(ts):
             return
         self.launch(ts, current_stream())          # one stream lookup for the plan's launches

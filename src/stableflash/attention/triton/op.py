@@ -360,6 +360,15 @@ def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def _empty(shape, dtype: torch.dtype, like: torch.Tensor) -> torch.Tensor:
+    """``torch.empty(shape, dtype=dtype, device=like.device)``; for a plain tensor ``like`` (sizes that are
+    ints), through ``launch_cache.empty``."""
+    if type(like) is torch.Tensor:
+        shape = tuple(shape)
+        return launch_cache.empty(shape, launch_cache.contiguous_strides(shape), dtype, like)
+    return torch.empty(shape, dtype=dtype, device=like.device)
+
+
 def _empty_like_layout(t: torch.Tensor) -> torch.Tensor:
     """An uninitialised tensor of t's shape and dtype whose memory follows t's order of dimensions
     (largest stride first), as the kernel will see t (last dimension contiguous). A model's q, k, v
@@ -370,7 +379,7 @@ def _empty_like_layout(t: torch.Tensor) -> torch.Tensor:
     so that torch.compile sees the strides the kernels produce."""
     t = _last_dim_contiguous(t)
     if _has_data(t):                           # a real tensor's sizes are ints: its strides, made once
-        return torch.empty_strided(t.shape, _layout_strides(t.shape, t.stride()), dtype=t.dtype, device=t.device)
+        return launch_cache.empty(t.shape, _layout_strides(t.shape, t.stride()), t.dtype, t)
     order = sorted(range(t.dim()), key=lambda i: -t.stride(i))
     return torch.empty_permuted(t.shape, order, dtype=t.dtype, device=t.device)
 
@@ -500,9 +509,8 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sc
     n_k = k.shape[2]
     emu, softcap, delta = config.emulated, config.softcap, config.delta
     o = _empty_like_layout(q)
-    lse = torch.empty(B, H, n_q, dtype=torch.float32, device=q.device)
-    o32 = torch.empty(q.shape if delta.keeps_o else (0,), dtype=q.dtype if delta.residual else torch.float32,
-                      device=q.device)
+    lse = _empty((B, H, n_q), torch.float32, q)
+    o32 = _empty(q.shape if delta.keeps_o else (0,), q.dtype if delta.residual else torch.float32, q)
     tensors, key, plan = (q, k, v, o, lse, o32), None, None
     # a plan: not for a seed drawn per call (dropout, stochastic rounding), nor in a traced body
     if launch_cache.PLANS and launch_cache.ENABLED and not masks.any and not config.stochastic \
@@ -656,7 +664,7 @@ def _seed_output(seed: int, dropout_p: float, q: torch.Tensor) -> torch.Tensor:
     """The forward op's seed output: a CPU int64 tensor holding ``seed`` under dropout, else empty on q's device."""
     if dropout_p > 0:
         return torch.tensor([seed], dtype=torch.int64)
-    return torch.empty(0, dtype=torch.int64, device=q.device)
+    return _empty((0,), torch.int64, q)
 
 
 @attn_fwd.register_fake
@@ -886,7 +894,7 @@ def _into_packed_grad(backward, do: torch.Tensor, qkv: torch.Tensor, *args, **kw
 def _packed_grad(backward, do: torch.Tensor, views: tuple, *args, **kwargs) -> torch.Tensor:
     """``_into_packed_grad`` given the views (q, k, v) of the packed tensor rather than the tensor."""
     B, H, N, d = views[0].shape
-    dqkv = torch.empty((B, N, 3, H, d), dtype=views[0].dtype, device=views[0].device)
+    dqkv = _empty((B, N, 3, H, d), views[0].dtype, views[0])
     token = _GRADS.set(dqkv)
     try:
         backward(do, *views, *args, **kwargs)
