@@ -272,16 +272,27 @@ def _named_launches(launches: list, names: dict) -> list:
 
 
 @needs_gluon
+@pytest.mark.parametrize("direct", [False, True], ids=["torch allocation", "direct allocation"])
 @pytest.mark.parametrize("case", ["packed backward", "gluon forward", "triton forward"])
-def test_a_repeated_call_replays_each_launch_with_its_own_tensors(case, monkeypatch):
+def test_a_repeated_call_replays_each_launch_with_its_own_tensors(case, direct, monkeypatch):
     """The ops as torch.compile's code calls them, with the launches stood in for (no GPU): a first call
     records its plan; a call with new tensors of the same signature replays it, building nothing, and
     each replayed launch gets, place by place, what the same call builds with the plans off — its own
     inputs, outputs and views of them, new buffers of the same shapes, strides and dtypes — and every
     other argument equal. The route's packed backward (head_dim 128), its forward (128) and the Triton
-    forward below the route's key count (64)."""
+    forward below the route's key count (64). ``direct``: the outputs and buffers allocated through the
+    allocator's entry (``launch_cache.empty``; stood in for here by one that takes exact tuples alone, as
+    torch's does)."""
     from stableflash.attention.triton import launch_cache
     built, replayed = _plan_world(monkeypatch)
+    allocated = []
+    if direct:
+        def strict(shape, strides, dtype):
+            assert type(shape) is tuple and type(strides) is tuple, (type(shape), type(strides))
+            allocated.append(shape)
+            return torch.empty_strided(shape, strides, dtype=dtype)
+        monkeypatch.setattr(launch_cache, "_empty_strided_cuda", strict)
+        monkeypatch.setattr(launch_cache, "_direct", lambda like: True)
     monkeypatch.setattr(triton_op, "TMA", False)   # the Triton forward's pointer path (TMA asks the device)
     gen = torch.Generator().manual_seed(3)
     d = 64 if case == "triton forward" else 128
@@ -323,6 +334,7 @@ def test_a_repeated_call_replays_each_launch_with_its_own_tensors(case, monkeypa
     places = {x if isinstance(x, str) else x[1] for launch in got for x in launch
               if isinstance(x, str) or (isinstance(x, tuple) and x[:1] == ("descriptor",))}
     assert set("qkv") | {"O", "L"} <= places, places
+    assert bool(allocated) == direct
 
 
 @needs_gluon

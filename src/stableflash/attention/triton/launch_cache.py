@@ -501,14 +501,20 @@ MAX_GRAPHS = 64
 
 
 def empty(shape: tuple, strides: tuple, dtype: torch.dtype, like: torch.Tensor) -> torch.Tensor:
-    """``torch.empty_strided(shape, strides, dtype=dtype, device=like.device)``. For a plain tensor ``like``
-    on the current CUDA device with no dispatch mode active (not traced, not faked), through the
-    allocator's entry that torch.compile's generated code uses, which costs the host about half as
-    much (the ops allocate their outputs and buffers on every call)."""
-    if _empty_strided_cuda is not None and type(like) is torch.Tensor and like.is_cuda \
-            and torch._C._len_torch_dispatch_stack() == 0 and like.get_device() == torch.cuda.current_device():
-        return _empty_strided_cuda(shape, strides, dtype)
+    """``torch.empty_strided(shape, strides, dtype=dtype, device=like.device)``. Where ``_direct(like)``,
+    through the allocator's entry that torch.compile's generated code uses, which costs the host about
+    half as much (the ops allocate their outputs and buffers on every call); it takes tuples alone."""
+    if _direct(like):
+        return _empty_strided_cuda(shape if type(shape) is tuple else tuple(shape),
+                                   strides if type(strides) is tuple else tuple(strides), dtype)
     return torch.empty_strided(shape, strides, dtype=dtype, device=like.device)
+
+
+def _direct(like: torch.Tensor) -> bool:
+    """Whether ``empty`` may allocate through the allocator's entry: a plain tensor ``like`` on the current
+    CUDA device, with no dispatch mode active (nothing traced or faked that the allocation would bypass)."""
+    return _empty_strided_cuda is not None and type(like) is torch.Tensor and like.is_cuda \
+        and torch._C._len_torch_dispatch_stack() == 0 and like.get_device() == torch.cuda.current_device()
 
 
 @functools.lru_cache(maxsize=1024)
