@@ -29,7 +29,8 @@ def flash_forward_hopper(q, k, v, causal: bool = False, scale: float | None = No
     if reason is not None:
         raise RuntimeError(f"flash_forward_hopper is not available: {reason}")
     from stableflash.attention.gluon.launch import flash_forward_hopper as forward
-    return forward(q, k, v, causal, scale, tiles=tiles, residual=residual)
+    with _device_of(q):
+        return forward(q, k, v, causal, scale, tiles=tiles, residual=residual)
 
 
 def flash_backward_hopper(do, q, k, v, o, residual, lse, causal: bool = False, scale: float | None = None, *,
@@ -40,4 +41,16 @@ def flash_backward_hopper(do, q, k, v, o, residual, lse, causal: bool = False, s
     if reason is not None:
         raise RuntimeError(f"flash_backward_hopper is not available: {reason}")
     from stableflash.attention.gluon.launch_backward import flash_backward_hopper as backward
-    return backward(do, q, k, v, o, residual, lse, causal, scale, tiles=tiles)
+    with _device_of(q):
+        return backward(do, q, k, v, o, residual, lse, causal, scale, tiles=tiles)
+
+
+def _device_of(t):
+    """``torch.cuda.device(t.device)`` where ``t`` is on another CUDA device than the current one (Triton
+    launches on the current device: ``launch_cache.elsewhere``), else a context that does nothing."""
+    import contextlib
+
+    import torch
+
+    from stableflash.attention.triton.launch_cache import elsewhere
+    return torch.cuda.device(t.device) if elsewhere(t) else contextlib.nullcontext()

@@ -510,6 +510,14 @@ def empty(shape: tuple, strides: tuple, dtype: torch.dtype, like: torch.Tensor) 
     return torch.empty_strided(shape, strides, dtype=dtype, device=like.device)
 
 
+def elsewhere(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a CUDA tensor (not traced) on another device than the current one. Triton launches
+    on the current device, so a call on such tensors runs under ``torch.cuda.device(t.device)``: without
+    it the launch would hand the current device addresses it cannot reach (a model split over GPUs, as
+    transformers' ``device_map="auto"`` does, calls each layer on its own GPU)."""
+    return type(t) is torch.Tensor and t.is_cuda and t.get_device() != torch.cuda.current_device()
+
+
 def _direct(like: torch.Tensor) -> bool:
     """Whether ``empty`` may allocate through the allocator's entry: a plain tensor ``like`` on the current
     CUDA device, with no dispatch mode active (nothing traced or faked that the allocation would bypass)."""

@@ -502,7 +502,10 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sc
     walks the keys in blocks of that size (``key_block_config``). ``masks``: what the call masks
     beyond CAUSAL; ``drop_seed``: dropout's seed (``masking.draw_seed``, drawn by the caller,
     which keeps it for the backward). Where ``gluon.route.why_not`` accepts the call, the Gluon
-    Hopper forward writes the same three outputs."""
+    Hopper forward writes the same three outputs. Runs on q's device (``launch_cache.elsewhere``)."""
+    if launch_cache.elsewhere(q):
+        with torch.cuda.device(q.device):
+            return _forward(q, k, v, causal, scale, config, masks, drop_seed)
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     B, H, n_q, d = q.shape
     d = int(d)                                 # a compile-time constant of the kernels (traced: specialized)
@@ -738,7 +741,10 @@ def _backward_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     fp32 O when the forward kept one, which δ = rowsum(dO ∘ O) then reads; ``residual``: R of δ
     from dO·(O+R), which the δ kernel adds to O, or an empty tensor). ``masks`` and dropout's
     ``seed``: the forward's. Kernels: δ, dK/dV, dQ; with ``FUSED_DELTA`` (no masks, δ a row sum of
-    dO ∘ O) dQ computing δ, then dK/dV."""
+    dO ∘ O) dQ computing δ, then dK/dV. Runs on q's device (``launch_cache.elsewhere``)."""
+    if launch_cache.elsewhere(q):
+        with torch.cuda.device(q.device):
+            return _backward_impl(do, q, k, v, o, residual, lse, causal, scale, config, masks, seed)
     do, q, k, v, o = [_last_dim_contiguous(t) for t in (do, q, k, v, o)]
     packed = _GRADS.get()                      # a packed op's gradient of qkv, (B, N, 3, H, d) contiguous
     if packed is None:
