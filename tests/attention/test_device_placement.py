@@ -48,6 +48,7 @@ def test_a_call_on_the_second_gpu_while_the_first_is_current(head_dim, packed):
         torch.cuda.synchronize()
     ref = expanded_reference(*(t.double() for t in cpu), True)
     torch.cuda.synchronize(0)
+    torch.cuda.reset_peak_memory_stats(0)
     before = torch.cuda.memory_allocated(0)
     with torch.cuda.device(0):
         for call in range(2):                      # the second call: the plans' replay
@@ -58,4 +59,4 @@ def test_a_call_on_the_second_gpu_while_the_first_is_current(head_dim, packed):
                 assert torch.equal(x, w), (name, call)
             err, err_want = ((d.double().cpu() - ref[1]).norm() / ref[1].norm() for d in (got[1], want[1]))
             assert err <= 1.25 * err_want + 1e-4, (call, err.item(), err_want.item())
-    assert torch.cuda.memory_allocated(0) == before
+    assert torch.cuda.max_memory_allocated(0) == before           # not even for a while
