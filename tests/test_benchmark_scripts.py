@@ -3,6 +3,7 @@ a package)."""
 import importlib.util
 import json
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -820,6 +821,11 @@ def test_train_interleaved_names_bad_arguments_and_pairs_each_round(capsys, monk
     q1, q3 = table["triton"]["paired_ratio_quartiles"]
     assert ratios[0] <= q1 <= ratios[2] <= q3 <= ratios[4]
     assert table["triton"]["median_ms"] == 12.5 and table["triton"]["issue_median_ms"] == 11.0
+    assert "issue_phase_medians_ms" not in table["triton"]
+    phases = {"sdpa": [[4.0, 3.0, 2.0], [5.0, 3.5, 1.0], [4.5, 3.0, 1.5], [4.0, 4.0, 1.0], [4.0, 3.0, 2.0]],
+              "triton": [[6.0, 4.0, 2.0], [5.0, 5.0, 1.0], [5.0, 5.0, 1.0], [5.0, 5.0, 1.0], [5.0, 5.0, 1.0]]}
+    split = tool.paired_summary(walls, issues, phases)["sdpa"]["issue_phase_medians_ms"]
+    assert split == {"forward": 4.0, "backward": 3.0, "clip and optimizer": 1.5}
 
 
 def test_train_interleaved_builds_and_steps_each_case_under_its_own_route_settings(monkeypatch):
@@ -848,9 +854,13 @@ def test_train_interleaved_builds_and_steps_each_case_under_its_own_route_settin
     def training_step(spec, cfg, device):
         build = sum(1 for s in seen if s[0] == spec and s[1] == "built")
         seen.append((spec, "built", build))
-        return (lambda: seen.append((spec, build, route.ENABLED, dict(route.FORWARD_MIN_KEYS), launch_cache.PLANS,
-                                     launch_cache.GRAPHS, launch_cache.Replay.__call__ is replay_call,
-                                     op._forward is forward and op._backward_impl is backward)), None)
+        def step(marks=None):
+            seen.append((spec, build, route.ENABLED, dict(route.FORWARD_MIN_KEYS), launch_cache.PLANS,
+                         launch_cache.GRAPHS, launch_cache.Replay.__call__ is replay_call,
+                         op._forward is forward and op._backward_impl is backward))
+            if marks is not None:                                  # the forward, then the backward, issued
+                marks += [time.perf_counter(), time.perf_counter()]
+        return step, None
     monkeypatch.setattr(training, "training_step", training_step)
     cfg = tool.TrainBenchConfig(attentions=("sdpa", "triton"), batch_size=1, compile=False, warmup=2)
     steps = tool.build_steps(["sdpa", "triton"], cfg, without_plans=True, without_route=True, forward_min_keys=1024,
@@ -868,7 +878,11 @@ def test_train_interleaved_builds_and_steps_each_case_under_its_own_route_settin
     for spec, build, enabled, keys, *_ in steps_seen:
         assert (enabled, keys) == want[(spec, build)], (spec, build)
     seen.clear()
-    tool.run_rounds(steps, rounds=3)
+    walls, issues, phases = tool.run_rounds(steps, rounds=3)
+    for case in steps:                                                  # the phases add up to the issue time
+        assert len(walls[case]) == len(issues[case]) == len(phases[case]) == 3
+        for issue, split in zip(issues[case], phases[case]):
+            assert len(split) == 3 and min(split) >= 0 and sum(split) == pytest.approx(issue, abs=1e-9)
     assert route.ENABLED and route.FORWARD_MIN_KEYS == shipped and launch_cache.PLANS   # restored after the rounds
     assert launch_cache.GRAPHS and launch_cache.Replay.__call__ is replay_call
     assert op._forward is forward and op._backward_impl is backward

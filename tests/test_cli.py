@@ -1,5 +1,6 @@
 """The `stableflash` command: help for every subcommand, the probe end to end, clear errors."""
 import json
+import time
 
 import pytest
 
@@ -112,6 +113,12 @@ def test_the_benchmarked_training_step_trains(recwarn):
         losses.append([step().item() for _ in range(4)])
     assert losses[0] == losses[1]                                   # same seed, same run
     assert all(b < a for a, b in zip(losses[0], losses[0][1:])), losses[0]
+    # with marks: when the host had issued the forward and the backward, in order, and the step the same
+    step, _ = training_step("sdpa", cfg, torch.device("cpu"))
+    marks = []
+    before = time.perf_counter()
+    assert step(marks).item() == losses[0][0]
+    assert len(marks) == 2 and before <= marks[0] <= marks[1] <= time.perf_counter()
 
 
 def test_a_compile_mode_the_benchmark_cannot_take_is_refused_by_name():

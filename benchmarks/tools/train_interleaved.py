@@ -12,8 +12,9 @@ model, optimizer, compile and data) and warmed up first; then each round runs on
 turn, each synchronised before and after: its wall time and the host's time to issue it. The order of
 the cases turns by one each round, so that each case takes each place in the round equally often (a
 step's time can depend on the step before it). Per case: the
-median step, the median host issue time, and the first case's step over the case's own in the same
-round — its median and quartiles (above 1: faster than the first). ``--without-plans`` adds one more case:
+median step, the median host issue time and its split into the forward, the backward and the clipping
+and optimizer step after them, and the first case's step over the case's own in the same round — its
+median and quartiles (above 1: faster than the first). ``--without-plans`` adds one more case:
 the last attention with the Gluon route's launch plans off (``launch_cache.PLANS``), the launches
 built on every call; ``--without-graphs`` the last attention with the plans' CUDA graphs off
 (``launch_cache.GRAPHS``), each plan's kernels launched one by one. ``--without-route`` adds the last attention with the Gluon route off
@@ -48,9 +49,11 @@ from stableflash.bench.rounds import round_order
 from stableflash.bench.training import COMPILE_MODES, TrainBenchConfig
 
 
-def paired_summary(walls: dict[str, list[float]], issues: dict[str, list[float]]) -> dict[str, dict]:
-    """Per case (the first one the reference): its median step and host issue time (ms), and the
-    reference's step over its own in each round — that ratio's median and quartiles."""
+def paired_summary(walls: dict[str, list[float]], issues: dict[str, list[float]],
+                   phases: dict[str, list[list[float]]] | None = None) -> dict[str, dict]:
+    """Per case (the first one the reference): its median step and host issue time (ms), the reference's
+    step over its own in each round — that ratio's median and quartiles — and, given ``phases`` (each
+    round's issue time by phase, ``PHASES``), each phase's median."""
     first, *_ = walls
     out = {}
     for case, times in walls.items():
@@ -58,7 +61,13 @@ def paired_summary(walls: dict[str, list[float]], issues: dict[str, list[float]]
         q1, _, q3 = statistics.quantiles(ratios, n=4)
         out[case] = {"median_ms": statistics.median(times), "issue_median_ms": statistics.median(issues[case]),
                      "paired_ratio_median": statistics.median(ratios), "paired_ratio_quartiles": [q1, q3]}
+        if phases is not None:
+            out[case]["issue_phase_medians_ms"] = dict(zip(PHASES, (statistics.median(p) for p in zip(*phases[case]))))
     return out
+
+
+# the phases of a step's host issue time that ``run_rounds`` records
+PHASES = ("forward", "backward", "clip and optimizer")
 
 
 @contextlib.contextmanager
@@ -149,15 +158,18 @@ def build_steps(specs: list[str], cfg: TrainBenchConfig, without_plans: bool,
     return steps
 
 
-def run_rounds(steps: dict[str, Case], rounds: int) -> tuple[dict, dict]:
-    """(wall ms, host issue ms) per case and round: one step of every case per round, in the order
-    ``round_order`` gives that round, each under its plans and graphs switches, route settings and stand-in."""
+def run_rounds(steps: dict[str, Case], rounds: int) -> tuple[dict, dict, dict]:
+    """(wall ms, host issue ms, host issue ms by phase) per case and round: one step of every case per
+    round, in the order ``round_order`` gives that round, each under its plans and graphs switches, route
+    settings and stand-in. The phases (``PHASES``): the host's issue of the forward, of the backward, and of
+    the clipping and optimizer step after it (``training_step``'s marks)."""
     import torch
     from tqdm import tqdm
 
     from stableflash.attention.triton import launch_cache
     walls = {case: [] for case in steps}
     issues = {case: [] for case in steps}
+    phases = {case: [] for case in steps}
     was = launch_cache.PLANS, launch_cache.GRAPHS
     try:
         for index in tqdm(range(rounds), desc="rounds", unit="round"):
@@ -166,16 +178,19 @@ def run_rounds(steps: dict[str, Case], rounds: int) -> tuple[dict, dict]:
                 launch_cache.PLANS, launch_cache.GRAPHS = plans, graphs
                 with route_settings(settings), stood_in(stand_in):
                     torch.cuda.synchronize()
+                    marks = []
                     t0 = time.perf_counter()
-                    step()
+                    step(marks)
                     t1 = time.perf_counter()
                     torch.cuda.synchronize()
                     t2 = time.perf_counter()
                 walls[case].append((t2 - t0) * 1e3)
                 issues[case].append((t1 - t0) * 1e3)
+                forward, backward = marks
+                phases[case].append([(forward - t0) * 1e3, (backward - forward) * 1e3, (t1 - backward) * 1e3])
     finally:
         launch_cache.PLANS, launch_cache.GRAPHS = was
-    return walls, issues
+    return walls, issues, phases
 
 
 def main(argv=None) -> int:
@@ -221,25 +236,29 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         ap.error("needs a CUDA GPU (it times training steps there); none is visible")
     import triton
-    walls, issues = run_rounds(build_steps(specs, cfg, args.without_plans, args.without_route, args.forward_min_keys,
-                                           args.without_graphs, args.host_parts), args.rounds)
-    table = paired_summary(walls, issues)
+    walls, issues, phases = run_rounds(build_steps(specs, cfg, args.without_plans, args.without_route,
+                                                   args.forward_min_keys, args.without_graphs, args.host_parts),
+                                       args.rounds)
+    table = paired_summary(walls, issues, phases)
     mode = "eager" if args.no_compile else f"torch.compile ({args.compile_mode})"
     out = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
            "model": cfg.model, "batch_size": args.batch_size, "mode": mode, "rounds": args.rounds,
-           "cases": table, "wall_ms": walls, "issue_ms": issues}
+           "cases": table, "wall_ms": walls, "issue_ms": issues, "issue_phases_ms": phases,
+           "phases": list(PHASES)}
     first = next(iter(table))
     print(f"\n{out['gpu']}, torch {out['torch']}, triton {out['triton']}: {cfg.model}, batch {args.batch_size}, "
           f"{mode}, {args.rounds} rounds; ratio = {first}'s step over the case's in the same round")
-    print("| case | median step (ms) | host issue (ms) | ratio median | quartiles |")
-    print("|---|---|---|---|---|")
+    print("| case | median step (ms) | host issue (ms) | ratio median | quartiles | issue: forward / backward / "
+          "clip and optimizer (ms) |")
+    print("|---|---|---|---|---|---|")
     for case, row in table.items():
         q1, q3 = row["paired_ratio_quartiles"]
+        split = " / ".join(f"{v:.2f}" for v in row["issue_phase_medians_ms"].values())
         if any(case.endswith(name) for name in STAND_INS.values()):   # host issue only: not a training step
-            print(f"| {case} | ({row['median_ms']:.2f}) | {row['issue_median_ms']:.2f} | not a step | |")
+            print(f"| {case} | ({row['median_ms']:.2f}) | {row['issue_median_ms']:.2f} | not a step | | {split} |")
             continue
         print(f"| {case} | {row['median_ms']:.2f} | {row['issue_median_ms']:.2f} | {row['paired_ratio_median']:.3f} "
-              f"| {q1:.3f}–{q3:.3f} |")
+              f"| {q1:.3f}–{q3:.3f} | {split} |")
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))
     return 0

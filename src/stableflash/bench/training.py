@@ -54,7 +54,9 @@ class TrainBenchConfig:
 def training_step(spec: str, cfg: TrainBenchConfig, device: torch.device):
     """(step, model): one training step of ``cfg.model`` with attention ``spec`` (forward under bf16
     autocast, backward, clip, fused AdamW) on fixed random tokens, returning the loss; the model is
-    built from ``cfg.seed``. Shared with benchmarks/tools/train_profile.py."""
+    built from ``cfg.seed``. ``step(marks)`` with a list appends ``time.perf_counter()`` when the host has
+    issued the forward and when it has issued the backward (the phases of the step's host time). Shared
+    with benchmarks/tools/train_profile.py and train_interleaved.py."""
     torch.manual_seed(cfg.seed)
     mcfg = model_config(cfg.model)
     model = build_model(mcfg, attention=spec).to(device)
@@ -65,12 +67,16 @@ def training_step(spec: str, cfg: TrainBenchConfig, device: torch.device):
     x = torch.randint(0, mcfg.vocab_size, (cfg.batch_size, mcfg.block_size), device=device, generator=gen)
     y = torch.randint(0, mcfg.vocab_size, (cfg.batch_size, mcfg.block_size), device=device, generator=gen)
 
-    def step():
+    def step(marks: list | None = None):
         if graphs:                       # a new iteration: the graphs' earlier outputs may be overwritten
             torch.compiler.cudagraph_mark_step_begin()
         with torch.autocast("cuda", dtype=torch.bfloat16):
             _, loss = net(x, y)
+        if marks is not None:
+            marks.append(time.perf_counter())
         loss.backward()
+        if marks is not None:
+            marks.append(time.perf_counter())
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
