@@ -682,3 +682,21 @@ def test_empty_on_the_gpu_allocates_on_the_tensors_device_as_torch_empty_strided
     address = a.data_ptr()
     del a
     assert launch_cache.empty((1024,), (1,), torch.float32, like).data_ptr() == address
+
+
+@pytest.mark.parametrize("enter, leave, unhooked", [
+    (None, None, True), ("no hooks", None, True), (None, "no hooks", True), ("no hooks", "no hooks", True),
+    (print, None, False), (None, print, False), ("a hook", None, False), ("no hooks", "a hook", False)])
+def test_unhooked_reads_both_launch_hooks_in_either_form(enter, leave, unhooked, monkeypatch):
+    """A launch hook is None, a callable, or (newer Triton) a chain whose ``calls`` lists its hooks."""
+    class Chain:
+        def __init__(self, calls):
+            self.calls = calls
+
+        def __call__(self, *args):
+            for f in self.calls:
+                f(*args)
+    form = {"no hooks": Chain([]), "a hook": Chain([print])}
+    monkeypatch.setattr(launch_cache.knobs.runtime, "launch_enter_hook", form.get(enter, enter))
+    monkeypatch.setattr(launch_cache.knobs.runtime, "launch_exit_hook", form.get(leave, leave))
+    assert launch_cache._unhooked() is unhooked

@@ -441,8 +441,8 @@ def _unhooked() -> bool:
     """Whether neither launch hook of Triton's knobs calls anything: each None, or a chain of no hooks
     (the form newer releases keep)."""
     runtime = knobs.runtime
-    return all(hook is None or getattr(hook, "calls", None) == []
-               for hook in (runtime.launch_enter_hook, runtime.launch_exit_hook))
+    enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook     # no generator: read on every launch
+    return (enter is None or getattr(enter, "calls", None) == []) and (leave is None or getattr(leave, "calls", None) == [])
 
 
 def _rebased(desc, base):
