@@ -108,7 +108,7 @@ def stood_in(kind: str | None) -> contextlib.AbstractContextManager:
 
 class Case(NamedTuple):
     """One case of the rounds: its training step and what it runs under."""
-    step: Callable[[], object]
+    step: Callable[..., object]          # ``training_step``'s step(marks)
     plans: bool = True                   # launch_cache.PLANS
     graphs: bool = True                  # launch_cache.GRAPHS
     settings: dict = {}                  # the Gluon route's module attributes (``route_settings``)

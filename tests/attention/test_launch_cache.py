@@ -411,7 +411,7 @@ def test_a_plan_replays_a_call_repeating_its_addresses_as_one_captured_graph(mon
     class Fixed(launch_cache.Plan):                                # a plan whose buffers keep one address
         __slots__ = ()
 
-        def allocate(self, like=None):
+        def allocate(self, like):
             return buffers
     fixed = Fixed(torch.device("cpu"), plan.buffers, plan.steps)
     fixed.graphs = {}                                              # as a plan of CUDA tensors has

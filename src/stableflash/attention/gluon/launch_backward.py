@@ -269,7 +269,7 @@ def backward_into(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.T
     plan = _plans.get(key) if key is not None else None
     tiles = route_backward_tiles(q.shape[3], k.shape[2])
     if plan is not None and plan.current:     # VERIFY: each replay checked against the launch built, then run
-        buffers = plan.allocate()
+        buffers = plan.allocate(q)
         _atomic_launches(do, q, k, v, o, residual, lse, causal, scale, dq, dk, dv, tiles, *buffers,
                          plan.checking(tensors, buffers))
         return

@@ -442,7 +442,8 @@ def _unhooked() -> bool:
     (the form newer releases keep)."""
     runtime = knobs.runtime
     enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook     # no generator: read on every launch
-    return (enter is None or getattr(enter, "calls", None) == []) and (leave is None or getattr(leave, "calls", None) == [])
+    return (enter is None or getattr(enter, "calls", None) == []) \
+        and (leave is None or getattr(leave, "calls", None) == [])
 
 
 def _rebased(desc, base):
@@ -523,6 +524,15 @@ def _direct(like: torch.Tensor) -> bool:
     CUDA device, with no dispatch mode active (nothing traced or faked that the allocation would bypass)."""
     return _empty_strided_cuda is not None and type(like) is torch.Tensor and like.is_cuda \
         and torch._C._len_torch_dispatch_stack() == 0 and like.get_device() == torch.cuda.current_device()
+
+
+def empty_contiguous(shape, dtype: torch.dtype, like: torch.Tensor) -> torch.Tensor:
+    """``torch.empty(shape, dtype=dtype, device=like.device)``: for a plain tensor ``like`` (whose sizes are
+    ints) through ``empty``; for a traced one (sizes that may be symbolic) through ``torch.empty``."""
+    if type(like) is torch.Tensor:
+        shape = tuple(shape)
+        return empty(shape, contiguous_strides(shape), dtype, like)
+    return torch.empty(shape, dtype=dtype, device=like.device)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -606,12 +616,10 @@ class Plan:
         """False once ``clear`` ran after any of its replays was made."""
         return self.generation == _generation
 
-    def allocate(self, like: torch.Tensor | None = None) -> tuple:
+    def allocate(self, like: torch.Tensor) -> tuple:
         """New buffers of the recorded shapes and dtypes (uninitialised), contiguous; ``like``: a tensor of
-        the call on the plan's device (``empty``)."""
-        if like is None:
-            return tuple([torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in self.buffers])
-        return tuple([empty(shape, contiguous_strides(shape), dtype, like) for shape, dtype in self.buffers])
+        the call, on the plan's device (``empty_contiguous``)."""
+        return tuple([empty_contiguous(shape, dtype, like) for shape, dtype in self.buffers])
 
     def __call__(self, tensors: tuple) -> None:
         ts = (*tensors, *self.allocate(tensors[0])) if self.buffers else tensors

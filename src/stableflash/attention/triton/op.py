@@ -360,15 +360,6 @@ def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _empty(shape, dtype: torch.dtype, like: torch.Tensor) -> torch.Tensor:
-    """``torch.empty(shape, dtype=dtype, device=like.device)``; for a plain tensor ``like`` (sizes that are
-    ints), through ``launch_cache.empty``."""
-    if type(like) is torch.Tensor:
-        shape = tuple(shape)
-        return launch_cache.empty(shape, launch_cache.contiguous_strides(shape), dtype, like)
-    return torch.empty(shape, dtype=dtype, device=like.device)
-
-
 def _empty_like_layout(t: torch.Tensor) -> torch.Tensor:
     """An uninitialised tensor of t's shape and dtype whose memory follows t's order of dimensions
     (largest stride first), as the kernel will see t (last dimension contiguous). A model's q, k, v
@@ -512,8 +503,9 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sc
     n_k = k.shape[2]
     emu, softcap, delta = config.emulated, config.softcap, config.delta
     o = _empty_like_layout(q)
-    lse = _empty((B, H, n_q), torch.float32, q)
-    o32 = _empty(q.shape if delta.keeps_o else (0,), q.dtype if delta.residual else torch.float32, q)
+    lse = launch_cache.empty_contiguous((B, H, n_q), torch.float32, q)
+    o32 = launch_cache.empty_contiguous(q.shape if delta.keeps_o else (0,),
+                                        q.dtype if delta.residual else torch.float32, q)
     tensors, key, plan = (q, k, v, o, lse, o32), None, None
     # a plan: not for a seed drawn per call (dropout, stochastic rounding), nor in a traced body
     if launch_cache.PLANS and launch_cache.ENABLED and not masks.any and not config.stochastic \
@@ -667,7 +659,7 @@ def _seed_output(seed: int, dropout_p: float, q: torch.Tensor) -> torch.Tensor:
     """The forward op's seed output: a CPU int64 tensor holding ``seed`` under dropout, else empty on q's device."""
     if dropout_p > 0:
         return torch.tensor([seed], dtype=torch.int64)
-    return _empty((0,), torch.int64, q)
+    return launch_cache.empty_contiguous((0,), torch.int64, q)
 
 
 @attn_fwd.register_fake
@@ -900,7 +892,7 @@ def _into_packed_grad(backward, do: torch.Tensor, qkv: torch.Tensor, *args, **kw
 def _packed_grad(backward, do: torch.Tensor, views: tuple, *args, **kwargs) -> torch.Tensor:
     """``_into_packed_grad`` given the views (q, k, v) of the packed tensor rather than the tensor."""
     B, H, N, d = views[0].shape
-    dqkv = _empty((B, N, 3, H, d), views[0].dtype, views[0])
+    dqkv = launch_cache.empty_contiguous((B, N, 3, H, d), views[0].dtype, views[0])
     token = _GRADS.set(dqkv)
     try:
         backward(do, *views, *args, **kwargs)
