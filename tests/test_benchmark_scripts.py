@@ -1049,3 +1049,119 @@ def test_ptxas_streams_refuses_bad_input(capsys, tmp_path):
     if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
         err = refused(ps.main, ["draw", "--shape", "1,2,128,64", "--out", str(tmp_path)], capsys)
         assert "compute capability 9.0" in err
+
+
+def _attention_step(ms: dict, fwd_ms: dict, checks: dict) -> dict:
+    """A `bench attention` file of one shape: ``ms`` / ``fwd_ms`` map providers to fwd+bwd / fwd times."""
+    rows = [{"shape": [32, 12, 1024, 64], "mode": mode, "provider": p, "ms": t, "tflops": 100.0 / t}
+            for mode, times in (("fwd+bwd", ms), ("fwd", fwd_ms)) for p, t in times.items()]
+    return {"env": {"gpu": "G", "torch": "T", "triton": "R"}, "checks": checks, "rows": rows}
+
+
+def _train_step(ref_ms: float, ours_ms: float, ratio: float) -> dict:
+    case = lambda ms, r: {"median_ms": ms, "issue_median_ms": ms / 2, "paired_ratio_median": r,  # noqa: E731
+                          "paired_ratio_quartiles": [r - 0.01, r + 0.01]}
+    return {"cases": {"sdpa": case(ref_ms, 1.0), "triton": case(ours_ms, ratio)}}
+
+
+def test_speed_summary_computes_the_ratios_from_the_steps_that_finished(tmp_path, capsys):
+    """speed_summary.py: the fwd+bwd ratios (SDPA's default and SDPA flash over ours, the portable path's),
+    the stabilization's cost, the forward's ratio, the largest error ratio against each peer, the training
+    steps' rows, and the steps not finished named; a folder that is not one refused."""
+    ss = load("tools/speed_summary")
+    checks = {"stableflash": {"O": 2.0e-3, "dQ": 2.4e-3}, "sdpa-default": {"O": 1.6e-3, "dQ": 2.5e-3},
+              "sdpa-flash": {"O": 2.0e-3, "dQ": 3.0e-3}}
+    step = _attention_step({"stableflash": 1.0, "stableflash-none": 0.8, "stableflash-portable": 1.25,
+                            "sdpa-default": 1.05, "sdpa-flash": 1.5}, {"stableflash": 0.5, "sdpa-default": 0.45}, checks)
+    (tmp_path / "attention-causal-32,12,1024,64.json").write_text(json.dumps(step))
+    (tmp_path / "train-b4-graphs.json").write_text(json.dumps(_train_step(11.5, 11.4, 1.003)))
+    assert ss.main([str(tmp_path)]) == 0
+    got = json.loads((tmp_path / "summary.json").read_text())
+    case = got["attention"]["causal 32,12,1024,64"]
+    assert case["fwd+bwd"]["vs_cudnn"] == pytest.approx(1.05)
+    assert case["fwd+bwd"]["vs_fa2"] == pytest.approx(1.5)
+    assert case["fwd+bwd"]["cost"] == pytest.approx(0.25)
+    assert case["fwd+bwd"]["portable_vs_cudnn"] == pytest.approx(0.84)
+    assert case["fwd"]["vs_cudnn"] == pytest.approx(0.9)
+    assert case["error_ratio"]["sdpa-default"] == {"max": pytest.approx(1.25), "at": "O"}
+    assert case["error_ratio"]["sdpa-flash"] == {"max": pytest.approx(1.0), "at": "O"}
+    assert got["training"]["train-b4-graphs"]["ours"]["paired_ratio_median"] == 1.003
+    assert "attention-no-mask-4,16,8192,128" in got["missing"] and "bench-train" in got["missing"]
+    assert "train-b4-graphs" not in got["missing"] and len(got["missing"]) == 9 + 4 + 1
+    text = capsys.readouterr().out
+    assert text.strip() == (tmp_path / "summary.md").read_text().strip()
+    assert "| 32×12×1024×64 | causal | 100 | 125 | 80 | 95 | 67 | – | – | – | +25.0% | 1.050 | 1.50 | 0.84 |" in text
+    assert "| CUDA graphs (reduce-overhead), batch 4 | 11.50 | 11.40 | 1.003 (0.993–1.013) | 5.75 / 5.70 |" in text
+    assert "sdpa-default 1.250, sdpa-flash 1.000" in text
+    err = refused(ss.main, [str(tmp_path / "nowhere")], capsys)
+    assert "nowhere' is not a directory; accepted: a speed_tables.sh output folder" in err
+
+
+def _fake_python(tmp_path: Path) -> Path:
+    """An executable standing in for python in speed_tables.sh: it records each command's arguments (one
+    JSON list a line in calls.jsonl), writes a minimal result where the command names one (--out, --json),
+    fails where FAKE_FAIL is one of its arguments' substrings, and runs speed_summary.py for real."""
+    fake = tmp_path / "fakepy"
+    fake.write_text(f"""#!{sys.executable}
+import json, os, sys
+from pathlib import Path
+args = sys.argv[1:]
+if args and args[0].endswith("speed_summary.py"):
+    os.execv({sys.executable!r}, [{sys.executable!r}, *args])
+with open(os.environ["FAKE_LOG"], "a") as log:
+    log.write(json.dumps(args) + "\\n")
+if os.environ.get("FAKE_FAIL") and any(os.environ["FAKE_FAIL"] in a for a in args):
+    sys.exit(1)
+for flag in ("--out", "--json"):
+    if flag in args:
+        path = Path(args[args.index(flag) + 1])
+        if path.name.startswith("train-"):
+            body = {json.dumps(_train_step(10.0, 9.9, 1.01))!r}
+        else:
+            body = json.dumps({{"rows": [], "checks": {{}}}})
+        path.write_text(body)
+""")
+    fake.chmod(0o755)
+    return fake
+
+
+def test_speed_tables_runs_each_step_once_and_goes_on_where_it_stopped(tmp_path):
+    """speed_tables.sh: each step's command (the README's), a progress line per step run, a failed step run
+    again and a finished one skipped on the next run of the same folder, the summary after; bad arguments
+    refused with what is accepted."""
+    import os
+    import subprocess
+    script = BENCHMARKS / "tools" / "speed_tables.sh"
+    log = tmp_path / "calls.jsonl"
+    steps = "attention-no-mask-8,16,2048,128 train-b16-compiled bench-train"
+    env = {**os.environ, "SPEED_PYTHON": str(_fake_python(tmp_path)), "FAKE_LOG": str(log), "SPEED_STEPS": steps,
+           "FAKE_FAIL": "--batch-size"}
+    out = tmp_path / "out"
+    first = subprocess.run(["bash", str(script), str(out)], env=env, capture_output=True, text=True, timeout=120)
+    assert first.returncode == 0, first.stderr
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    assert calls[0] == ["-m", "stableflash.cli", "bench", "attention", "--no-causal", "--shape", "8,16,2048,128",
+                        "--providers", "stableflash", "stableflash-none", "stableflash-portable", "sdpa-default",
+                        "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex", "--modes", "fwd", "fwd+bwd", "--timing",
+                        "graph", "--layout", "bnhd", "--out", str(out / "attention-no-mask-8,16,2048,128.json")]
+    assert calls[1] == ["benchmarks/tools/train_interleaved.py", "--batch-size", "16", "--rounds", "30", "--json",
+                        str(out / "train-b16-compiled.json")]
+    assert calls[2] == ["-m", "stableflash.cli", "bench", "train", "--attention", "sdpa", "--attention", "triton",
+                        "--attention", "triton stabilize=none", "--out", str(out / "bench-train.json")]
+    progress = [line.split()[:2] for line in (out / "progress").read_text().splitlines()]
+    assert progress == [["attention-no-mask-8,16,2048,128", "0"], ["train-b16-compiled", "1"], ["bench-train", "0"]]
+    assert "Not finished:" in first.stdout and "train-b16-compiled" in (out / "summary.md").read_text()
+    second = subprocess.run(["bash", str(script), str(out)], env={**env, "FAKE_FAIL": ""}, capture_output=True,
+                            text=True, timeout=120)
+    assert second.returncode == 0, second.stderr
+    assert "attention-no-mask-8,16,2048,128: done before, skipped" in second.stdout
+    assert len(log.read_text().splitlines()) == 4                 # the failed step alone ran again
+    assert (out / "progress").read_text().splitlines()[-1].startswith("train-b16-compiled 0 ")
+    assert "| compiled, batch 16 | 10.00 | 9.90 | 1.010 (1.000–1.020) |" in (out / "summary.md").read_text()
+    for argv, extra, message in (([], {}, "usage: bash benchmarks/tools/speed_tables.sh OUT_DIR"),
+                                 ([str(out)], {"SPEED_STEPS": "nope"}, "SPEED_STEPS names 'nope'; accepted: "),
+                                 ([str(out)], {"SPEED_STEP_TIMEOUT": "soon"},
+                                  "SPEED_STEP_TIMEOUT=soon is invalid; accepted: a positive number of seconds")):
+        bad = subprocess.run(["bash", str(script), *argv], env={**env, **extra}, capture_output=True, text=True,
+                             timeout=60)
+        assert bad.returncode == 2 and message in bad.stderr, (argv, bad.stderr)
