@@ -81,6 +81,7 @@ for step in $steps; do
   t0=$(date +%s)
   timeout "$limit" "${cmd[@]}" > "$out/$step.txt" 2>&1 < /dev/null
   rc=$?
+  rm -rf "$TORCHINDUCTOR_CACHE_DIR"
   echo "$step $rc $(( $(date +%s) - t0 ))" >> "$out/progress"
   echo "$step: exit $rc, $(( $(date +%s) - t0 )) s"
 done
