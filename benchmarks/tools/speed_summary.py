@@ -18,7 +18,10 @@ import json
 import sys
 from pathlib import Path
 
-SHAPES = ("32,12,1024,64", "16,16,2048,64", "8,16,2048,128", "8,16,4096,64", "4,16,8192,128")
+from stableflash.bench.attention import ROUTE_SHAPES
+
+# the attention steps' shapes, as speed_tables.sh names them: the Hopper route's five
+SHAPES = tuple(",".join(map(str, shape)) for shape in ROUTE_SHAPES)
 MASKS = ("causal", "no-mask")
 TRAIN_STEPS = {"train-b16-compiled": "compiled, batch 16", "train-b16-eager": "eager, batch 16",
                "train-b4-graphs": "CUDA graphs (reduce-overhead), batch 4", "train-b4-compiled": "compiled, batch 4",

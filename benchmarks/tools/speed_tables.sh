@@ -37,6 +37,7 @@ export PYTHONPATH=$repo/src${PYTHONPATH:+:$PYTHONPATH}
 cd "$repo" || exit 2
 touch "$out/progress"
 
+# the Hopper route's five shapes (stableflash.bench.attention.ROUTE_SHAPES, which speed_summary.py reads)
 shapes="32,12,1024,64 16,16,2048,64 8,16,2048,128 8,16,4096,64 4,16,8192,128"
 providers="stableflash stableflash-none stableflash-portable sdpa-default sdpa-flash sdpa-cudnn sdpa-efficient flex"
 all_steps=""
