@@ -1073,11 +1073,11 @@ def test_speed_summary_computes_the_ratios_from_the_steps_that_finished(tmp_path
               "sdpa-flash": {"O": 2.0e-3, "dQ": 3.0e-3}}
     step = _attention_step({"stableflash": 1.0, "stableflash-none": 0.8, "stableflash-portable": 1.25,
                             "sdpa-default": 1.05, "sdpa-flash": 1.5}, {"stableflash": 0.5, "sdpa-default": 0.45}, checks)
-    (tmp_path / "attention-causal-32,12,1024,64.json").write_text(json.dumps(step))
+    (tmp_path / "attention-causal-32x12x1024x64.json").write_text(json.dumps(step))
     (tmp_path / "train-b4-graphs.json").write_text(json.dumps(_train_step(11.5, 11.4, 1.003)))
     assert ss.main([str(tmp_path)]) == 0
     got = json.loads((tmp_path / "summary.json").read_text())
-    case = got["attention"]["causal 32,12,1024,64"]
+    case = got["attention"]["causal 32x12x1024x64"]
     assert case["fwd+bwd"]["vs_cudnn"] == pytest.approx(1.05)
     assert case["fwd+bwd"]["vs_fa2"] == pytest.approx(1.5)
     assert case["fwd+bwd"]["cost"] == pytest.approx(0.25)
@@ -1086,7 +1086,7 @@ def test_speed_summary_computes_the_ratios_from_the_steps_that_finished(tmp_path
     assert case["error_ratio"]["sdpa-default"] == {"max": pytest.approx(1.25), "at": "O"}
     assert case["error_ratio"]["sdpa-flash"] == {"max": pytest.approx(1.0), "at": "O"}
     assert got["training"]["train-b4-graphs"]["ours"]["paired_ratio_median"] == 1.003
-    assert "attention-no-mask-4,16,8192,128" in got["missing"] and "bench-train" in got["missing"]
+    assert "attention-no-mask-4x16x8192x128" in got["missing"] and "bench-train" in got["missing"]
     assert "train-b4-graphs" not in got["missing"] and len(got["missing"]) == 9 + 4 + 1
     text = capsys.readouterr().out
     assert text.strip() == (tmp_path / "summary.md").read_text().strip()
@@ -1133,7 +1133,7 @@ def test_speed_tables_runs_each_step_once_and_goes_on_where_it_stopped(tmp_path)
     import subprocess
     script = BENCHMARKS / "tools" / "speed_tables.sh"
     log = tmp_path / "calls.jsonl"
-    steps = "attention-no-mask-8,16,2048,128 train-b16-compiled bench-train"
+    steps = "attention-no-mask-8x16x2048x128 train-b16-compiled bench-train"
     env = {**os.environ, "SPEED_PYTHON": str(_fake_python(tmp_path)), "FAKE_LOG": str(log), "SPEED_STEPS": steps,
            "FAKE_FAIL": "--batch-size"}
     out = tmp_path / "out"
@@ -1143,18 +1143,18 @@ def test_speed_tables_runs_each_step_once_and_goes_on_where_it_stopped(tmp_path)
     assert calls[0] == ["-m", "stableflash.cli", "bench", "attention", "--no-causal", "--shape", "8,16,2048,128",
                         "--providers", "stableflash", "stableflash-none", "stableflash-portable", "sdpa-default",
                         "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex", "--modes", "fwd", "fwd+bwd", "--timing",
-                        "graph", "--layout", "bnhd", "--out", str(out / "attention-no-mask-8,16,2048,128.json")]
+                        "graph", "--layout", "bnhd", "--out", str(out / "attention-no-mask-8x16x2048x128.json")]
     assert calls[1] == ["benchmarks/tools/train_interleaved.py", "--batch-size", "16", "--rounds", "30", "--json",
                         str(out / "train-b16-compiled.json")]
     assert calls[2] == ["-m", "stableflash.cli", "bench", "train", "--attention", "sdpa", "--attention", "triton",
                         "--attention", "triton stabilize=none", "--out", str(out / "bench-train.json")]
     progress = [line.split()[:2] for line in (out / "progress").read_text().splitlines()]
-    assert progress == [["attention-no-mask-8,16,2048,128", "0"], ["train-b16-compiled", "1"], ["bench-train", "0"]]
+    assert progress == [["attention-no-mask-8x16x2048x128", "0"], ["train-b16-compiled", "1"], ["bench-train", "0"]]
     assert "Not finished:" in first.stdout and "train-b16-compiled" in (out / "summary.md").read_text()
     second = subprocess.run(["bash", str(script), str(out)], env={**env, "FAKE_FAIL": ""}, capture_output=True,
                             text=True, timeout=120)
     assert second.returncode == 0, second.stderr
-    assert "attention-no-mask-8,16,2048,128: done before, skipped" in second.stdout
+    assert "attention-no-mask-8x16x2048x128: done before, skipped" in second.stdout
     assert len(log.read_text().splitlines()) == 4                 # the failed step alone ran again
     assert (out / "progress").read_text().splitlines()[-1].startswith("train-b16-compiled 0 ")
     assert "| compiled, batch 16 | 10.00 | 9.90 | 1.010 (1.000–1.020) |" in (out / "summary.md").read_text()

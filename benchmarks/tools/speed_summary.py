@@ -3,7 +3,7 @@ docs/training.md state, from the steps that have finished.
 
     python benchmarks/tools/speed_summary.py OUT_DIR
 
-Reads ``attention-{causal,no-mask}-B,H,N,d.json`` (``stableflash bench attention``), ``train-*.json``
+Reads ``attention-{causal,no-mask}-BxHxNxd.json`` (``stableflash bench attention``), ``train-*.json``
 (``train_interleaved.py``) and ``bench-train.json`` (``stableflash bench train``); writes
 ``summary.md`` and ``summary.json`` there and prints the markdown. Ratios are times: SDPA's default
 (cuDNN on Hopper) over ours, SDPA flash (FlashAttention-2) over ours, SDPA's default over the portable
@@ -21,7 +21,7 @@ from pathlib import Path
 from stableflash.bench.attention import ROUTE_SHAPES
 
 # the attention steps' shapes, as speed_tables.sh names them: the Hopper route's five
-SHAPES = tuple(",".join(map(str, shape)) for shape in ROUTE_SHAPES)
+SHAPES = tuple("x".join(map(str, shape)) for shape in ROUTE_SHAPES)
 MASKS = ("causal", "no-mask")
 TRAIN_STEPS = {"train-b16-compiled": "compiled, batch 16", "train-b16-eager": "eager, batch 16",
                "train-b4-graphs": "CUDA graphs (reduce-overhead), batch 4", "train-b4-compiled": "compiled, batch 4",
@@ -117,7 +117,7 @@ def summarise(folder: Path) -> tuple[dict, str]:
             if row is None:
                 continue
             tf = row["tflops"]
-            lines.append(f"| {shape.replace(',', '×')} | {mask} | " + " | ".join(_num(tf.get(p), ".0f") for p in PROVIDERS)
+            lines.append(f"| {shape.replace('x', '×')} | {mask} | " + " | ".join(_num(tf.get(p), ".0f") for p in PROVIDERS)
                          + f" | {_num(None if row['cost'] is None else 100 * row['cost'], '+.1f')}% | "
                          f"{_num(row['vs_cudnn'], '.3f')} | {_num(row['vs_fa2'], '.2f')} | "
                          f"{_num(row['portable_vs_cudnn'], '.2f')} |")

@@ -5,7 +5,8 @@
 #   bash benchmarks/tools/speed_tables.sh OUT_DIR
 #
 # Steps, each writing OUT_DIR/<step>.json and <step>.txt:
-#   attention-causal-B,H,N,d and attention-no-mask-B,H,N,d (five shapes each): `stableflash bench attention`
+#   attention-causal-BxHxNxd and attention-no-mask-BxHxNxd (five shapes each; no commas in file names, which some
+#     file transfers refuse): `stableflash bench attention --shape B,H,N,d`
 #     with every peer, forward and forward + backward, CUDA-graph timing, (B, N, 3, H, d) inputs: each
 #     provider checked against float64 first, then TFLOP/s;
 #   train-b16-compiled, train-b16-eager, train-b4-graphs, train-b4-compiled, train-b4-eager: GPT-2 small
@@ -38,7 +39,7 @@ cd "$repo" || exit 2
 touch "$out/progress"
 
 # the Hopper route's five shapes (stableflash.bench.attention.ROUTE_SHAPES, which speed_summary.py reads)
-shapes="32,12,1024,64 16,16,2048,64 8,16,2048,128 8,16,4096,64 4,16,8192,128"
+shapes="32x12x1024x64 16x16x2048x64 8x16x2048x128 8x16x4096x64 4x16x8192x128"
 providers="stableflash stableflash-none stableflash-portable sdpa-default sdpa-flash sdpa-cudnn sdpa-efficient flex"
 all_steps=""
 for s in $shapes; do all_steps="$all_steps attention-causal-$s"; done
@@ -56,7 +57,8 @@ set_command() {     # cmd=(the step's command)
       cmd=("$py" -m stableflash.cli bench attention)
       [ "${step#attention-no-mask-}" != "$step" ] && cmd+=(--no-causal)
       # shellcheck disable=SC2206
-      cmd+=(--shape "${step##*-}" --providers $providers --modes fwd fwd+bwd --timing graph --layout bnhd
+      shape=${step##*-}
+      cmd+=(--shape "${shape//x/,}" --providers $providers --modes fwd fwd+bwd --timing graph --layout bnhd
             --out "$out/$step.json");;
     train-b16-compiled) cmd=("$py" benchmarks/tools/train_interleaved.py --batch-size 16 --rounds 30);;
     train-b16-eager) cmd=("$py" benchmarks/tools/train_interleaved.py --no-compile --batch-size 16 --rounds 30);;
