@@ -1165,3 +1165,7 @@ def test_speed_tables_runs_each_step_once_and_goes_on_where_it_stopped(tmp_path)
         bad = subprocess.run(["bash", str(script), *argv], env={**env, **extra}, capture_output=True, text=True,
                              timeout=60)
         assert bad.returncode == 2 and message in bad.stderr, (argv, bad.stderr)
+    fresh = tmp_path / "never"                                     # refused before the folder is made
+    bad = subprocess.run(["bash", str(script), str(fresh)], env={**env, "SPEED_STEPS": "attention-causal-32,12,1024,64"},
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "accepted: attention-causal-32x12x1024x64 " in bad.stderr and not fresh.exists()

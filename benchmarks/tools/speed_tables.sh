@@ -32,11 +32,6 @@ repo=$(cd "$(dirname "$0")/../.." && pwd)
 py=${SPEED_PYTHON:-python}
 limit=${SPEED_STEP_TIMEOUT:-1800}
 case $limit in ''|*[!0-9]*|0) echo "SPEED_STEP_TIMEOUT=$limit is invalid; accepted: a positive number of seconds" >&2; exit 2;; esac
-mkdir -p "$out" || exit 2
-out=$(cd "$out" && pwd)
-export PYTHONPATH=$repo/src${PYTHONPATH:+:$PYTHONPATH}
-cd "$repo" || exit 2
-touch "$out/progress"
 
 # the Hopper route's five shapes (stableflash.bench.attention.ROUTE_SHAPES, which speed_summary.py reads)
 shapes="32x12x1024x64 16x16x2048x64 8x16x2048x128 8x16x4096x64 4x16x8192x128"
@@ -49,6 +44,12 @@ steps=${SPEED_STEPS:-$all_steps}
 for step in $steps; do
   case " $all_steps " in *" $step "*) ;; *) echo "SPEED_STEPS names '$step'; accepted:$all_steps" >&2; exit 2;; esac
 done
+
+mkdir -p "$out" || exit 2
+out=$(cd "$out" && pwd)
+export PYTHONPATH=$repo/src${PYTHONPATH:+:$PYTHONPATH}
+cd "$repo" || exit 2
+touch "$out/progress"
 
 set_command() {     # cmd=(the step's command)
   local step=$1
