@@ -106,6 +106,24 @@ def test_cli_repro_bad_preset_and_gpu_presets(capsys):
     assert REPRO_PRESETS["leads-e8m5"].accelerated and not REPRO_PRESETS["leads-bf16"].accelerated
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--seeds", "-1"], "seed=-1 is invalid; accepted: a non-negative integer"),
+    (["--steps", "0"], "max_iters=0 is invalid; accepted: a positive integer"),
+    (["--set", "lr=abc"], "lr='abc' is not a valid float"),
+    (["--parallel", "0"], "parallel=0 is invalid; accepted: an int >= 1"),
+])
+def test_cli_repro_refuses_bad_input_before_the_probe(monkeypatch, tmp_path, capsys, argv, message):
+    """The README's command with a bad argument: refused with what is accepted before the kernel-level
+    probe runs, and no output folder written."""
+    from stableflash.diagnostics import mechanism
+    monkeypatch.setattr(mechanism, "run_probe", lambda *a, **k: pytest.fail("the probe ran before the check"))
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exc:
+        main(["repro", "--preset", "cpu-fp8-tiny", "--out", str(out), *argv])
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+    assert not out.exists()
+
+
 @pytest.mark.parametrize("name", sorted(REPRO_PRESETS))
 def test_every_preset_builds_its_three_runs(name):
     """Each role's config is valid before any GPU time is spent; the control holds Ō, ℓ and O (and,

@@ -193,6 +193,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
 def _cmd_repro(args: argparse.Namespace) -> int:
     from stableflash.repro import REPRO_PRESETS, default_preset, run_repro
     from stableflash.repro.run import format_table as repro_table
+    from stableflash.repro.run import plan_repro
 
     name = args.preset or default_preset()
     if name not in REPRO_PRESETS:
@@ -211,6 +212,8 @@ def _cmd_repro(args: argparse.Namespace) -> int:
                             progress=not args.quiet, parallel=args.parallel)
         print(json.dumps(result, indent=2, default=str) if args.json else format_ladder(result))
         return 0
+    plan_repro(preset, out, seeds=tuple(args.seeds), steps=args.steps, extra=tuple(args.set or ()),
+               parallel=args.parallel, roles=tuple(args.roles))       # bad input refused before the probe
     if not args.no_probe:
         from stableflash.diagnostics.mechanism import ProbeConfig, format_table, run_probe
         probe = run_probe(ProbeConfig(), progress=not args.quiet)

@@ -75,12 +75,12 @@ def train_jobs(jobs: list[tuple], parallel: int, progress: bool, desc: str) -> l
         return [f.result() for f in futures]
 
 
-def run_repro(preset: str | ReproPreset, out_dir: Path, seeds: tuple[int, ...] = (0,), steps: int | None = None,
-              extra: tuple[str, ...] = (), progress: bool = True, parallel: int = 1,
-              roles: tuple[str, ...] = ROLES) -> dict:
-    """Run the paired runs of ``preset`` for each seed into out_dir/seed<k>/<role>, then the report.
-    ``parallel``: how many runs at once (worker processes; 1 runs them in this process, in order).
-    ``roles``: which of baseline, stabilized, control to run (a search may run the baseline alone)."""
+def plan_repro(preset: str | ReproPreset, out_dir: Path, seeds: tuple[int, ...] = (0,), steps: int | None = None,
+               extra: tuple[str, ...] = (), parallel: int = 1, roles: tuple[str, ...] = ROLES
+               ) -> tuple[ReproPreset, list[tuple]]:
+    """The preset and the runs ``run_repro`` would train, ``(seed, role, attention, (train preset, overrides,
+    run folder))`` each, with every argument and override checked (a ValueError naming what is wrong); nothing
+    is written. ``stableflash repro`` calls it before the kernel-level probe, so bad input costs no work."""
     p = preset if isinstance(preset, ReproPreset) else REPRO_PRESETS.get(preset)
     if p is None:
         raise ValueError(f"preset={preset!r} is unknown; accepted: {', '.join(REPRO_PRESETS)}")
@@ -100,6 +100,17 @@ def run_repro(preset: str | ReproPreset, out_dir: Path, seeds: tuple[int, ...] =
             cfg = make_config(p.train_preset, overrides=overrides)    # a bad override fails before any run
             # the run's own attention: an --set attention=... in ``extra`` replaces the role's
             jobs.append((seed, role, cfg.attention, (p.train_preset, overrides, str(out_dir / f"seed{seed}" / role))))
+    return p, jobs
+
+
+def run_repro(preset: str | ReproPreset, out_dir: Path, seeds: tuple[int, ...] = (0,), steps: int | None = None,
+              extra: tuple[str, ...] = (), progress: bool = True, parallel: int = 1,
+              roles: tuple[str, ...] = ROLES) -> dict:
+    """Run the paired runs of ``preset`` for each seed into out_dir/seed<k>/<role>, then the report.
+    ``parallel``: how many runs at once (worker processes; 1 runs them in this process, in order).
+    ``roles``: which of baseline, stabilized, control to run (a search may run the baseline alone)."""
+    p, jobs = plan_repro(preset, out_dir, seeds, steps, extra, parallel, roles)
+    out_dir = Path(out_dir)
     summaries = train_jobs([job for *_, job in jobs], parallel, progress, "repro runs")
     rows, run_dirs = [], []
     for (seed, role, attention, job), summary in zip(jobs, summaries):
