@@ -100,6 +100,39 @@ def test_data_prepare_text_and_errors(tmp_path, capsys):
     assert exc.value.code == 2 and "nothing to prepare" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--embedded", "notes.txt"], "INPUT files or folders and --embedded name two corpora; accepted: one of them"),
+    (["--embedded", "--hf-dataset", "x"], "--hf-dataset and --embedded name two corpora"),
+    (["--embedded", "--tokenizer", "gpt2"],
+     "--tokenizer gpt2 does not apply to --embedded; accepted with INPUT files or folders or --hf-dataset only"),
+    (["--packages", "--pattern", "*.md"], "--pattern *.md does not apply to --packages; accepted with INPUT files"),
+    (["notes.txt", "--hf-split", "test"], "--hf-split test does not apply to INPUT files or folders"),
+    (["notes.txt", "--text-field", "body"], "--text-field body does not apply to INPUT files or folders"),
+    (["--embedded", "--vocab-size", "100"], "--vocab-size 100 does not apply to --embedded; accepted with --packages"),
+    (["--embedded", "--val-fraction", "2"], "val_fraction=2.0 is invalid; accepted: a number in (0, 1)"),
+])
+def test_data_prepare_refuses_options_it_would_ignore(tmp_path, monkeypatch, capsys, argv, message):
+    """An option that does not apply to the named corpus, or two corpora at once, is refused with what is
+    accepted, before anything is written; none is silently dropped."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "notes.txt").write_text("some text " * 20)
+    with pytest.raises(SystemExit) as exc:
+        main(["data", "prepare", "--out", str(tmp_path / "tok"), *argv])
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "tok").exists()
+
+
+def test_data_prepare_embedded_takes_the_val_fraction(monkeypatch, tmp_path, capsys):
+    """--val-fraction reaches the embedded corpus's preparation (it was dropped there once); without it the
+    preparation's own default stands."""
+    from stableflash.train import corpus
+    seen = []
+    monkeypatch.setattr(corpus, "prepare_embedded", lambda out, **kw: seen.append(kw) or {"ok": True})
+    assert main(["data", "prepare", "--embedded", "--val-fraction", "0.05", "--out", str(tmp_path / "a")]) == 0
+    assert main(["data", "prepare", "--embedded", "--out", str(tmp_path / "b")]) == 0
+    assert seen == [{"overwrite": False, "val_fraction": 0.05}, {"overwrite": False}]
+
+
 def test_the_benchmarked_training_step_trains(recwarn):
     """The step `bench train` times (and benchmarks/tools/train_profile.py profiles): the same seed builds
     the same model, and the step lowers the loss on its fixed batch (CPU, tiny model, no compile)."""

@@ -146,23 +146,40 @@ def _cmd_train(args: argparse.Namespace) -> int:
 def _cmd_data_prepare(args: argparse.Namespace) -> int:
     from stableflash.train import corpus
 
-    if args.embedded and args.packages:
-        raise ValueError("--embedded and --packages name two corpora; accepted: one of them")
+    sources = [name for name, given in (("INPUT files or folders", bool(args.inputs)), ("--hf-dataset", bool(args.hf_dataset)),
+                                        ("--embedded", args.embedded), ("--packages", args.packages)) if given]
+    if not sources:
+        raise ValueError("nothing to prepare; accepted: INPUT files or folders, --hf-dataset NAME, --embedded or "
+                         "--packages")
+    if len(sources) > 1:
+        raise ValueError(f"{' and '.join(sources)} name {('two', 'three', 'four')[len(sources) - 2]} corpora; "
+                         f"accepted: one of them")
+    source = sources[0]
+    # options given for another source than the one named: refused, not ignored
+    applies = {"--tokenizer": (args.tokenizer, ("INPUT files or folders", "--hf-dataset")),
+               "--pattern": (args.pattern, ("INPUT files or folders",)),
+               "--hf-split": (args.hf_split, ("--hf-dataset",)), "--text-field": (args.text_field, ("--hf-dataset",)),
+               "--vocab-size": (args.vocab_size, ("--packages",))}
+    for option, (value, sources_of) in applies.items():
+        if value is not None and source not in sources_of:
+            raise ValueError(f"{option} {value} does not apply to {source}; accepted with "
+                             f"{' or '.join(sources_of)} only")
     # each preparation's own default share of documents for val.bin, unless --val-fraction names one
     fraction = {} if args.val_fraction is None else {"val_fraction": args.val_fraction}
+    tokenizer = "auto" if args.tokenizer is None else args.tokenizer
     if args.embedded:
-        meta = corpus.prepare_embedded(args.out, overwrite=args.overwrite)
+        meta = corpus.prepare_embedded(args.out, overwrite=args.overwrite, **fraction)
     elif args.packages:
-        from stableflash.train.packages_corpus import prepare_packages
-        meta = prepare_packages(args.out, vocab_size=args.vocab_size, overwrite=args.overwrite, **fraction)
+        from stableflash.train.packages_corpus import DEFAULT_VOCAB, prepare_packages
+        meta = prepare_packages(args.out, vocab_size=DEFAULT_VOCAB if args.vocab_size is None else args.vocab_size,
+                                overwrite=args.overwrite, **fraction)
     elif args.hf_dataset:
-        meta = corpus.prepare_hf(args.hf_dataset, args.out, split=args.hf_split, text_field=args.text_field,
-                                 tokenizer=args.tokenizer, overwrite=args.overwrite, **fraction)
-    elif args.inputs:
-        meta = corpus.prepare_text(args.inputs, args.out, tokenizer=args.tokenizer, pattern=args.pattern,
-                                   overwrite=args.overwrite, **fraction)
+        meta = corpus.prepare_hf(args.hf_dataset, args.out, split=args.hf_split or "train",
+                                 text_field=args.text_field or "text", tokenizer=tokenizer, overwrite=args.overwrite,
+                                 **fraction)
     else:
-        raise ValueError("nothing to prepare; accepted: INPUT files or folders, --hf-dataset NAME, or --embedded")
+        meta = corpus.prepare_text(args.inputs, args.out, tokenizer=tokenizer, pattern=args.pattern or "*.txt",
+                                   overwrite=args.overwrite, **fraction)
     print(json.dumps(meta, indent=2, default=str))
     return 0
 
@@ -338,21 +355,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, required=True, help="output folder")
     p.add_argument("--overwrite", action="store_true",
                    help="replace the token files already in --out (refused by default)")
-    p.add_argument("--tokenizer", default="auto", metavar="NAME",
-                   help="auto, bytes, gpt2, or the path of a tokenizer.json (a tokenizers BPE, e.g. the one "
-                        "--packages writes)")
+    p.add_argument("--tokenizer", default=None, metavar="NAME",
+                   help="INPUTS and --hf-dataset: auto (the default), bytes, gpt2, or the path of a tokenizer.json "
+                        "(a tokenizers BPE, e.g. the one --packages writes)")
     p.add_argument("--val-fraction", type=float, default=None,
-                   help="share of documents for val.bin (default 0.0005; 0.001 with --packages)")
-    p.add_argument("--pattern", default="*.txt", help="file pattern inside folders (default: *.txt)")
+                   help="share of documents for val.bin (default 0.0005; 0.001 with --packages; with --embedded "
+                        "the share of bytes, default 0.01)")
+    p.add_argument("--pattern", default=None, help="INPUTS: file pattern inside folders (default: *.txt)")
     p.add_argument("--hf-dataset", help="a Hugging Face dataset name (needs the datasets package and the hub)")
-    p.add_argument("--hf-split", default="train")
-    p.add_argument("--text-field", default="text")
+    p.add_argument("--hf-split", default=None, help="--hf-dataset: the split (default: train)")
+    p.add_argument("--text-field", default=None, help="--hf-dataset: the text column (default: text)")
     p.add_argument("--embedded", action="store_true",
                    help="the embedded default corpus (this Python's standard-library sources, bytes)")
     p.add_argument("--packages", action="store_true",
                    help="the installed-packages corpus: this Python's site-packages text files, one document "
                         "each, with a BPE trained on them by the tokenizers package (train/packages_corpus.py)")
-    p.add_argument("--vocab-size", type=int, default=50257,
+    p.add_argument("--vocab-size", type=int, default=None,
                    help="--packages: BPE entries + 1 (the end-of-text id is the last; default 50257, GPT-2's)")
     p.set_defaults(func=_cmd_data_prepare)
 
