@@ -107,6 +107,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if args.resume is not None:
         if args.out is not None or args.preset is not None or args.config is not None:
             raise ValueError("--resume DIR continues a run with its own config.json; accepted with it: --set only")
+        if not (args.resume / "config.json").is_file():
+            what = "does not exist" if not args.resume.exists() else "holds no config.json"
+            raise ValueError(f"--resume {args.resume} {what}; accepted: a run folder written by stableflash train "
+                             f"(its config.json, metrics.jsonl and checkpoint)")
         saved = load_file(args.resume / "config.json")
         cfg = apply_overrides(apply_overrides(TrainConfig(), saved), args.set or [])
         validate(cfg)

@@ -107,7 +107,9 @@ def test_cli_train_resume_and_errors(data_dir, tmp_path, capsys):
     for argv, match in ((["train", "--out", str(tmp_path / "x"), "--set", "max_iter=3"], "did you mean max_iters"),
                         (["train", "--out", str(out), "--set", f"data={data_dir}"], "already holds a run"),
                         (["train", "--out", str(tmp_path / "y"), "--set", "data=/nonexistent"], "no folder"),
-                        (["train", "--resume", str(tmp_path / "nothing")], "does not exist")):
+                        (["train", "--resume", str(tmp_path / "nothing")], "--resume " + str(tmp_path / "nothing")
+                         + " does not exist; accepted: a run folder written by stableflash train"),
+                        (["train", "--resume", str(tmp_path)], f"--resume {tmp_path} holds no config.json; accepted:")):
         with pytest.raises(SystemExit) as exc:
             main(argv)
         assert exc.value.code == 2
