@@ -57,8 +57,8 @@ set_command() {     # cmd=(the step's command)
     attention-causal-*|attention-no-mask-*)
       cmd=("$py" -m stableflash.cli bench attention)
       [ "${step#attention-no-mask-}" != "$step" ] && cmd+=(--no-causal)
-      # shellcheck disable=SC2206
       shape=${step##*-}
+      # shellcheck disable=SC2206
       cmd+=(--shape "${shape//x/,}" --providers $providers --modes fwd fwd+bwd --timing graph --layout bnhd
             --out "$out/$step.json");;
     train-b16-compiled) cmd=("$py" benchmarks/tools/train_interleaved.py --batch-size 16 --rounds 30);;

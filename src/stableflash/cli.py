@@ -150,8 +150,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
 def _cmd_data_prepare(args: argparse.Namespace) -> int:
     from stableflash.train import corpus
 
-    sources = [name for name, given in (("INPUT files or folders", bool(args.inputs)), ("--hf-dataset", bool(args.hf_dataset)),
-                                        ("--embedded", args.embedded), ("--packages", args.packages)) if given]
+    sources = [name for name, named in (("INPUT files or folders", bool(args.inputs)),
+                                        ("--hf-dataset", bool(args.hf_dataset)), ("--embedded", args.embedded),
+                                        ("--packages", args.packages)) if named]
     if not sources:
         raise ValueError("nothing to prepare; accepted: INPUT files or folders, --hf-dataset NAME, --embedded or "
                          "--packages")
@@ -168,22 +169,21 @@ def _cmd_data_prepare(args: argparse.Namespace) -> int:
         if value is not None and source not in sources_of:
             raise ValueError(f"{option} {value} does not apply to {source}; accepted with "
                              f"{' or '.join(sources_of)} only")
-    # each preparation's own default share of documents for val.bin, unless --val-fraction names one
-    fraction = {} if args.val_fraction is None else {"val_fraction": args.val_fraction}
-    tokenizer = "auto" if args.tokenizer is None else args.tokenizer
+    # the options given, by the preparations' argument names: those not given keep each preparation's own
+    # defaults (the share of documents for val.bin among them); the check above leaves only the named source's
+    given = {name: value for name, value in (("tokenizer", args.tokenizer), ("pattern", args.pattern),
+                                             ("split", args.hf_split), ("text_field", args.text_field),
+                                             ("vocab_size", args.vocab_size), ("val_fraction", args.val_fraction))
+             if value is not None}
     if args.embedded:
-        meta = corpus.prepare_embedded(args.out, overwrite=args.overwrite, **fraction)
+        meta = corpus.prepare_embedded(args.out, overwrite=args.overwrite, **given)
     elif args.packages:
-        from stableflash.train.packages_corpus import DEFAULT_VOCAB, prepare_packages
-        meta = prepare_packages(args.out, vocab_size=DEFAULT_VOCAB if args.vocab_size is None else args.vocab_size,
-                                overwrite=args.overwrite, **fraction)
+        from stableflash.train.packages_corpus import prepare_packages
+        meta = prepare_packages(args.out, overwrite=args.overwrite, **given)
     elif args.hf_dataset:
-        meta = corpus.prepare_hf(args.hf_dataset, args.out, split=args.hf_split or "train",
-                                 text_field=args.text_field or "text", tokenizer=tokenizer, overwrite=args.overwrite,
-                                 **fraction)
+        meta = corpus.prepare_hf(args.hf_dataset, args.out, overwrite=args.overwrite, **given)
     else:
-        meta = corpus.prepare_text(args.inputs, args.out, tokenizer=tokenizer, pattern=args.pattern or "*.txt",
-                                   overwrite=args.overwrite, **fraction)
+        meta = corpus.prepare_text(args.inputs, args.out, overwrite=args.overwrite, **given)
     print(json.dumps(meta, indent=2, default=str))
     return 0
 
